@@ -1,0 +1,40 @@
+"""gguf_mcv: run MiniCPM-V vision-language models (GGUF, llama.cpp) on small machines.
+
+    import gguf_mcv
+    model = gguf_mcv.load("minicpm-v-2.6")          # picks the quant that fits this machine
+    print(model.ask("What is in this picture?", "photo.jpg"))
+"""
+
+from .embed_cache import EmbeddingCache
+from .errors import (
+    CatalogError,
+    ConfigError,
+    ContextOverflowError,
+    CorruptModelError,
+    DownloadError,
+    EngineError,
+    GgufMcvError,
+    HubAuthError,
+    IncompatibleProjectorError,
+    MediaError,
+    ModelNotFoundError,
+    NoQuantFitsError,
+    NotEnoughDiskError,
+    OfflineError,
+)
+from .generation import Stream
+from .hardware import Hardware, parse_size, probe
+from .loader import load
+from .media import Image, load_image
+from .model import Chat, Model
+from .reply import Reply, Timings, Usage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CatalogError", "Chat", "ConfigError", "ContextOverflowError", "CorruptModelError",
+    "DownloadError", "EmbeddingCache", "EngineError", "GgufMcvError", "Hardware", "HubAuthError",
+    "Image", "IncompatibleProjectorError", "MediaError", "Model", "ModelNotFoundError",
+    "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Reply", "Stream", "Timings", "Usage",
+    "load", "load_image", "parse_size", "probe",
+]

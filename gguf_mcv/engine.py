@@ -1,0 +1,448 @@
+"""The inference engine: a llama.cpp text context plus a libmtmd vision context.
+
+An :class:`Engine` evaluates prompts made of text and images and generates
+tokens. It remembers what its KV cache holds as a list of *units* — one per text
+token, one per image chunk (an overview or a slice) — and each prefill evaluates
+only what follows the longest common prefix with that list. Image chunks are
+encoded by the vision tower once; their embeddings go to an
+:class:`~gguf_mcv.embed_cache.EmbeddingCache` and are fed from there whenever the
+same pixels come back, in this conversation or another one.
+
+The engine is not thread-safe; :class:`~gguf_mcv.model.Model` serialises access.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence, Union
+
+import numpy as np
+
+from . import native
+from .embed_cache import EmbeddingCache
+from .errors import ConfigError, ContextOverflowError, EngineError, MediaError
+from .media import Image
+
+#: input_ids value marking positions filled from image embeddings
+IMAGE_SENTINEL = -1
+
+
+@dataclass(frozen=True)
+class ImageUnit:
+    """One image chunk in the KV cache: its content key and how many positions it fills."""
+
+    key: str
+    n_pos: int
+
+
+Unit = Union[int, ImageUnit]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings for one generation."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 100
+    min_p: float = 0.0
+    repeat_penalty: float = 1.05
+    seed: int | None = None
+
+
+@dataclass
+class PrefillStats:
+    """What one prefill did: positions in the prompt, reused from the cache, evaluated."""
+
+    prompt_tokens: int = 0
+    image_tokens: int = 0
+    reused_tokens: int = 0
+    evaluated_tokens: int = 0
+    images_encoded: int = 0
+    images_from_cache: int = 0
+    encode_ms: float = 0.0
+    prefill_ms: float = 0.0
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt. Holds native chunks until :meth:`close`."""
+
+    units: list[Unit]
+    image_tokens: int
+    _chunks: object = None
+    _image_chunks: dict[int, object] = field(default_factory=dict)
+
+    @property
+    def n_pos(self) -> int:
+        return _n_pos(self.units)
+
+    def close(self) -> None:
+        if self._chunks is not None:
+            from llama_cpp import mtmd_cpp
+
+            mtmd_cpp.mtmd_input_chunks_free(self._chunks)
+            self._chunks = None
+            self._image_chunks.clear()
+
+    def __enter__(self) -> "Prompt":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _n_pos(units: Sequence[Unit]) -> int:
+    return sum(1 if isinstance(u, int) else u.n_pos for u in units)
+
+
+def file_identity(path: str | os.PathLike) -> str:
+    """A cheap identity for a model file: its size and hashes of its first and last MiB."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(2**20))
+        if size > 2**21:
+            f.seek(-(2**20), os.SEEK_END)
+            h.update(f.read(2**20))
+    return h.hexdigest()[:16]
+
+
+class Engine:
+    """Evaluate text+image prompts with KV-cache reuse and generate tokens."""
+
+    def __init__(
+        self,
+        llama,
+        mmproj_path: str | os.PathLike,
+        *,
+        vision_on_gpu: bool = False,
+        vision_flash_attn: bool | None = None,
+        n_threads: int | None = None,
+        embed_cache: EmbeddingCache | None = None,
+        warmup: bool = False,
+    ) -> None:
+        import llama_cpp
+        from llama_cpp import mtmd_cpp
+
+        native.install_logging()
+        self.llama = llama
+        self._lc = llama_cpp
+        self._mt = mtmd_cpp
+        self.mmproj_path = os.fspath(mmproj_path)
+        self.mmproj_id = file_identity(self.mmproj_path)
+        self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
+        self._units: list[Unit] = []
+        self.encoder_calls = 0
+        self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
+        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
+
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu = vision_on_gpu
+        params.print_timings = False
+        params.n_threads = n_threads or llama.n_threads_batch
+        params.warmup = warmup
+        params.flash_attn_type = {
+            None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[vision_flash_attn]
+        native.clear_recent()
+        self._ctx = mtmd_cpp.mtmd_init_from_file(self.mmproj_path.encode(), llama.model, params)
+        if not self._ctx:
+            raise EngineError(
+                f"llama.cpp could not load the vision projector {self.mmproj_path} "
+                f"with this text model ({native.recent_errors() or 'no details logged'})."
+            )
+        if not mtmd_cpp.mtmd_support_vision(self._ctx):
+            self.close()
+            raise EngineError(f"{self.mmproj_path} has no vision encoder.")
+        self.marker = mtmd_cpp.mtmd_default_marker().decode()
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.llama.n_ctx())
+
+    @property
+    def n_past(self) -> int:
+        """Positions currently held in the KV cache."""
+        return _n_pos(self._units)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """What the KV cache holds, in order."""
+        return tuple(self._units)
+
+    def reset(self) -> None:
+        """Forget everything in the KV cache."""
+        self._truncate(0)
+
+    def close(self) -> None:
+        """Free the vision context (the ``Llama`` belongs to the caller)."""
+        if getattr(self, "_ctx", None):
+            self._mt.mtmd_free(self._ctx)
+            self._ctx = None
+
+    # -- tokenize --------------------------------------------------------------
+
+    def tokenize(self, text: str, images: Sequence[Image] = ()) -> Prompt:
+        """Split ``text`` (with one marker per image) and ``images`` into units."""
+        mt = self._mt
+        if text.count(self.marker) != len(images):
+            raise ConfigError(
+                f"The prompt has {text.count(self.marker)} image markers but "
+                f"{len(images)} images were given."
+            )
+        bitmaps = []
+        chunks = None
+        try:
+            for ordinal, image in enumerate(images):
+                bitmaps.append(self._bitmap(image, f"{ordinal}|{image.digest}"))
+            chunks = mt.mtmd_input_chunks_init()
+            raw = text.encode("utf-8")
+            inp = mt.mtmd_input_text()
+            inp.text, inp.text_len = raw, len(raw)
+            inp.add_special = not self._starts_with_bos(text)
+            inp.parse_special = True
+            array = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            native.clear_recent()
+            rc = mt.mtmd_tokenize(self._ctx, chunks, ctypes.byref(inp), array, len(bitmaps))
+            if rc != 0:
+                details = native.recent_errors() or f"error code {rc}"
+                raise MediaError(f"libmtmd could not prepare the images for this model: {details}.")
+            prompt = self._read_chunks(chunks)
+            chunks = None  # owned by the prompt now
+            return prompt
+        finally:
+            if chunks is not None:
+                mt.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mt.mtmd_bitmap_free(bitmap)
+
+    def count_image_tokens(self, image: Image) -> int:
+        """How many positions ``image`` fills once tokenized (markers excluded)."""
+        with self.tokenize(self.marker, [image]) as prompt:
+            return prompt.image_tokens
+
+    def _bitmap(self, image: Image, bitmap_id: str):
+        rgb = np.ascontiguousarray(image.rgb, dtype=np.uint8)
+        data = rgb.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        bitmap = self._mt.mtmd_bitmap_init(image.width, image.height, data)
+        if not bitmap:
+            raise MediaError(f"libmtmd refused image {image.source} ({image.width}×{image.height}).")
+        self._mt.mtmd_bitmap_set_id(bitmap, bitmap_id.encode())
+        return bitmap
+
+    def _read_chunks(self, chunks) -> Prompt:
+        mt = self._mt
+        prompt = Prompt(units=[], image_tokens=0, _chunks=chunks)
+        slice_index: dict[bytes, int] = {}
+        for i in range(mt.mtmd_input_chunks_size(chunks)):
+            chunk = mt.mtmd_input_chunks_get(chunks, i)
+            kind = mt.mtmd_input_chunk_get_type(chunk)
+            if kind == mt.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                n = ctypes.c_size_t()
+                ptr = mt.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                prompt.units.extend(int(ptr[j]) for j in range(n.value))
+                continue
+            if kind != mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                prompt.close()
+                raise MediaError("Only images are supported by this engine.")
+            bitmap_id = mt.mtmd_input_chunk_get_id(chunk) or b""
+            index = slice_index.get(bitmap_id, 0)
+            slice_index[bitmap_id] = index + 1
+            digest = bitmap_id.decode().partition("|")[2]
+            n_pos = int(mt.mtmd_input_chunk_get_n_pos(chunk))
+            prompt._image_chunks[len(prompt.units)] = chunk
+            prompt.units.append(ImageUnit(f"{self.mmproj_id}:{digest}:{index}", n_pos))
+            prompt.image_tokens += n_pos
+        return prompt
+
+    def _starts_with_bos(self, text: str) -> bool:
+        bos = self.llama.token_bos()
+        if bos < 0:
+            return False
+        piece = self.llama.detokenize([bos], special=True).decode("utf-8", errors="ignore")
+        return bool(piece) and text.startswith(piece)
+
+    # -- prefill ---------------------------------------------------------------
+
+    def prefill(self, prompt: Prompt, *, reserve: int = 0) -> PrefillStats:
+        """Make the KV cache hold ``prompt``, evaluating only what is not there yet.
+
+        ``reserve`` positions must stay free after the prompt (for the answer);
+        :class:`ContextOverflowError` is raised before anything is evaluated otherwise.
+        """
+        units = prompt.units
+        stats = PrefillStats(prompt_tokens=prompt.n_pos, image_tokens=prompt.image_tokens)
+        if not units or not isinstance(units[-1], int):
+            raise ConfigError("A prompt must end with text (the assistant's turn marker).")
+        if prompt.n_pos + reserve > self.n_ctx:
+            raise ContextOverflowError(
+                f"The prompt needs {prompt.n_pos} positions ({prompt.image_tokens} of them image "
+                f"tokens){f' plus {reserve} for the answer' if reserve else ''}, but n_ctx is "
+                f"{self.n_ctx}. Load the model with a larger n_ctx, use fewer or lower-detail "
+                "images, or start a new conversation."
+            )
+        start = time.perf_counter()
+        self._sync_with_llama()
+        common = _common_prefix(self._units, units)
+        if common == len(units):
+            common -= 1  # re-evaluate the last token: sampling needs fresh logits
+        self._truncate(common)
+        stats.reused_tokens = self.n_past
+        i = common
+        while i < len(units):
+            if isinstance(units[i], int):
+                j = i
+                while j < len(units) and isinstance(units[j], int):
+                    j += 1
+                self._eval_tokens(units[i:j])
+                i = j
+            else:
+                self._eval_image(prompt, i, stats)
+                i += 1
+        stats.evaluated_tokens = prompt.n_pos - stats.reused_tokens
+        stats.prefill_ms = (time.perf_counter() - start) * 1000.0
+        return stats
+
+    def _eval_tokens(self, tokens: Sequence[int]) -> None:
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"The context window of {self.n_ctx} positions is full.")
+        try:
+            self.llama.eval(list(tokens))
+        except RuntimeError as exc:
+            self._sync_with_llama()
+            raise EngineError(f"llama.cpp failed to evaluate the prompt: {exc}") from exc
+        self._units.extend(tokens)
+
+    def _eval_image(self, prompt: Prompt, index: int, stats: PrefillStats) -> None:
+        unit = prompt.units[index]
+        assert isinstance(unit, ImageUnit)
+        chunk = prompt._image_chunks[index]
+        embd = self.embed_cache.get(unit.key)
+        if embd is None:
+            embd = self._encode(chunk, unit)
+            stats.images_encoded += 1
+            stats.encode_ms += embd[1]
+            embd = embd[0]
+        else:
+            stats.images_from_cache += 1
+        n_past = self.n_past
+        new_n_past = self._lc.llama_pos(0)
+        rc = self._mt.mtmd_helper_decode_image_chunk(
+            self._ctx, self.llama.ctx, chunk,
+            embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            n_past, 0, self.llama.n_batch, ctypes.byref(new_n_past),
+            self._mt.mtmd_helper_post_decode_callback(), None,
+        )
+        if rc != 0:
+            self._truncate(len(self._units))
+            raise EngineError(f"llama.cpp failed to decode image embeddings (code {rc}).")
+        self.llama.n_tokens = new_n_past.value
+        self.llama.input_ids[n_past:new_n_past.value] = IMAGE_SENTINEL
+        self._units.append(unit)
+
+    def _encode(self, chunk, unit: ImageUnit) -> tuple[np.ndarray, float]:
+        start = time.perf_counter()
+        native.clear_recent()
+        rc = self._mt.mtmd_encode_chunk(self._ctx, chunk)
+        if rc != 0:
+            raise EngineError(f"The vision encoder failed ({native.recent_errors() or rc}).")
+        self.encoder_calls += 1
+        n_tokens = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk))
+        ptr = self._mt.mtmd_get_output_embd(self._ctx)
+        embd = np.ctypeslib.as_array(ptr, shape=(n_tokens * self.n_embd,)).copy()
+        self.embed_cache.put(unit.key, embd)
+        return embd, (time.perf_counter() - start) * 1000.0
+
+    def _truncate(self, n_units: int) -> None:
+        """Keep only the first ``n_units`` units in the KV cache."""
+        pos = _n_pos(self._units[:n_units])
+        mem = self._lc.llama_get_memory(self.llama.ctx)
+        if not self._lc.llama_memory_seq_rm(mem, -1, pos, -1):
+            self._lc.llama_memory_clear(mem, True)
+            n_units, pos = 0, 0
+        del self._units[n_units:]
+        self.llama.n_tokens = pos
+
+    def _sync_with_llama(self) -> None:
+        """Agree with the ``Llama`` object when someone else used it in between."""
+        llama_pos = int(self.llama.n_tokens)
+        ids = self.llama.input_ids
+        keep, pos = 0, 0
+        for unit in self._units:
+            end = pos + (1 if isinstance(unit, int) else unit.n_pos)
+            if end > llama_pos:
+                break
+            expected = unit if isinstance(unit, int) else IMAGE_SENTINEL
+            if not np.all(ids[pos:end] == expected):
+                break
+            keep, pos = keep + 1, end
+        del self._units[keep:]
+        # text the Llama evaluated beyond what we knew of is adopted as ours
+        extra = ids[pos:llama_pos]
+        if np.any(extra == IMAGE_SENTINEL):
+            self._truncate(keep)
+        else:
+            self._units.extend(int(t) for t in extra)
+
+    # -- generate --------------------------------------------------------------
+
+    def generate(self, sampling: Sampling, max_tokens: int) -> Iterator[int]:
+        """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
+
+        Each token is evaluated into the KV cache only when the consumer asks for the
+        next one, so stopping early (a stop string, a cancelled stream) leaves the
+        cache holding exactly what was used. ``self.finish_reason`` says why it ended.
+        """
+        lc = self._lc
+        sampler = self._sampler(sampling)
+        self.finish_reason = "length"
+        try:
+            for _ in range(max_tokens):
+                token = int(lc.llama_sampler_sample(sampler, self.llama.ctx, -1))
+                if lc.llama_vocab_is_eog(self._vocab, token):
+                    self.finish_reason = "stop"
+                    return
+                yield token
+                if self.n_past >= self.n_ctx:
+                    return
+                self._eval_tokens([token])
+        finally:
+            lc.llama_sampler_free(sampler)
+
+    def _sampler(self, s: Sampling):
+        lc = self._lc
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        add(lc.llama_sampler_init_penalties(self.llama.n_vocab(), 64, s.repeat_penalty, 0.0, 0.0))
+        if s.temperature <= 0:
+            add(lc.llama_sampler_init_greedy())
+            return chain
+        add(lc.llama_sampler_init_top_k(s.top_k))
+        add(lc.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0:
+            add(lc.llama_sampler_init_min_p(s.min_p, 1))
+        add(lc.llama_sampler_init_temp(s.temperature))
+        seed = s.seed if s.seed is not None else lc.LLAMA_DEFAULT_SEED
+        add(lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a generated token stands for (control tokens give none)."""
+        return self.llama.detokenize([token], special=False)
+
+
+def _common_prefix(a: Sequence[Unit], b: Sequence[Unit]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

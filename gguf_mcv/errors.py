@@ -1,0 +1,65 @@
+"""Every error gguf_mcv raises on purpose.
+
+Each class also inherits the built-in exception a caller would naturally catch
+(``MediaError`` is a ``ValueError``, ``ModelNotFoundError`` a ``FileNotFoundError``),
+so existing ``except`` clauses keep working. Messages say what happened and what
+to do about it.
+"""
+
+from __future__ import annotations
+
+
+class GgufMcvError(Exception):
+    """Base class of all gguf_mcv errors."""
+
+
+class MediaError(GgufMcvError, ValueError):
+    """An image or video could not be read, decoded or accepted."""
+
+
+class ModelNotFoundError(GgufMcvError, FileNotFoundError):
+    """A model file, catalog name or Hub repository does not exist."""
+
+
+class CorruptModelError(GgufMcvError, ValueError):
+    """A file is not a GGUF file, or is truncated or damaged."""
+
+
+class IncompatibleProjectorError(GgufMcvError, ValueError):
+    """The vision projector (mmproj) does not belong with the text model."""
+
+
+class ContextOverflowError(GgufMcvError, ValueError):
+    """The prompt (text plus image tokens) does not fit in the context window."""
+
+
+class NoQuantFitsError(GgufMcvError, MemoryError):
+    """No quantization of the model fits in the memory budget."""
+
+
+class NotEnoughDiskError(GgufMcvError, OSError):
+    """There is not enough free disk space for a download."""
+
+
+class DownloadError(GgufMcvError, OSError):
+    """A download failed or produced a file that does not verify."""
+
+
+class HubAuthError(DownloadError, PermissionError):
+    """The Hub refused access (401/403): a gated or private repository."""
+
+
+class OfflineError(DownloadError, ConnectionError):
+    """Files are needed from the Hub but it is offline or unreachable."""
+
+
+class CatalogError(GgufMcvError, ValueError):
+    """A model catalog file has an invalid entry."""
+
+
+class ConfigError(GgufMcvError, ValueError):
+    """An impossible or unsupported combination of settings."""
+
+
+class EngineError(GgufMcvError, RuntimeError):
+    """llama.cpp reported a failure while loading or running a model."""

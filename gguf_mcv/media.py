@@ -1,0 +1,232 @@
+"""Turn any image input into one validated RGB value with a content hash.
+
+Accepted inputs: file paths (``str`` or ``Path``), ``file://`` URLs, ``data:``
+URIs, raw bytes, PIL images, numpy arrays (H×W×3 ``uint8`` RGB; H×W and H×W×4
+are accepted too) and :class:`Image` itself. ``http(s)`` URLs only when the
+caller passes ``allow_remote=True``.
+
+Decoding happens here, in Python, never inside llama.cpp: EXIF orientation is
+applied, every PIL mode is converted to 8-bit RGB (transparency composited on
+white, 16-bit and float images scaled down), animated images give their first
+frame, and images whose header declares more than ``MAX_PIXELS`` pixels are
+refused before their pixels are decoded. Anything wrong raises
+:class:`~gguf_mcv.errors.MediaError` naming the input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import urllib.parse
+import urllib.request
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+
+from .errors import MediaError
+
+#: Images declaring more pixels than this are refused (a decompression-bomb guard).
+MAX_PIXELS = 64_000_000
+#: Remote images larger than this are refused.
+MAX_REMOTE_BYTES = 50_000_000
+REMOTE_TIMEOUT_S = 20.0
+
+ImageInput = Union[str, os.PathLike, bytes, bytearray, PIL.Image.Image, np.ndarray, "Image"]
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """A decoded 8-bit RGB image (``rgb`` is H×W×3, C-contiguous) and where it came from."""
+
+    rgb: np.ndarray
+    source: str
+
+    @property
+    def width(self) -> int:
+        return int(self.rgb.shape[1])
+
+    @property
+    def height(self) -> int:
+        return int(self.rgb.shape[0])
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the size and pixels: equal pixels give equal digests."""
+        h = hashlib.sha256(f"{self.width}x{self.height}:".encode())
+        h.update(memoryview(self.rgb).cast("B"))
+        return h.hexdigest()
+
+    def resized_to_fit(self, max_side: int) -> "Image":
+        """This image scaled down (aspect kept) so neither side exceeds ``max_side``."""
+        if max(self.width, self.height) <= max_side:
+            return self
+        scale = max_side / max(self.width, self.height)
+        size = (max(1, round(self.width * scale)), max(1, round(self.height * scale)))
+        pil = PIL.Image.fromarray(self.rgb).resize(size, PIL.Image.Resampling.BICUBIC)
+        return Image(np.asarray(pil), self.source)
+
+    def scaled_to_area(self, max_area: int) -> "Image":
+        """This image scaled down (aspect kept) so ``width*height <= max_area``."""
+        area = self.width * self.height
+        if area <= max_area:
+            return self
+        scale = (max_area / area) ** 0.5
+        size = (max(1, int(self.width * scale)), max(1, int(self.height * scale)))
+        pil = PIL.Image.fromarray(self.rgb).resize(size, PIL.Image.Resampling.BICUBIC)
+        return Image(np.asarray(pil), self.source)
+
+
+def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
+    """Decode ``src`` into an :class:`Image`, or raise :class:`MediaError` naming it."""
+    if isinstance(src, Image):
+        return src
+    if isinstance(src, np.ndarray):
+        return _from_array(src, "<numpy array>")
+    if isinstance(src, PIL.Image.Image):
+        return Image(_to_rgb(src, "<PIL image>"), "<PIL image>")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        return _decode(data, f"<{len(data)} bytes>")
+    if isinstance(src, (str, os.PathLike)):
+        return _from_locator(os.fspath(src), allow_remote)
+    raise MediaError(
+        f"Unsupported image input of type {type(src).__name__}: pass a file path, "
+        "bytes, a data: URI, a PIL image or an H×W×3 uint8 numpy array."
+    )
+
+
+def describe(src: object) -> str:
+    """A short name for an image input, for messages."""
+    if isinstance(src, Image):
+        return src.source
+    if isinstance(src, (str, os.PathLike)):
+        text = os.fspath(src)
+        return text[:40] + "…" if text.startswith("data:") else text
+    if isinstance(src, (bytes, bytearray)):
+        return f"<{len(src)} bytes>"
+    return f"<{type(src).__name__}>"
+
+
+def _from_locator(text: str, allow_remote: bool) -> Image:
+    if text.startswith("data:"):
+        return _decode(_data_uri_bytes(text), text[:40] + "…")
+    scheme = urllib.parse.urlsplit(text).scheme.lower()
+    if scheme in ("http", "https"):
+        if not allow_remote:
+            raise MediaError(
+                f"Refusing to fetch remote image {text}: remote URLs are off. "
+                "Download it yourself, or pass allow_remote=True."
+            )
+        return _decode(_fetch(text), text)
+    if scheme == "file":
+        text = urllib.request.url2pathname(urllib.parse.urlsplit(text).path)
+    elif scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
+        raise MediaError(f"Unsupported image URL scheme {scheme!r} in {text}.")
+    path = Path(text).expanduser()
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise MediaError(f"Image file {path} {what}: check the path.")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise MediaError(f"Cannot read image file {path}: {exc.strerror or exc}.") from exc
+    return _decode(data, str(path))
+
+
+def _data_uri_bytes(uri: str) -> bytes:
+    header, sep, payload = uri.partition(",")
+    if not sep:
+        raise MediaError("Malformed data URI: no ',' separating header and data.")
+    try:
+        if header.endswith(";base64"):
+            return base64.b64decode(payload, validate=True)
+        return urllib.parse.unquote_to_bytes(payload)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"Malformed base64 in data URI ({header}): {exc}.") from exc
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp:
+            data = resp.read(MAX_REMOTE_BYTES + 1)
+    except OSError as exc:
+        raise MediaError(f"Could not fetch image {url}: {exc}.") from exc
+    if len(data) > MAX_REMOTE_BYTES:
+        raise MediaError(f"Remote image {url} is larger than {MAX_REMOTE_BYTES} bytes.")
+    return data
+
+
+def _decode(data: bytes, source: str) -> Image:
+    if not data:
+        raise MediaError(f"Image {source} is empty (0 bytes).")
+    try:
+        with warnings.catch_warnings():
+            # Our own pixel limit applies below; PIL's warning would only add noise.
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            pil = PIL.Image.open(io.BytesIO(data))
+            _check_size(pil.size, source)
+            pil.seek(0)
+            return Image(_to_rgb(pil, source), source)
+    except MediaError:
+        raise
+    except PIL.Image.DecompressionBombError as exc:
+        raise MediaError(f"Image {source} is too large to decode safely: {exc}.") from exc
+    except (PIL.UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise MediaError(
+            f"Image {source} could not be decoded ({type(exc).__name__}: {exc}). "
+            "Is it a complete JPEG/PNG/WebP/GIF/BMP/TIFF file?"
+        ) from exc
+
+
+def _check_size(size: tuple[int, int], source: str) -> None:
+    w, h = size
+    if w < 1 or h < 1:
+        raise MediaError(f"Image {source} has no pixels ({w}×{h}).")
+    if w * h > MAX_PIXELS:
+        raise MediaError(
+            f"Image {source} declares {w}×{h} pixels, over the {MAX_PIXELS:,}-pixel limit: "
+            "scale it down before asking about it."
+        )
+
+
+def _to_rgb(pil: PIL.Image.Image, source: str) -> np.ndarray:
+    _check_size(pil.size, source)
+    pil = PIL.ImageOps.exif_transpose(pil)  # also forces the pixels to load
+    mode = pil.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(pil, dtype=np.float64)
+        top = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
+        gray = np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))
+    if mode == "P" and "transparency" in pil.info:
+        pil = pil.convert("RGBA")
+    if pil.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = pil.convert("RGBA")
+        white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        pil = PIL.Image.alpha_composite(white, rgba)
+    return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
+
+
+def _from_array(arr: np.ndarray, source: str) -> Image:
+    if arr.dtype != np.uint8:
+        raise MediaError(
+            f"Image {source} has dtype {arr.dtype}; expected uint8 RGB values 0-255 "
+            "(convert with np.clip(a, 0, 255).astype(np.uint8))."
+        )
+    if arr.ndim == 2:
+        arr = np.repeat(arr[:, :, None], 3, axis=2)
+    elif arr.ndim == 3 and arr.shape[2] == 4:
+        return Image(_to_rgb(PIL.Image.fromarray(np.ascontiguousarray(arr)), source), source)
+    elif arr.ndim != 3 or arr.shape[2] != 3:
+        raise MediaError(f"Image {source} has shape {arr.shape}; expected H×W×3 (RGB).")
+    _check_size((arr.shape[1], arr.shape[0]), source)
+    return Image(np.ascontiguousarray(arr), source)

@@ -1,0 +1,76 @@
+"""What an answer carries besides its text: token usage, timings, reasoning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one call.
+
+    ``prompt_tokens`` counts every position of the prompt, image tokens included;
+    ``cached_tokens`` of them were already in the KV cache and not evaluated again.
+    """
+
+    prompt_tokens: int
+    image_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def evaluated_tokens(self) -> int:
+        """Prompt positions evaluated by this call (the rest came from the KV cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where the time of one call went, in milliseconds.
+
+    ``encode_ms`` is vision-encoder time (part of ``prefill_ms``); ``ttft_ms`` runs
+    from the call to the first generated token.
+    """
+
+    encode_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    decode_ms: float
+    total_ms: float
+    images_encoded: int
+    images_from_cache: int
+    completion_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second after the first one."""
+        if self.completion_tokens < 2 or self.decode_ms <= 0:
+            return 0.0
+        return (self.completion_tokens - 1) / (self.decode_ms / 1000.0)
+
+
+class Reply(str):
+    """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning`` and ``finish_reason``."""
+
+    usage: Usage
+    timings: Timings
+    reasoning: str
+    finish_reason: str
+
+    def __new__(
+        cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str
+    ) -> "Reply":
+        self = super().__new__(cls, text)
+        self.usage = usage
+        self.timings = timings
+        self.reasoning = reasoning
+        self.finish_reason = finish_reason
+        return self
+
+    @property
+    def text(self) -> str:
+        return str(self)
