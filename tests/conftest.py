@@ -1,0 +1,141 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hubserver import HubServer  # tests/ is on sys.path (pytest imports this rootdir conftest)
+
+# --- local Hub stand-in ---
+# `hub` gives each test an empty Hub (tests/hubserver.py) that the real huggingface_hub
+# client talks to, with a fresh HF cache; `hf_env` alone gives only the client settings.
+# One server thread serves the whole session; its root folder, faults and log are reset per test.
+
+
+@dataclass
+class HfEnv:
+    """Where the huggingface_hub client of this test points."""
+
+    endpoint: str
+    home: Path  # HF_HOME
+    cache: Path  # HF_HUB_CACHE
+    monkeypatch: pytest.MonkeyPatch
+
+    def set_offline(self, offline: bool = True) -> None:
+        """HF_HUB_OFFLINE for this test, in the environment and in the imported client."""
+        import huggingface_hub.constants as c
+
+        self.monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+        self.monkeypatch.setattr(c, "HF_HUB_OFFLINE", offline)
+
+
+@pytest.fixture(scope="session")
+def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    with HubServer(tmp_path_factory.mktemp("hub")) as server:
+        yield server
+
+
+@pytest.fixture
+def hf_env(hub_server: HubServer, tmp_path_factory: pytest.TempPathFactory,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[HfEnv]:
+    """Point huggingface_hub at the stand-in, with a fresh cache and no token, telemetry or progress bars.
+
+    Environment variables reach subprocesses; huggingface_hub read them into module globals at import
+    time, so the globals its download and API paths consult at call time are patched too.
+    """
+    import huggingface_hub.constants as c
+    from huggingface_hub import hf_api
+    from huggingface_hub.utils import close_session
+
+    # import_module: `huggingface_hub.utils.tqdm` the attribute is the tqdm class, not the module
+    cache_manager = importlib.import_module("huggingface_hub.utils._cache_manager")
+    hf_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
+
+    home = tmp_path_factory.mktemp("hf_home")
+    env = HfEnv(hub_server.url, home, home / "hub", monkeypatch)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "HUGGINGFACE_HUB_CACHE", "HUGGINGFACE_ASSETS_CACHE", "HF_HUB_ENABLE_HF_TRANSFER",
+                "HUGGINGFACE_CO_STAGING", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    settings = {
+        "HF_ENDPOINT": env.endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(env.cache),
+        "HF_ASSETS_CACHE": str(home / "assets"), "HF_XET_CACHE": str(home / "xet"),
+        "HF_TOKEN_PATH": str(home / "token"), "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+    }
+    for var, value in settings.items():
+        monkeypatch.setenv(var, value)
+
+    patches: dict[str, object] = {
+        "ENDPOINT": env.endpoint,
+        "HUGGINGFACE_CO_URL_TEMPLATE": env.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HOME": str(home), "HF_HUB_CACHE": str(env.cache), "HUGGINGFACE_HUB_CACHE": str(env.cache),
+        "HF_ASSETS_CACHE": str(home / "assets"), "HUGGINGFACE_ASSETS_CACHE": str(home / "assets"),
+        "HF_XET_CACHE": str(home / "xet"), "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"), "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_TELEMETRY": True, "HF_HUB_DISABLE_PROGRESS_BARS": True,
+        "HF_HUB_DISABLE_UPDATE_CHECK": True, "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
+        "CHECK_FOR_UPDATE_DONE_PATH": str(home / ".check_for_update_done"),
+        "CHECK_FOR_SKILL_UPDATE_DONE_PATH": str(home / ".check_for_skill_update_done"),
+    }
+    for name, patched in patches.items():
+        monkeypatch.setattr(c, name, patched, raising=False)  # raising=False: not every version has all
+    monkeypatch.setattr(hf_api.api, "endpoint", env.endpoint)  # the HfApi behind hf_api.model_info & co.
+    monkeypatch.setattr(cache_manager, "HF_HUB_CACHE", str(env.cache))  # scan_cache_dir's default
+    monkeypatch.setattr(hf_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+    try:  # huggingface_hub >= 2.x fetches an agent registry for its user agent once per process
+        from huggingface_hub.utils import _detect_agent
+
+        monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
+    except (ImportError, AttributeError):
+        pass
+    close_session()  # the shared HTTP client is rebuilt with this environment (proxies)
+    yield env
+    close_session()  # no pooled connection outlives the test
+
+
+@pytest.fixture
+def hub(hub_server: HubServer, hf_env: HfEnv, tmp_path: Path) -> Iterator[HubServer]:
+    """The running Hub stand-in, serving an empty folder, with no faults and an empty request log."""
+    hub_server.reset(root=tmp_path / "hub_repos")
+    yield hub_server
+    hub_server.reset()
+
+
+# --- end of local Hub stand-in ---
+
+
+# --- generated models ---
+# The tiny random-weight MiniCPM-V-2.6-shaped ladder (gguf_mcv/synthetic.py) is built once per
+# session; `tiny_model` is one loaded Model shared by the tests that only ask questions.
+
+
+@pytest.fixture(autouse=True)
+def _private_caches(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test writes into the user's gguf_mcv cache or reads their catalog."""
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.getbasetemp() / "gguf_mcv_cache"))
+    monkeypatch.setenv("GGUF_MCV_CATALOG", str(tmp_path_factory.getbasetemp() / "no-user-catalog.toml"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny synthetic ladder: ``.quants[...]``, ``.mmproj``, ``.spec``."""
+    from gguf_mcv import synthetic
+
+    return synthetic.build(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    """One loaded tiny Model (Q4_K_M, n_ctx 4096) for tests that do not change its settings."""
+    import gguf_mcv
+
+    model = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj,
+                          n_ctx=4096, n_threads=2)
+    yield model
+    model.close()

@@ -1,0 +1,174 @@
+"""Model and Chat on the real llama.cpp path, with the tiny generated model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+import gguf_mcv
+from gguf_mcv import ConfigError, ContextOverflowError, CorruptModelError, MediaError, ModelNotFoundError
+
+
+def picture(seed: int, size: tuple[int, int] = (320, 240)) -> np.ndarray:
+    """A random RGB picture, different for every seed (so the embedding cache cannot help)."""
+    return np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+def png_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    PIL.Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_file(tmp_path: Path) -> Path:
+    path = tmp_path / "picture.png"
+    path.write_bytes(png_bytes(picture(1)))
+    return path
+
+
+def test_answer_for_each_image_input_kind(tiny_model, image_file: Path) -> None:
+    data = image_file.read_bytes()
+    inputs = {
+        "str path": str(image_file),
+        "Path": image_file,
+        "file URL": image_file.as_uri(),
+        "bytes": data,
+        "data URI": "data:image/png;base64," + base64.b64encode(data).decode(),
+        "PIL": PIL.Image.open(io.BytesIO(data)),
+        "numpy": np.asarray(PIL.Image.open(io.BytesIO(data)).convert("RGB")),
+    }
+    for kind, image in inputs.items():
+        reply = tiny_model.ask("What is this?", image, max_tokens=4, seed=3)
+        assert isinstance(reply, str), kind
+        assert reply.usage.image_tokens == 64, kind
+        assert reply.usage.completion_tokens >= 1, kind
+
+
+def test_same_pixels_from_any_input_kind_share_the_embedding(tiny_model, image_file: Path) -> None:
+    tiny_model.ask("a", image_file, max_tokens=1)
+    before = tiny_model.engine.encoder_calls
+    tiny_model.ask("a different question", image_file.read_bytes(), max_tokens=1)
+    assert tiny_model.engine.encoder_calls == before
+
+
+def test_stream_yields_pieces_that_make_the_reply(tiny_model) -> None:
+    stream = tiny_model.ask("Describe it.", picture(2), stream=True, max_tokens=12, seed=5)
+    assert isinstance(stream, gguf_mcv.Stream)
+    pieces = list(stream)
+    assert stream.reply is not None
+    assert "".join(pieces) == str(stream.reply)
+    assert stream.reply.usage.completion_tokens >= len(pieces) >= 1
+
+
+def test_two_images_in_one_question(tiny_model) -> None:
+    reply = tiny_model.ask("Compare them.", [picture(3), picture(4)], max_tokens=3)
+    assert reply.usage.image_tokens == 128
+    assert reply.timings.images_encoded == 2
+
+
+def test_large_image_is_sliced_and_low_detail_is_not(tiny_model) -> None:
+    big = picture(6, (1344, 1344))
+    high = tiny_model.ask("What?", big, max_tokens=1, detail="high")
+    assert high.usage.image_tokens == 640  # overview + 3x3 slices, 64 each
+    low = tiny_model.ask("What?", big, max_tokens=1, detail="low")
+    assert low.usage.image_tokens == 64
+
+
+def test_usage_counts_prompt_and_completion(tiny_model) -> None:
+    reply = tiny_model.ask("Count.", picture(7), max_tokens=5, seed=1)
+    usage = reply.usage
+    assert usage.prompt_tokens > usage.image_tokens == 64
+    assert 1 <= usage.completion_tokens <= 5
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert reply.finish_reason in ("stop", "length")
+
+
+def test_seed_makes_sampling_repeatable(tiny_model) -> None:
+    image = picture(8)
+    first = tiny_model.ask("Same?", image, max_tokens=8, seed=42, temperature=0.9)
+    second = tiny_model.ask("Same?", image, max_tokens=8, seed=42, temperature=0.9)
+    assert str(first) == str(second)
+
+
+def test_missing_image_file(tiny_model, tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="does not exist"):
+        tiny_model.ask("?", tmp_path / "nope.jpg")
+
+
+def test_unsupported_image_type(tiny_model) -> None:
+    with pytest.raises(MediaError, match="Unsupported image input"):
+        tiny_model.ask("?", [12345])
+
+
+def test_broken_image_bytes(tiny_model, tmp_path: Path) -> None:
+    path = tmp_path / "broken.jpg"
+    path.write_bytes(b"this is not a jpeg at all")
+    with pytest.raises(MediaError, match="broken.jpg"):
+        tiny_model.ask("?", path)
+
+
+def test_prompt_longer_than_context(tiny_model) -> None:
+    with pytest.raises(ContextOverflowError, match="n_ctx is 4096"):
+        tiny_model.ask("word " * 5000, max_tokens=1)
+    assert tiny_model.ask("still fine?", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_missing_model_file(tiny, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError):
+        gguf_mcv.load(model_path=tmp_path / "missing.gguf", mmproj_path=tiny.mmproj)
+
+
+def test_file_that_is_not_gguf(tiny, tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>Not found</html>" * 100)
+    with pytest.raises(CorruptModelError, match="not a GGUF file"):
+        gguf_mcv.load(model_path=fake, mmproj_path=tiny.mmproj)
+
+
+def test_close_releases_and_context_manager(tiny) -> None:
+    with gguf_mcv.load(model_path=tiny.quants["Q2_K"], mmproj_path=tiny.mmproj, n_ctx=1024) as model:
+        assert model.ask("hi", max_tokens=1).usage.completion_tokens == 1
+    with pytest.raises(ConfigError, match="closed"):
+        model.ask("hi")
+    model.close()  # a second close is harmless
+
+
+def test_native_logging_is_silent_unless_verbose(tiny, capfd) -> None:
+    with gguf_mcv.load(model_path=tiny.quants["Q4_0"], mmproj_path=tiny.mmproj, n_ctx=1024) as model:
+        model.ask("hi", picture(9), max_tokens=2)
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_verbose_prints_native_logs(tiny, capfd) -> None:
+    with gguf_mcv.load(model_path=tiny.quants["Q4_0"], mmproj_path=tiny.mmproj, n_ctx=1024,
+                       verbose=True) as model:
+        model.ask("hi", max_tokens=1)
+    assert "llama" in capfd.readouterr().err
+
+
+def test_threads_share_one_model(tiny_model) -> None:
+    errors: list[BaseException] = []
+    replies: list[str] = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(5):
+                replies.append(tiny_model.ask(f"thread {n} question {i}", picture(100 + n), max_tokens=3))
+        except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert len(replies) == 20
