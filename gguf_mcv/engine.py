@@ -62,8 +62,8 @@ class PrefillStats:
     image_tokens: int = 0
     reused_tokens: int = 0
     evaluated_tokens: int = 0
-    images_encoded: int = 0
-    images_from_cache: int = 0
+    slices_encoded: int = 0
+    slices_from_cache: int = 0
     encode_ms: float = 0.0
     prefill_ms: float = 0.0
 
@@ -329,11 +329,11 @@ class Engine:
         embd = self.embed_cache.get(unit.key)
         if embd is None:
             embd = self._encode(chunk, unit)
-            stats.images_encoded += 1
+            stats.slices_encoded += 1
             stats.encode_ms += embd[1]
             embd = embd[0]
         else:
-            stats.images_from_cache += 1
+            stats.slices_from_cache += 1
         n_past = self.n_past
         new_n_past = self._lc.llama_pos(0)
         rc = self._mt.mtmd_helper_decode_image_chunk(

@@ -109,8 +109,8 @@ def respond(
             ttft_ms=(first - start) * 1000.0,
             decode_ms=(end - first) * 1000.0,
             total_ms=(end - start) * 1000.0,
-            images_encoded=stats.images_encoded,
-            images_from_cache=stats.images_from_cache,
+            slices_encoded=stats.slices_encoded,
+            slices_from_cache=stats.slices_from_cache,
             completion_tokens=n_generated,
         )
         finish = "stop" if assembler.stopped else engine.finish_reason

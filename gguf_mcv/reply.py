@@ -33,7 +33,9 @@ class Timings:
     """Where the time of one call went, in milliseconds.
 
     ``encode_ms`` is vision-encoder time (part of ``prefill_ms``); ``ttft_ms`` runs
-    from the call to the first generated token.
+    from the call to the first generated token. ``slices_encoded`` counts vision
+    encoder passes (one per 448-pixel slice, the overview included);
+    ``slices_from_cache`` the slices whose embeddings came from the cache instead.
     """
 
     encode_ms: float
@@ -41,8 +43,8 @@ class Timings:
     ttft_ms: float
     decode_ms: float
     total_ms: float
-    images_encoded: int
-    images_from_cache: int
+    slices_encoded: int
+    slices_from_cache: int
     completion_tokens: int
 
     @property

@@ -70,7 +70,7 @@ def test_stream_yields_pieces_that_make_the_reply(tiny_model) -> None:
 def test_two_images_in_one_question(tiny_model) -> None:
     reply = tiny_model.ask("Compare them.", [picture(3), picture(4)], max_tokens=3)
     assert reply.usage.image_tokens == 128
-    assert reply.timings.images_encoded == 2
+    assert reply.timings.slices_encoded == 2
 
 
 def test_large_image_is_sliced_and_low_detail_is_not(tiny_model) -> None:
