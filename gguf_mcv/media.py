@@ -179,7 +179,9 @@ def _decode(data: bytes, source: str) -> Image:
     except MediaError:
         raise
     except PIL.Image.DecompressionBombError as exc:
-        raise MediaError(f"Image {source} is too large to decode safely: {exc}.") from exc
+        raise MediaError(
+            f"Image {source} is too large to decode safely ({exc}); scale it down before asking about it."
+        ) from exc
     except (PIL.UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         raise MediaError(
             f"Image {source} could not be decoded ({type(exc).__name__}: {exc}). "

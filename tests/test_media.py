@@ -1,0 +1,163 @@
+"""Every image input kind and every bad-media case, without loading a model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from gguf_mcv.errors import MediaError
+from gguf_mcv.media import MAX_PIXELS, Image, describe, load_image
+
+
+def encode(img: PIL.Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+RGB = PIL.Image.new("RGB", (40, 30), (200, 100, 50))
+
+
+def test_path_str_path_url_bytes_data_uri_pil_numpy_agree(tmp_path: Path) -> None:
+    data = encode(RGB, "PNG")
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    inputs = [str(path), path, path.as_uri(), data, bytearray(data),
+              "data:image/png;base64," + base64.b64encode(data).decode(), RGB,
+              np.asarray(RGB)]
+    digests = {load_image(i).digest for i in inputs}
+    assert len(digests) == 1
+    image = load_image(path)
+    assert (image.width, image.height) == (40, 30)
+    assert image.rgb.dtype == np.uint8 and image.rgb.shape == (30, 40, 3)
+    assert load_image(image) is image
+
+
+def test_exif_orientation_is_applied() -> None:
+    img = PIL.Image.new("RGB", (40, 20), (0, 0, 255))
+    exif = img.getexif()
+    exif[0x0112] = 6  # rotate 90° clockwise when displayed
+    rotated = load_image(encode(img, "JPEG", exif=exif))
+    assert (rotated.width, rotated.height) == (20, 40)
+
+
+@pytest.mark.parametrize("mode", ["P", "RGBA", "LA", "L", "1", "CMYK", "I;16", "I", "F", "YCbCr"])
+def test_every_mode_becomes_rgb(mode: str) -> None:
+    img = PIL.Image.new("RGB", (16, 8), (250, 250, 250)).convert(mode) if mode not in ("I;16",) \
+        else PIL.Image.fromarray(np.full((8, 16), 65535, dtype=np.uint16))
+    image = load_image(img)
+    assert image.rgb.shape == (8, 16, 3) and image.rgb.dtype == np.uint8
+    assert image.rgb.mean() > 200  # a light image stays light (16-bit scaled, not clipped to black)
+
+
+def test_transparency_is_composited_on_white() -> None:
+    clear = PIL.Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    assert load_image(encode(clear, "PNG")).rgb.min() == 255
+    palette = PIL.Image.new("P", (4, 4), 0)
+    palette.info["transparency"] = 0
+    assert load_image(encode(palette, "PNG", transparency=0)).rgb.min() == 255
+
+
+def test_sixteen_bit_png_is_scaled() -> None:
+    arr = np.full((4, 4), 32768, dtype=np.uint16)
+    image = load_image(encode(PIL.Image.fromarray(arr), "PNG"))
+    assert 120 <= image.rgb[0, 0, 0] <= 135
+
+
+def test_animated_gif_gives_first_frame() -> None:
+    frames = [PIL.Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0))]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    image = load_image(buf.getvalue())
+    assert image.rgb[0, 0, 0] > 200 and image.rgb[0, 0, 1] < 50
+
+
+def test_webp_and_cmyk_jpeg() -> None:
+    assert load_image(encode(RGB, "WEBP")).width == 40
+    assert load_image(encode(RGB.convert("CMYK"), "JPEG")).rgb.shape == (30, 40, 3)
+
+
+def test_numpy_variants() -> None:
+    assert load_image(np.zeros((5, 6), dtype=np.uint8)).rgb.shape == (5, 6, 3)
+    rgba = np.zeros((5, 6, 4), dtype=np.uint8)
+    assert load_image(rgba).rgb.min() == 255  # fully transparent → white
+    with pytest.raises(MediaError, match="dtype float64"):
+        load_image(np.zeros((5, 6, 3)))
+    with pytest.raises(MediaError, match="shape"):
+        load_image(np.zeros((5, 6, 2), dtype=np.uint8))
+    with pytest.raises(MediaError, match="no pixels"):
+        load_image(np.zeros((0, 6, 3), dtype=np.uint8))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares a size without any pixel data (a decompression-bomb stand-in)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def test_huge_declared_size_is_refused_before_decoding() -> None:
+    with pytest.raises(MediaError, match="400000000 pixels"):
+        load_image(png_header_only(20000, 20000))  # over Pillow's own bomb limit
+    with pytest.raises(MediaError, match="10000×9000"):
+        load_image(png_header_only(10000, 9000))  # under Pillow's limit, over ours
+    assert 10000 * 9000 > MAX_PIXELS
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"", "empty"),
+    (b"hello, I am text", "could not be decoded"),
+    (encode(RGB, "PNG")[:60], "could not be decoded"),
+    (encode(RGB, "JPEG")[:200], "could not be decoded"),
+])
+def test_bad_bytes(data: bytes, match: str) -> None:
+    with pytest.raises(MediaError, match=match):
+        load_image(data)
+
+
+def test_bad_locators(tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="does not exist"):
+        load_image(tmp_path / "missing.png")
+    with pytest.raises(MediaError, match="is a folder"):
+        load_image(tmp_path)
+    with pytest.raises(MediaError, match="remote URLs are off"):
+        load_image("https://example.com/cat.jpg")
+    with pytest.raises(MediaError, match="Malformed base64"):
+        load_image("data:image/png;base64,@@@")
+    with pytest.raises(MediaError, match="scheme"):
+        load_image("ftp://example.com/cat.jpg")
+    text = tmp_path / "notes.jpg"
+    text.write_text("shopping list")
+    with pytest.raises(MediaError, match="notes.jpg"):
+        load_image(text)
+    with pytest.raises(MediaError, match="Unsupported image input"):
+        load_image(3.14)
+
+
+def test_media_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        load_image(b"nope")
+
+
+def test_resizing_helpers_keep_aspect() -> None:
+    image = Image(np.zeros((1000, 2000, 3), dtype=np.uint8), "x")
+    small = image.resized_to_fit(448)
+    assert (small.width, small.height) == (448, 224)
+    assert image.resized_to_fit(4000) is image
+    area = image.scaled_to_area(500_000)
+    assert area.width * area.height <= 500_000 and abs(area.width / area.height - 2) < 0.01
+
+
+def test_describe_is_short() -> None:
+    assert describe("data:image/png;base64," + "A" * 1000).endswith("…")
+    assert describe(b"abc") == "<3 bytes>"
