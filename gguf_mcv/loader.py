@@ -57,9 +57,8 @@ def load(
     if model_path is not None or mmproj_path is not None:
         if model_path is None or mmproj_path is None:
             raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
-        name = model or Path(model_path).stem
-        if model is not None:
-            entry = _catalog_entry(model)
+        entry = _catalog_entry(model) if model is not None else None
+        name = entry.display_name if entry is not None else (model or Path(model_path).stem)
     else:
         if not model:
             raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
@@ -68,7 +67,7 @@ def load(
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx, revision=revision)
         model_path, mmproj_path, quant, repo = files.model, files.mmproj, files.quant, files.repo
         entry = files.entry
-        name = entry.name if entry is not None else files.repo
+        name = entry.display_name if entry is not None else files.repo
     text = read_text_header(model_path)
     projector = read_projector_header(mmproj_path)
     check_pair(text, projector, minicpmv_version=getattr(entry, "minicpmv_version", None))

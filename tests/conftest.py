@@ -119,7 +119,8 @@ def hub(hub_server: HubServer, hf_env: HfEnv, tmp_path: Path) -> Iterator[HubSer
 def _private_caches(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test writes into the user's gguf_mcv cache or reads their catalog."""
     monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.getbasetemp() / "gguf_mcv_cache"))
-    monkeypatch.setenv("GGUF_MCV_CATALOG", str(tmp_path_factory.getbasetemp() / "no-user-catalog.toml"))
+    monkeypatch.delenv("GGUF_MCV_CATALOG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "empty-config"))
 
 
 @pytest.fixture(scope="session")
