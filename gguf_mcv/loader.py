@@ -97,6 +97,7 @@ def load(
         thinking_default=bool(getattr(entry, "thinking_default", False)),
         n_ctx=n_ctx,
         slice_size=projector.image_size or 448,
+        vision_gpu=vision_gpu,
     )
     if verbose:
         native.verbose_acquire()

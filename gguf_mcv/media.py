@@ -65,24 +65,19 @@ class Image:
         h.update(memoryview(self.rgb).cast("B"))
         return h.hexdigest()
 
+    def resized_to(self, width: int, height: int) -> "Image":
+        """This image resampled to ``width``×``height`` (itself when the size is unchanged)."""
+        if (width, height) == (self.width, self.height):
+            return self
+        pil = PIL.Image.fromarray(self.rgb).resize((width, height), PIL.Image.Resampling.BICUBIC)
+        return Image(np.ascontiguousarray(np.asarray(pil)), self.source)
+
     def resized_to_fit(self, max_side: int) -> "Image":
         """This image scaled down (aspect kept) so neither side exceeds ``max_side``."""
         if max(self.width, self.height) <= max_side:
             return self
         scale = max_side / max(self.width, self.height)
-        size = (max(1, round(self.width * scale)), max(1, round(self.height * scale)))
-        pil = PIL.Image.fromarray(self.rgb).resize(size, PIL.Image.Resampling.BICUBIC)
-        return Image(np.asarray(pil), self.source)
-
-    def scaled_to_area(self, max_area: int) -> "Image":
-        """This image scaled down (aspect kept) so ``width*height <= max_area``."""
-        area = self.width * self.height
-        if area <= max_area:
-            return self
-        scale = (max_area / area) ** 0.5
-        size = (max(1, int(self.width * scale)), max(1, int(self.height * scale)))
-        pil = PIL.Image.fromarray(self.rgb).resize(size, PIL.Image.Resampling.BICUBIC)
-        return Image(np.asarray(pil), self.source)
+        return self.resized_to(max(1, round(self.width * scale)), max(1, round(self.height * scale)))
 
 
 def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:

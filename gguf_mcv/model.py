@@ -22,10 +22,16 @@ from .errors import ConfigError, ContextOverflowError
 from .generation import Stream, respond
 from .media import Image, ImageInput, load_image
 from .reply import Reply
+from .slicing import MAX_SLICES, fit_slices
 from .templates import ChatTemplate
 
 DEFAULT_MAX_TOKENS = 512
 DETAILS = ("auto", "low", "high")
+#: slice budget of detail="auto": each slice is one vision-encoder pass (~9 s for
+#: MiniCPM-V's SigLIP on 2 CPU cores), so on a CPU large images get at most 4 slices
+#: plus the overview; with the encoder on a GPU, libmtmd's own maximum of 9.
+AUTO_MAX_SLICES_CPU = 4
+AUTO_MAX_SLICES_GPU = 9
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class ModelInfo:
     thinking_default: bool
     n_ctx: int
     slice_size: int
+    vision_gpu: bool = False
 
 
 Images = Union[ImageInput, Sequence[ImageInput]]
@@ -113,16 +120,26 @@ class Model:
                       max_slices: int | None = None) -> Image:
         """Decode ``image`` and size it for the vision encoder.
 
-        ``detail="high"`` keeps it as it is (libmtmd cuts it into up to 9 slices plus an
-        overview); ``"low"`` shrinks it to fit one slice (64 tokens on 2.6-style
-        models); ``"auto"`` is ``"high"``. ``max_slices`` caps the slice count.
+        ``detail="high"`` keeps it as it is: libmtmd cuts a large image into up to 9
+        448-pixel slices plus an overview (64 tokens each on 2.6-style models).
+        ``"low"`` shrinks it to one slice. ``"auto"`` (default) allows
+        :data:`AUTO_MAX_SLICES_CPU` slices when the vision encoder runs on the CPU and
+        :data:`AUTO_MAX_SLICES_GPU` on a GPU. ``max_slices=N`` sets the budget
+        directly (the image is scaled down, aspect kept, until it needs at most N).
         """
         if detail not in DETAILS:
             raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
+        if max_slices is not None and not 0 <= max_slices <= MAX_SLICES:
+            raise ConfigError(f"max_slices must be between 0 and {MAX_SLICES}, not {max_slices}.")
         loaded = load_image(image, allow_remote=self.allow_remote_media)
-        if detail == "low" or max_slices == 0:
-            return loaded.resized_to_fit(self.info.slice_size)
-        return loaded
+        if detail == "low":
+            max_slices = 0
+        elif max_slices is None and detail == "auto":
+            max_slices = AUTO_MAX_SLICES_GPU if self.info.vision_gpu else AUTO_MAX_SLICES_CPU
+        if max_slices is None:
+            return loaded
+        size = fit_slices(loaded.width, loaded.height, max_slices, self.info.slice_size)
+        return loaded.resized_to(*size)
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -25,7 +25,8 @@ def model(tiny):
 
 def test_second_turn_evaluates_only_new_tokens(model) -> None:
     chat = model.chat()
-    first = chat.send("Describe the picture.", picture(1, (1344, 1344)), max_tokens=6, seed=1)
+    first = chat.send("Describe the picture.", picture(1, (1344, 1344)), max_tokens=6, seed=1,
+                      detail="high")
     assert first.timings.slices_encoded == 10
     assert first.usage.cached_tokens <= 40  # at most the shared system prompt of an earlier call
     calls = model.engine.encoder_calls
@@ -84,7 +85,7 @@ def test_units_track_the_kv_cache(model) -> None:
 def test_context_overflow_names_the_sizes(tiny) -> None:
     with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512) as m:
         with pytest.raises(ContextOverflowError) as info:
-            m.ask("What?", picture(6, (1344, 1344)))
+            m.ask("What?", picture(6, (1344, 1344)), detail="high")
         assert "640 of them image tokens" in str(info.value) and "n_ctx is 512" in str(info.value)
         assert m.engine.encoder_calls == 0  # refused before encoding anything
 
