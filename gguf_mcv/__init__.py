@@ -5,6 +5,7 @@
     print(model.ask("What is in this picture?", "photo.jpg"))
 """
 
+from .chat_handler import MiniCPMVChatHandler
 from .embed_cache import EmbeddingCache
 from .errors import (
     CatalogError,
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CatalogError", "Chat", "ConfigError", "ContextOverflowError", "CorruptModelError",
     "DownloadError", "EmbeddingCache", "EngineError", "GgufMcvError", "Hardware", "HubAuthError",
-    "Image", "IncompatibleProjectorError", "MediaError", "Model", "ModelNotFoundError",
+    "Image", "IncompatibleProjectorError", "MediaError", "MiniCPMVChatHandler", "Model", "ModelNotFoundError",
     "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Reply", "Stream", "Timings", "Usage",
     "load", "load_image", "parse_size", "probe",
 ]

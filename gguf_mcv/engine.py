@@ -125,6 +125,7 @@ class Engine:
         n_threads: int | None = None,
         embed_cache: EmbeddingCache | None = None,
         warmup: bool = False,
+        slice_size: int | None = None,
     ) -> None:
         import llama_cpp
         from llama_cpp import mtmd_cpp
@@ -135,6 +136,11 @@ class Engine:
         self._mt = mtmd_cpp
         self.mmproj_path = os.fspath(mmproj_path)
         self.mmproj_id = file_identity(self.mmproj_path)
+        if slice_size is None:
+            from .headers import read_projector_header
+
+            slice_size = read_projector_header(self.mmproj_path).image_size
+        self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self._units: list[Unit] = []
         self.encoder_calls = 0

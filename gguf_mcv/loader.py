@@ -78,7 +78,7 @@ def load(
                         flash_attn, kv_cache_type, verbose)
     try:
         engine = Engine(llama, mmproj_path, vision_on_gpu=vision_gpu, vision_flash_attn=flash_attn,
-                        embed_cache=embed_cache)
+                        embed_cache=embed_cache, slice_size=projector.image_size or 448)
     except BaseException:
         llama.close()
         raise

@@ -22,16 +22,10 @@ from .errors import ConfigError, ContextOverflowError
 from .generation import Stream, respond
 from .media import Image, ImageInput, load_image
 from .reply import Reply
-from .slicing import MAX_SLICES, fit_slices
+from .slicing import apply_detail
 from .templates import ChatTemplate
 
 DEFAULT_MAX_TOKENS = 512
-DETAILS = ("auto", "low", "high")
-#: slice budget of detail="auto": each slice is one vision-encoder pass (~9 s for
-#: MiniCPM-V's SigLIP on 2 CPU cores), so on a CPU large images get at most 4 slices
-#: plus the overview; with the encoder on a GPU, libmtmd's own maximum of 9.
-AUTO_MAX_SLICES_CPU = 4
-AUTO_MAX_SLICES_GPU = 9
 
 
 @dataclass(frozen=True)
@@ -118,28 +112,17 @@ class Model:
 
     def prepare_image(self, image: ImageInput, *, detail: str = "auto",
                       max_slices: int | None = None) -> Image:
-        """Decode ``image`` and size it for the vision encoder.
+        """Decode ``image`` and size it for the vision encoder (see :func:`slicing.apply_detail`).
 
         ``detail="high"`` keeps it as it is: libmtmd cuts a large image into up to 9
         448-pixel slices plus an overview (64 tokens each on 2.6-style models).
-        ``"low"`` shrinks it to one slice. ``"auto"`` (default) allows
-        :data:`AUTO_MAX_SLICES_CPU` slices when the vision encoder runs on the CPU and
-        :data:`AUTO_MAX_SLICES_GPU` on a GPU. ``max_slices=N`` sets the budget
-        directly (the image is scaled down, aspect kept, until it needs at most N).
+        ``"low"`` shrinks it to one slice. ``"auto"`` (default) allows 4 slices when
+        the vision encoder runs on the CPU, 9 on a GPU. ``max_slices=N`` sets the
+        budget directly (the image is scaled down, aspect kept, until it needs at most N).
         """
-        if detail not in DETAILS:
-            raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
-        if max_slices is not None and not 0 <= max_slices <= MAX_SLICES:
-            raise ConfigError(f"max_slices must be between 0 and {MAX_SLICES}, not {max_slices}.")
-        loaded = load_image(image, allow_remote=self.allow_remote_media)
-        if detail == "low":
-            max_slices = 0
-        elif max_slices is None and detail == "auto":
-            max_slices = AUTO_MAX_SLICES_GPU if self.info.vision_gpu else AUTO_MAX_SLICES_CPU
-        if max_slices is None:
-            return loaded
-        size = fit_slices(loaded.width, loaded.height, max_slices, self.info.slice_size)
-        return loaded.resized_to(*size)
+        return apply_detail(load_image(image, allow_remote=self.allow_remote_media), detail=detail,
+                            max_slices=max_slices, slice_size=self.info.slice_size,
+                            vision_gpu=self.info.vision_gpu)
 
     # -- lifecycle ------------------------------------------------------------
 

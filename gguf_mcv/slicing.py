@@ -15,7 +15,16 @@ import math
 
 import numpy as np
 
+from .errors import ConfigError
+from .media import Image
+
 MAX_SLICES = 9  # hard-coded in libmtmd for MiniCPM-V
+DETAILS = ("auto", "low", "high")
+#: slice budget of detail="auto": each slice is one vision-encoder pass (~9 s for
+#: MiniCPM-V's SigLIP on 2 CPU cores), so on a CPU large images get at most 4 slices
+#: plus the overview; with the encoder on a GPU, libmtmd's own maximum of 9.
+AUTO_MAX_SLICES_CPU = 4
+AUTO_MAX_SLICES_GPU = 9
 
 
 def slice_grid(width: int, height: int, slice_size: int = 448) -> tuple[int, int]:
@@ -63,3 +72,24 @@ def fit_slices(width: int, height: int, max_slices: int, slice_size: int = 448) 
         if count_slices(*size, slice_size) <= max_slices:
             return size
     return fit_slices(width, height, 0, slice_size)
+
+
+def apply_detail(image: Image, *, detail: str = "auto", max_slices: int | None = None,
+                 slice_size: int = 448, vision_gpu: bool = False) -> Image:
+    """``image`` sized for the vision encoder according to ``detail`` / ``max_slices``.
+
+    ``"high"`` keeps it (up to 9 slices plus the overview), ``"low"`` fits it in one
+    slice, ``"auto"`` allows :data:`AUTO_MAX_SLICES_CPU` slices on a CPU encoder and
+    :data:`AUTO_MAX_SLICES_GPU` on a GPU; ``max_slices=N`` sets the budget directly.
+    """
+    if detail not in DETAILS:
+        raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
+    if max_slices is not None and not 0 <= max_slices <= MAX_SLICES:
+        raise ConfigError(f"max_slices must be between 0 and {MAX_SLICES}, not {max_slices}.")
+    if detail == "low":
+        max_slices = 0
+    elif max_slices is None and detail == "auto":
+        max_slices = AUTO_MAX_SLICES_GPU if vision_gpu else AUTO_MAX_SLICES_CPU
+    if max_slices is None:
+        return image
+    return image.resized_to(*fit_slices(image.width, image.height, max_slices, slice_size))

@@ -1,0 +1,104 @@
+"""A drop-in ``chat_handler`` for ``llama_cpp.Llama`` with gguf_mcv's engine inside.
+
+    llm = llama_cpp.Llama(model_path="ggml-model-Q4_K_M.gguf", n_ctx=4096,
+                          chat_handler=gguf_mcv.MiniCPMVChatHandler("mmproj-model-f16.gguf"))
+    llm.create_chat_completion(messages=[...])   # follow-ups do not re-encode images
+
+Unlike llama-cpp-python's ``MiniCPMv26ChatHandler`` it keeps the KV cache between
+calls (each call evaluates only what follows the longest common prefix), feeds
+images seen before from the embedding cache, renders the GGUF's own chat
+template, and reports usage correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterator
+
+from .embed_cache import EmbeddingCache
+from .engine import Engine, Sampling
+from .errors import ConfigError
+from .generation import Stream, respond
+from .media import load_image
+from .messages import MediaPolicy, convert
+from .openai_compat import completion, completion_chunks
+from .slicing import apply_detail
+from .templates import choose_template
+
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "grammar", "logits_processor",
+                "response_format")
+
+
+class MiniCPMVChatHandler:
+    """``chat_handler=`` for ``llama_cpp.Llama``: OpenAI-style messages with images, KV reuse."""
+
+    def __init__(
+        self,
+        clip_model_path: str | os.PathLike,
+        *,
+        embed_cache: EmbeddingCache | None = None,
+        vision_gpu: bool = False,
+        template_family: str | None = None,
+        allow_remote_media: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        self.clip_model_path = os.fspath(clip_model_path)
+        if not os.path.isfile(self.clip_model_path):
+            raise FileNotFoundError(f"mmproj file {self.clip_model_path} does not exist.")
+        self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
+        self.vision_gpu = vision_gpu
+        self.template_family = template_family
+        self.policy = MediaPolicy(allow_files=True, allow_remote=allow_remote_media)
+        self.verbose = verbose
+        self._engine: Engine | None = None
+        self._lock = threading.RLock()
+
+    def engine_for(self, llama) -> Engine:
+        """The engine bound to ``llama`` (made on first use, freed with the ``Llama``)."""
+        with self._lock:
+            if self._engine is not None and self._engine.llama is llama:
+                return self._engine
+            if self._engine is not None:
+                self._engine.close()
+            engine = Engine(llama, self.clip_model_path, vision_on_gpu=self.vision_gpu,
+                            embed_cache=self.embed_cache)
+            llama._stack.callback(engine.close)
+            self._engine = engine
+            return engine
+
+    def __call__(self, *, llama, messages: list[dict[str, Any]], stream: bool = False,
+                 temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
+                 min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+                 stop: str | list[str] | None = None, max_tokens: int | None = None,
+                 model: str | None = None, **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Answer ``messages``; an OpenAI ``chat.completion`` dict, or an iterator of chunks."""
+        for name in _UNSUPPORTED:
+            if kwargs.get(name):
+                raise ConfigError(f"{name} is not supported by MiniCPMVChatHandler.")
+        engine = self.engine_for(llama)
+
+        def prepare(url: str, detail: str):
+            image = load_image(url, allow_remote=self.policy.allow_remote)
+            return apply_detail(image, detail=detail, slice_size=engine.slice_size,
+                                vision_gpu=self.vision_gpu)
+
+        turns = convert(messages, marker=engine.marker, prepare_image=prepare, policy=self.policy)
+        template = choose_template(
+            llama.metadata.get("tokenizer.chat_template"), self.template_family,
+            bos_token=_text(llama, llama.token_bos()), eos_token=_text(llama, llama.token_eos()),
+        )
+        text = template.render([{"role": t["role"], "content": t["text"]} for t in turns])
+        images = [image for t in turns for image in t["images"]]
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repeat_penalty=repeat_penalty, seed=seed)
+        budget_tokens = max_tokens if max_tokens and max_tokens > 0 else llama.n_ctx()
+        pieces = Stream(respond(engine, text, images, sampling=sampling, max_tokens=budget_tokens,
+                                stop=[stop] if isinstance(stop, str) else list(stop or ()),
+                                lock=self._lock))
+        name = model or os.path.basename(llama.model_path)
+        return completion_chunks(pieces, model=name) if stream else completion(pieces.text(), model=name)
+
+
+def _text(llama, token: int) -> str:
+    return llama.detokenize([token], special=True).decode("utf-8", "replace") if token >= 0 else ""
