@@ -17,7 +17,7 @@ from .engine import Engine, Sampling
 from .errors import ConfigError, EngineError, ModelNotFoundError
 from .headers import check_pair, read_projector_header, read_text_header
 from .model import Model, ModelInfo
-from .templates import choose_template
+from .templates import FAMILIES, ChatTemplate, choose_template
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
@@ -37,6 +37,7 @@ def load(
     flash_attn: bool | None = None,
     kv_cache_type: str = "f16",
     revision: str | None = None,
+    chat_template: str | None = None,
     embed_cache: EmbeddingCache | None = None,
     allow_remote_media: bool = False,
     verbose: bool = False,
@@ -49,7 +50,11 @@ def load(
     planned from ``ram_budget`` (default: what the machine has free).
     ``n_threads`` defaults to the machine's performance (or physical) cores.
     ``flash_attn=None`` lets llama.cpp decide for the vision encoder and turns it on
-    for the text model only when a quantized KV cache needs it.
+    for the text model only when a quantized KV cache needs it. ``chat_template``
+    overrides the prompt format: a family name (``"chatml"``, ``"llama3"``,
+    ``"qwen3"``) or Jinja source; by default the GGUF's own template is used, else
+    the catalog family's. ``embed_cache`` shares an :class:`EmbeddingCache` (e.g.
+    one with a disk tier) between models.
     """
     _check_options(n_ctx, kv_cache_type, flash_attn, n_gpu_layers, vision_gpu)
     entry = None
@@ -82,10 +87,14 @@ def load(
     except BaseException:
         llama.close()
         raise
-    family = getattr(entry, "template", None)
-    template = choose_template(text.chat_template, family,
-                               bos_token=_token_text(llama, llama.token_bos()),
-                               eos_token=_token_text(llama, llama.token_eos()))
+    tokens = dict(bos_token=_token_text(llama, llama.token_bos()),
+                  eos_token=_token_text(llama, llama.token_eos()))
+    if chat_template in FAMILIES:
+        template = choose_template(None, chat_template, **tokens)
+    elif chat_template:
+        template = ChatTemplate(chat_template, "custom", **tokens)
+    else:
+        template = choose_template(text.chat_template, getattr(entry, "template", None), **tokens)
     info = ModelInfo(
         name=name,
         model_path=os.fspath(model_path),
@@ -93,7 +102,7 @@ def load(
         quant=quant,
         repo=repo,
         template_origin=template.origin,
-        can_think=bool(getattr(entry, "thinking", False)),
+        can_think=bool(entry.thinking) if entry is not None else template.supports_thinking,
         thinking_default=bool(getattr(entry, "thinking_default", False)),
         n_ctx=n_ctx,
         slice_size=projector.image_size or 448,

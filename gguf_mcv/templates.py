@@ -61,7 +61,6 @@ QWEN3 = (
 FAMILIES: dict[str, str] = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3}
 
 THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,11 @@ class ChatTemplate:
     origin: str
     bos_token: str = ""
     eos_token: str = ""
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the template switches reasoning on and off (``enable_thinking``)."""
+        return "enable_thinking" in self.source
 
     def render(
         self,
@@ -110,17 +114,6 @@ def choose_template(
     if name not in FAMILIES:
         raise ConfigError(f"Unknown chat template family {name!r}; known: {', '.join(FAMILIES)}.")
     return ChatTemplate(FAMILIES[name], f"family:{name}", bos_token, eos_token)
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """Split generated text into ``(reasoning, answer)`` at the closing think tag."""
-    if THINK_CLOSE not in text:
-        if text.lstrip().startswith(THINK_OPEN):
-            return text.lstrip()[len(THINK_OPEN):].strip(), ""  # cut off while thinking
-        return "", text
-    head, _, answer = text.partition(THINK_CLOSE)
-    reasoning = head.replace(THINK_OPEN, "", 1).strip()
-    return reasoning, answer.lstrip("\n")
 
 
 def _raise_exception(message: str) -> None:

@@ -1,0 +1,79 @@
+"""load(): options, impossible combinations, templates and thinking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gguf_mcv
+from gguf_mcv.errors import ConfigError
+
+
+def load_tiny(tiny, **kw):
+    return gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj,
+                         **{"n_ctx": 1024, **kw})
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"kv_cache_type": "q8_0", "flash_attn": False}, "needs flash attention"),
+    ({"kv_cache_type": "q5_1"}, "kv_cache_type must be"),
+    ({"n_ctx": 64}, "too small"),
+    ({"n_gpu_layers": 10}, "CPU-only"),
+    ({"vision_gpu": True}, "CPU-only"),
+    ({"n_gpu_layers": "auto"}, "CPU-only"),
+])
+def test_impossible_combinations_are_refused(tiny, kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_tiny(tiny, **kw)
+
+
+def test_only_one_local_file_is_refused(tiny) -> None:
+    with pytest.raises(ConfigError, match="both model_path and mmproj_path"):
+        gguf_mcv.load(model_path=tiny.quants["Q4_K_M"])
+    with pytest.raises(ConfigError, match="Name a model"):
+        gguf_mcv.load()
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])
+def test_kv_cache_types_and_threads(tiny, kv: str) -> None:
+    with load_tiny(tiny, kv_cache_type=kv, n_threads=1, n_threads_batch=2) as model:
+        assert model.engine.llama.n_threads == 1 and model.engine.llama.n_threads_batch == 2
+        reply = model.ask("?", np.zeros((64, 64, 3), dtype=np.uint8), max_tokens=2)
+        assert reply.usage.image_tokens == 64
+
+
+def test_flash_attention_on_and_off(tiny) -> None:
+    for fa in (True, False):
+        with load_tiny(tiny, flash_attn=fa) as model:
+            assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_default_threads_come_from_the_probe(tiny) -> None:
+    with load_tiny(tiny) as model:
+        assert model.engine.llama.n_threads == gguf_mcv.probe().recommended_threads
+
+
+def test_chat_template_override_and_thinking_switch(tiny) -> None:
+    with load_tiny(tiny, chat_template="qwen3") as model:
+        assert model.info.template_origin == "family:qwen3" and model.info.can_think
+        model.ask("Think?", max_tokens=1, thinking=False)
+        off = model.engine.llama.detokenize([u for u in model.engine.units if isinstance(u, int)],
+                                            special=True).decode(errors="replace")
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in off
+        model.ask("Think?", max_tokens=1, thinking=True)
+        on = model.engine.llama.detokenize([u for u in model.engine.units if isinstance(u, int)],
+                                           special=True).decode(errors="replace")
+        assert "</think>" not in on
+
+
+def test_thinking_on_a_model_that_cannot_think_is_refused(tiny) -> None:
+    with load_tiny(tiny) as model:
+        assert model.info.template_origin == "gguf" and not model.info.can_think
+        with pytest.raises(ConfigError, match="cannot think"):
+            model.ask("?", thinking=True)
+
+
+def test_catalog_name_with_local_files_takes_the_catalog_traits(tiny) -> None:
+    with load_tiny(tiny, model="minicpm-v-2.6") as model:
+        assert model.info.name == "MiniCPM-V 2.6"
+        assert (model.sampling.temperature, model.sampling.top_p, model.sampling.top_k) == (0.7, 0.8, 100)
