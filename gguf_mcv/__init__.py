@@ -27,8 +27,9 @@ from .generation import Stream
 from .hardware import Hardware, parse_size, probe
 from .loader import load
 from .media import Image, load_image
-from .model import Chat, Model
-from .reply import Reply, Timings, Usage
+from .model import Chat, Model, VideoOptions
+from .reply import Reply, Timings, Usage, VideoStats
+from .video import Frame, Frames, sample_frames
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ __all__ = [
     "DownloadError", "EmbeddingCache", "EngineError", "GgufMcvError", "Hardware", "HubAuthError",
     "Image", "IncompatibleProjectorError", "MediaError", "MiniCPMVChatHandler", "Model", "ModelNotFoundError",
     "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Reply", "Stream", "Timings", "Usage",
-    "load", "load_image", "parse_size", "probe",
+    "Frame", "Frames", "VideoOptions", "VideoStats", "load", "load_image", "parse_size", "probe",
+    "sample_frames",
 ]

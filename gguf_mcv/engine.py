@@ -18,7 +18,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -66,6 +66,7 @@ class PrefillStats:
     slices_from_cache: int = 0
     encode_ms: float = 0.0
     prefill_ms: float = 0.0
+    encoded_keys: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -266,9 +267,13 @@ class Engine:
             digest = bitmap_id.decode().partition("|")[2]
             n_pos = int(mt.mtmd_input_chunk_get_n_pos(chunk))
             prompt._image_chunks[len(prompt.units)] = chunk
-            prompt.units.append(ImageUnit(f"{self.mmproj_id}:{digest}:{index}", n_pos))
+            prompt.units.append(ImageUnit(self.image_key(digest, index), n_pos))
             prompt.image_tokens += n_pos
         return prompt
+
+    def image_key(self, digest: str, index: int = 0) -> str:
+        """The cache key of slice ``index`` of an image with this content digest."""
+        return f"{self.mmproj_id}:{digest}:{index}"
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.llama.token_bos()
@@ -279,11 +284,13 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, *, reserve: int = 0) -> PrefillStats:
+    def prefill(self, prompt: Prompt, *, reserve: int = 0,
+                progress: Callable[[int, int], None] | None = None) -> PrefillStats:
         """Make the KV cache hold ``prompt``, evaluating only what is not there yet.
 
         ``reserve`` positions must stay free after the prompt (for the answer);
         :class:`ContextOverflowError` is raised before anything is evaluated otherwise.
+        ``progress(done, total)`` is called as image chunks are evaluated.
         """
         units = prompt.units
         stats = PrefillStats(prompt_tokens=prompt.n_pos, image_tokens=prompt.image_tokens)
@@ -303,6 +310,8 @@ class Engine:
             common -= 1  # re-evaluate the last token: sampling needs fresh logits
         self._truncate(common)
         stats.reused_tokens = self.n_past
+        todo = sum(1 for u in units[common:] if isinstance(u, ImageUnit))
+        done = 0
         i = common
         while i < len(units):
             if isinstance(units[i], int):
@@ -314,6 +323,9 @@ class Engine:
             else:
                 self._eval_image(prompt, i, stats)
                 i += 1
+                done += 1
+                if progress is not None:
+                    progress(done, todo)
         stats.evaluated_tokens = prompt.n_pos - stats.reused_tokens
         stats.prefill_ms = (time.perf_counter() - start) * 1000.0
         return stats
@@ -334,10 +346,11 @@ class Engine:
         chunk = prompt._image_chunks[index]
         embd = self.embed_cache.get(unit.key)
         if embd is None:
+            start = time.perf_counter()
             embd = self._encode(chunk, unit)
+            stats.encode_ms += (time.perf_counter() - start) * 1000.0
             stats.slices_encoded += 1
-            stats.encode_ms += embd[1]
-            embd = embd[0]
+            stats.encoded_keys.append(unit.key)
         else:
             stats.slices_from_cache += 1
         n_past = self.n_past
@@ -355,8 +368,7 @@ class Engine:
         self.llama.input_ids[n_past:new_n_past.value] = IMAGE_SENTINEL
         self._units.append(unit)
 
-    def _encode(self, chunk, unit: ImageUnit) -> tuple[np.ndarray, float]:
-        start = time.perf_counter()
+    def _encode(self, chunk, unit: ImageUnit) -> np.ndarray:
         native.clear_recent()
         rc = self._mt.mtmd_encode_chunk(self._ctx, chunk)
         if rc != 0:
@@ -366,7 +378,7 @@ class Engine:
         ptr = self._mt.mtmd_get_output_embd(self._ctx)
         embd = np.ctypeslib.as_array(ptr, shape=(n_tokens * self.n_embd,)).copy()
         self.embed_cache.put(unit.key, embd)
-        return embd, (time.perf_counter() - start) * 1000.0
+        return embd
 
     def _truncate(self, n_units: int) -> None:
         """Keep only the first ``n_units`` units in the KV cache."""

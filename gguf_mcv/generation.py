@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import nullcontext
-from typing import Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
-from .engine import Engine, Sampling
+from .engine import Engine, PrefillStats, Sampling
 from .media import Image
 from .reply import Reply, Timings, Usage
 from .templates import THINK_OPEN
@@ -67,16 +67,21 @@ def respond(
     stop: Sequence[str] = (),
     reasoning: bool = False,
     lock: threading.RLock | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    on_prefill: Callable[[PrefillStats], None] | None = None,
 ) -> Generator[str, None, Reply]:
     """Generate the answer to ``prompt_text``; yields text pieces, returns the Reply.
 
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
-    and only the answer is yielded.
+    and only the answer is yielded. ``progress(done, total)`` follows image encoding;
+    ``on_prefill`` receives the prefill's statistics.
     """
     with lock if lock is not None else nullcontext():
         start = time.perf_counter()
         with engine.tokenize(prompt_text, images) as prompt:
-            stats = engine.prefill(prompt, reserve=1)
+            stats = engine.prefill(prompt, reserve=1, progress=progress)
+        if on_prefill is not None:
+            on_prefill(stats)
         assembler = TextAssembler(stop)
         thinking = ReasoningFilter(active=reasoning, inside=prompt_text.rstrip().endswith(THINK_OPEN))
         answer: list[str] = []

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
 import PIL.Image
@@ -21,8 +21,9 @@ from .engine import Engine, Sampling
 from .errors import ConfigError, ContextOverflowError
 from .generation import Stream, respond
 from .media import Image, ImageInput, load_image
-from .reply import Reply
+from .reply import Reply, VideoStats
 from .slicing import apply_detail
+from .video import Frame, Frames, VideoInput, format_timestamp, sample_frames
 from .templates import ChatTemplate
 
 DEFAULT_MAX_TOKENS = 512
@@ -46,6 +47,16 @@ class ModelInfo:
 
 
 Images = Union[ImageInput, Sequence[ImageInput]]
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """How videos in a question are sampled (see :meth:`Model.ask_video`)."""
+
+    max_frames: int | None = None
+    fps: float | None = 1.0
+    dedupe: bool = True
+    timestamps: bool = True
 
 
 class Model:
@@ -105,6 +116,41 @@ class Model:
         )
         return _deliver(pieces, stream)
 
+    def ask_video(
+        self,
+        video: VideoInput,
+        prompt: str,
+        *,
+        max_frames: int | None = None,
+        fps: float | None = 1.0,
+        dedupe: bool = True,
+        timestamps: bool = True,
+        stream: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | None = None,
+        system: str | None = None,
+        thinking: bool | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        **sampling: Any,
+    ) -> Reply | Stream:
+        """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
+
+        Frames are sampled about ``fps`` per second (at most ``max_frames``, default from
+        :func:`~gguf_mcv.video.default_max_frames`), near-duplicates dropped
+        (``dedupe``), each fed as one 448-pixel slice, with its time in the prompt when
+        ``timestamps``. If the frames do not fit in the context they are thinned
+        uniformly — unless ``max_frames`` was given, then :class:`ContextOverflowError`
+        is raised before anything is encoded. ``progress(done, total)`` follows the
+        encoding. Sampling keywords (``temperature``, ``top_p``, ``top_k``,
+        ``repeat_penalty``, ``seed``) as in :meth:`ask`; ``reply.video`` counts the frames.
+        """
+        head = [] if system is None else [_message("system", system)]
+        options = VideoOptions(max_frames, fps, dedupe, timestamps)
+        user, counts = self._user_turn(prompt, [], [video], head, options, max_tokens, thinking)
+        pieces = self._respond(head + [user], thinking, max_tokens, stop, self._sampling(**sampling),
+                               progress=progress, video=counts)
+        return _deliver(pieces, stream)
+
     def chat(self, system: str | None = None, thinking: bool | None = None, *,
              overflow: str = "error") -> "Chat":
         """Start a conversation. ``overflow="drop_oldest"`` drops old turns when the context fills."""
@@ -156,8 +202,9 @@ class Model:
 
     # -- internals ------------------------------------------------------------
 
-    def _sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
-                  repeat_penalty: float | None, seed: int | None) -> Sampling:
+    def _sampling(self, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int | None = None, repeat_penalty: float | None = None,
+                  seed: int | None = None) -> Sampling:
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                      repeat_penalty=repeat_penalty, seed=seed)
         return replace(self.sampling, **{k: v for k, v in given.items() if v is not None})
@@ -180,14 +227,68 @@ class Model:
             raise ConfigError(f"{self.info.name} cannot think; drop thinking=True.")
         return self.info.thinking_default if thinking is None else thinking
 
-    def _respond(self, messages, thinking, max_tokens, stop, sampling):
+    def _respond(self, messages, thinking, max_tokens, stop, sampling, *, progress=None,
+                 video: "_FrameCounts | None" = None):
         if max_tokens < 1:
             raise ConfigError("max_tokens must be at least 1.")
         text, images, reasoning = self._render(messages, thinking)
-        return respond(
+        encoded: list[str] = []
+        pieces = respond(
             self.engine, text, images, sampling=sampling, max_tokens=max_tokens,
-            stop=list(stop or ()), reasoning=reasoning, lock=self._lock,
+            stop=list(stop or ()), reasoning=reasoning, lock=self._lock, progress=progress,
+            on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
         )
+        return pieces if video is None or not video.keys else _count_frames(pieces, video, encoded)
+
+    def _user_turn(self, prompt: str, images: list[Image], videos: Sequence[VideoInput],
+                   history: list[dict[str, Any]], options: "VideoOptions", max_tokens: int,
+                   thinking: bool | None) -> tuple[dict[str, Any], "_FrameCounts"]:
+        """The user message for ``prompt`` with images and videos; frames fitted to the context."""
+        marker = self.engine.marker
+        sampled = [sample_frames(v, max_frames=options.max_frames, fps=options.fps,
+                                 dedupe=options.dedupe, max_side=self.info.slice_size)
+                   for v in videos]
+        plain = _message("user", self._user_text(prompt, len(images)), images)
+        counts = _FrameCounts(sampled=sum(f.sampled for f in sampled),
+                              dropped=sum(f.dropped for f in sampled))
+        if not sampled:
+            return plain, counts
+        room = self._room_for_frames(history + [plain], thinking, max_tokens)
+        cost = max(self._frame_cost(f, options.timestamps) for f in sampled if f)
+        total = sum(len(f) for f in sampled)
+        if total * cost > room:
+            if options.max_frames is not None or room < cost * len(sampled):
+                raise ContextOverflowError(
+                    f"{total} video frames need about {total * cost} positions but only {room} of "
+                    f"n_ctx={self.info.n_ctx} are left after the text and an answer of up to "
+                    f"{max_tokens} tokens. Use max_frames={max(room // cost, 1)} or less, or load "
+                    "the model with a larger n_ctx."
+                )
+            allowed = room // cost
+            sampled = [_thin(f, max(1, allowed * len(f) // total)) for f in sampled]
+        blocks, frames = [], []
+        for f in sampled:
+            blocks.append("\n".join(_frame_line(fr, marker, options.timestamps) for fr in f))
+            frames += [apply_detail(fr.image, detail="low", slice_size=self.info.slice_size) for fr in f]
+        counts.thinned = total - len(frames)
+        counts.keys = [self.engine.image_key(image.digest) for image in frames]
+        text = "\n".join(blocks + [plain["text"]])
+        return _message("user", text, frames + images), counts
+
+    def _room_for_frames(self, messages: list[dict[str, Any]], thinking: bool | None,
+                         max_tokens: int) -> int:
+        text, images, _ = self._render(messages, thinking)
+        with self.engine.tokenize(text, images) as prompt:
+            used = prompt.n_pos
+        return self.info.n_ctx - used - min(max_tokens, self.info.n_ctx // 4)
+
+    def _frame_cost(self, frames: Frames, timestamps: bool) -> int:
+        """Positions one frame takes in the prompt (its line, markers and image tokens)."""
+        last = frames[-1]
+        image = apply_detail(last.image, detail="low", slice_size=self.info.slice_size)
+        line = _frame_line(last, self.engine.marker, timestamps)
+        with self.engine.tokenize(line + "\n", [image]) as prompt:
+            return prompt.n_pos + 1
 
 
 class Chat:
@@ -214,13 +315,20 @@ class Chat:
              top_p: float | None = None, top_k: int | None = None,
              repeat_penalty: float | None = None, seed: int | None = None,
              stop: Sequence[str] | None = None, detail: str = "auto",
-             max_slices: int | None = None) -> Reply | Stream:
-        """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces)."""
+             max_slices: int | None = None, videos: Sequence[VideoInput] = (),
+             video_options: VideoOptions = VideoOptions(),
+             progress: Callable[[int, int], None] | None = None) -> Reply | Stream:
+        """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
+
+        ``videos`` are sampled into frames as in :meth:`Model.ask_video`, with
+        ``video_options``; images and videos of earlier turns stay in the conversation.
+        """
         model = self.model
         prepared = [model.prepare_image(i, detail=detail, max_slices=max_slices) for i in as_list(images)]
-        user = {"role": "user", "text": model._user_text(prompt, len(prepared)), "images": prepared}
+        user, counts = model._user_turn(prompt, prepared, list(videos), self._all([]), video_options,
+                                        max_tokens, self.thinking)
         sampling = model._sampling(temperature, top_p, top_k, repeat_penalty, seed)
-        return _deliver(self._turn(user, max_tokens, stop, sampling), stream)
+        return _deliver(self._turn(user, max_tokens, stop, sampling, progress, counts), stream)
 
     def undo(self) -> None:
         """Drop the last user turn and its answer (the next turn reuses the cache up to there)."""
@@ -236,9 +344,10 @@ class Chat:
         head = [] if self.system is None else [{"role": "system", "text": self.system, "images": []}]
         return head + self._messages + list(extra)
 
-    def _turn(self, user, max_tokens, stop, sampling):
+    def _turn(self, user, max_tokens, stop, sampling, progress=None, counts=None):
         def attempt():
-            return self.model._respond(self._all([user]), self.thinking, max_tokens, stop, sampling)
+            return self.model._respond(self._all([user]), self.thinking, max_tokens, stop, sampling,
+                                       progress=progress, video=counts)
 
         pieces = attempt()
         produced: list[str] = []
@@ -273,7 +382,46 @@ class Chat:
 
 
 def _assistant(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "text": str(text), "images": []}
+    return _message("assistant", str(text))
+
+
+def _message(role: str, text: str, images: Sequence[Image] = ()) -> dict[str, Any]:
+    return {"role": role, "text": text, "images": list(images)}
+
+
+@dataclass
+class _FrameCounts:
+    sampled: int = 0
+    dropped: int = 0
+    thinned: int = 0
+    keys: list[str] = field(default_factory=list)
+
+
+def _frame_line(frame: Frame, marker: str, timestamps: bool) -> str:
+    if timestamps and frame.timestamp is not None:
+        return f"at {format_timestamp(frame.timestamp)}: {marker}"
+    return marker
+
+
+def _thin(frames: Frames, n: int) -> Frames:
+    """``n`` of ``frames`` by centred uniform sampling (MiniCPM-V's formula)."""
+    if n >= len(frames):
+        return frames
+    gap = len(frames) / n
+    kept = Frames([frames[int(i * gap + gap / 2)] for i in range(n)], sampled=frames.sampled,
+                  dropped=frames.dropped, missed=frames.missed, duration=frames.duration,
+                  native_fps=frames.native_fps, total_frames=frames.total_frames,
+                  source=frames.source)
+    return kept
+
+
+def _count_frames(pieces, counts: _FrameCounts, encoded: list[str]):
+    """Pass ``pieces`` through; attach :class:`VideoStats` to the reply at the end."""
+    reply = yield from pieces
+    done = set(encoded)
+    reply.video = VideoStats(sampled=counts.sampled, dropped=counts.dropped, thinned=counts.thinned,
+                             used=len(counts.keys), encoded=sum(k in done for k in counts.keys))
+    return reply
 
 
 def _deliver(pieces, stream: bool) -> Reply | Stream:

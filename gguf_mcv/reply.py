@@ -55,13 +55,32 @@ class Timings:
         return (self.completion_tokens - 1) / (self.decode_ms / 1000.0)
 
 
+@dataclass(frozen=True)
+class VideoStats:
+    """What happened to the frames of the videos in a question.
+
+    ``sampled``: frames decoded from the videos; ``dropped``: near-duplicates removed;
+    ``thinned``: removed so the prompt fits in the context; ``used``: frames in the
+    prompt; ``encoded``: of those, frames that went through the vision encoder in this
+    call (the others came from the embedding cache or were already in the KV cache).
+    """
+
+    sampled: int
+    dropped: int
+    thinned: int
+    used: int
+    encoded: int
+
+
 class Reply(str):
-    """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning`` and ``finish_reason``."""
+    """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning``, ``finish_reason``
+    and, for questions about videos, ``video`` (:class:`VideoStats`)."""
 
     usage: Usage
     timings: Timings
     reasoning: str
     finish_reason: str
+    video: VideoStats | None = None
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str

@@ -172,3 +172,65 @@ def test_threads_share_one_model(tiny_model) -> None:
         t.join(timeout=120)
     assert not errors
     assert len(replies) == 20
+
+
+# --- video ---------------------------------------------------------------------------
+
+
+def moving_ball_video(path: Path, seconds: int = 12, fps: int = 10, static_from: int | None = None) -> Path:
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (640, 360))
+    for i in range(seconds * fps):
+        frame = np.full((360, 640, 3), 40, dtype=np.uint8)
+        x = 20 + (i if static_from is None else min(i, static_from)) * 5
+        cv2.circle(frame, (x % 640, 180), 30, (0, 0, 255), -1)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def test_video_answer_frames_are_never_sliced(tiny_model, tmp_path: Path) -> None:
+    video = moving_ball_video(tmp_path / "ball.avi")
+    reply = tiny_model.ask_video(video, "What happens?", max_frames=6, max_tokens=3)
+    stats = reply.video
+    assert stats.used == 6 and stats.encoded == 6 and stats.thinned == 0
+    assert reply.usage.image_tokens == 6 * 64  # 640×360 frames would be sliced as images
+    again = tiny_model.ask_video(video, "And then?", max_frames=6, max_tokens=3)
+    assert again.video.encoded == 0 and again.timings.slices_encoded == 0
+
+
+def test_video_dedupe_drops_a_static_stretch(tiny_model, tmp_path: Path) -> None:
+    video = moving_ball_video(tmp_path / "static.avi", seconds=12, static_from=30)
+    reply = tiny_model.ask_video(video, "Moving?", max_frames=12, max_tokens=1)
+    assert reply.video.sampled == 12 and reply.video.dropped >= 7
+    assert reply.video.used == 12 - reply.video.dropped
+
+
+def test_video_in_a_chat_then_a_follow_up(tiny_model, tmp_path: Path) -> None:
+    from gguf_mcv.model import VideoOptions
+
+    chat = tiny_model.chat()
+    video = moving_ball_video(tmp_path / "chat.avi", seconds=4)
+    first = chat.send("What moves?", videos=[video], video_options=VideoOptions(max_frames=4),
+                      max_tokens=2)
+    assert first.video.used == 4
+    follow = chat.send("Which colour?", max_tokens=2)
+    assert follow.timings.slices_encoded == 0 and follow.video is None
+
+
+def test_too_many_frames_are_thinned_or_refused(tiny, tmp_path: Path) -> None:
+    video = moving_ball_video(tmp_path / "long.avi", seconds=12)
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512) as m:
+        thinned = m.ask_video(video, "?", fps=1.0, max_tokens=4)
+        assert thinned.video.thinned > 0 and thinned.usage.prompt_tokens <= 512
+        with pytest.raises(ContextOverflowError, match="max_frames="):
+            m.ask_video(video, "?", max_frames=12, max_tokens=4)
+        assert m.engine.encoder_calls == thinned.video.encoded  # the refusal encoded nothing
+
+
+def test_bad_video_raises_media_error(tiny_model, tmp_path: Path) -> None:
+    bad = tmp_path / "broken.mp4"
+    bad.write_text("not a video")
+    with pytest.raises(MediaError, match="broken.mp4"):
+        tiny_model.ask_video(bad, "?")

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Compare gguf_mcv's chat engine with llama-cpp-python's MiniCPMv26ChatHandler, in one run.
+
+Both answer the same questions about the same 1344×1344 image on the same
+benchmark-size model (real SigLIP-400M vision shape, Qwen2-0.5B-size text model;
+made by tools/make_test_model.py --preset bench), with the same threads and greedy
+sampling. Measured: time to first token of a first question, of a follow-up about
+the same image, and of the same image in a new conversation; decode speed; and
+gguf_mcv's detail="low" first question. Ratios are gguf_mcv / peer.
+
+    python tools/bench_chat.py --ladder /tmp/bench --quant Q4_K_M --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gc
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+
+TARGETS = {  # measure: (target ratio, True when the ratio must be at most the target)
+    "follow-up TTFT": (0.02, True),
+    "same image, new conversation TTFT": (0.05, True),
+    "first question TTFT": (1.05, True),
+    "decode tokens/s": (0.97, False),
+    'detail="low" first question TTFT': (0.15, True),
+}
+
+
+def test_image(size: int = 1344) -> bytes:
+    """A deterministic picture with gradients and shapes (PNG bytes)."""
+    y, x = np.mgrid[0:size, 0:size]
+    rgb = np.stack([(x * 255 // size), (y * 255 // size), ((x + y) * 127 // size)], axis=2)
+    img = PIL.Image.fromarray(rgb.astype(np.uint8))
+    draw = PIL.ImageDraw.Draw(img)
+    for i in range(12):
+        r = 40 + 9 * i
+        cx, cy = (97 * i) % size, (173 * i) % size
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=(255 - 20 * i, 20 * i, 128))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def user(text: str, uri: str | None = None) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": uri}}] if uri else []
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
+
+
+def timed_stream(chunks) -> tuple[float, int, float, str]:
+    """(ttft s, content chunks, decode tokens/s, text) of an OpenAI-style chunk stream."""
+    start = time.perf_counter()
+    first = last = None
+    n, text = 0, []
+    for chunk in chunks:
+        delta = chunk["choices"][0].get("delta", {})
+        if delta.get("content"):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += 1
+            text.append(delta["content"])
+    end = time.perf_counter()
+    ttft = (first or end) - start
+    tps = (n - 1) / (last - first) if n > 1 and last > first else 0.0
+    return ttft, n, tps, "".join(text)
+
+
+def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import MiniCPMv26ChatHandler
+
+    llm = Llama(model_path=str(model), n_ctx=args.ctx, n_threads=args.threads,
+                n_threads_batch=args.threads, verbose=False,
+                chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
+    opts = dict(max_tokens=args.max_tokens, temperature=0.0, stream=True)
+    messages = [user("Describe this picture.", uri)]
+    ttft1, _, tps, text = timed_stream(llm.create_chat_completion(messages=messages, **opts))
+    print(f"  peer first question: {ttft1:.1f} s, {tps:.1f} tok/s", flush=True)
+    messages += [{"role": "assistant", "content": text}, user("What colours are there?")]
+    ttft2, *_ = timed_stream(llm.create_chat_completion(messages=messages, **opts))
+    print(f"  peer follow-up: {ttft2:.1f} s", flush=True)
+    ttft3, *_ = timed_stream(llm.create_chat_completion(
+        messages=[user("How many circles?", uri)], **opts))
+    print(f"  peer same image, new conversation: {ttft3:.1f} s", flush=True)
+    llm.close()
+    return {"first": ttft1, "follow": ttft2, "new": ttft3, "tps": tps}
+
+
+def run_ours(model: Path, mmproj: Path, png: bytes, args) -> dict[str, float]:
+    import gguf_mcv
+
+    m = gguf_mcv.load(model_path=model, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=args.threads)
+    opts = dict(max_tokens=args.max_tokens, temperature=0.0)
+    chat = m.chat()
+    first = chat.send("Describe this picture.", png, detail="high", **opts)
+    print(f"  gguf_mcv first question: {first.timings.ttft_ms / 1000:.1f} s, "
+          f"{first.timings.decode_tokens_per_s:.1f} tok/s", flush=True)
+    follow = chat.send("What colours are there?", **opts)
+    print(f"  gguf_mcv follow-up: {follow.timings.ttft_ms / 1000:.2f} s", flush=True)
+    new = m.chat().send("How many circles?", png, detail="high", **opts)
+    print(f"  gguf_mcv same image, new conversation: {new.timings.ttft_ms / 1000:.2f} s", flush=True)
+    m.engine.embed_cache.clear()
+    low = m.chat().send("Describe this picture.", png, detail="low", **opts)
+    print(f"  gguf_mcv detail=low first question: {low.timings.ttft_ms / 1000:.1f} s", flush=True)
+    m.close()
+    return {"first": first.timings.ttft_ms / 1000, "follow": follow.timings.ttft_ms / 1000,
+            "new": new.timings.ttft_ms / 1000, "tps": first.timings.decode_tokens_per_s,
+            "low": low.timings.ttft_ms / 1000}
+
+
+def table(peer: dict[str, float], ours: dict[str, float]) -> tuple[str, bool]:
+    rows = [
+        ("first question TTFT", peer["first"], ours["first"], "s"),
+        ("follow-up TTFT", peer["follow"], ours["follow"], "s"),
+        ("same image, new conversation TTFT", peer["new"], ours["new"], "s"),
+        ("decode tokens/s", peer["tps"], ours["tps"], "tok/s"),
+        ('detail="low" first question TTFT', peer["first"], ours["low"], "s"),
+    ]
+    lines = ["| measure | MiniCPMv26ChatHandler | gguf_mcv | ratio | target | met |",
+             "| --- | ---: | ---: | ---: | --- | --- |"]
+    all_met = True
+    for name, p, o, unit in rows:
+        ratio = o / p if p else float("inf")
+        target, at_most = TARGETS[name]
+        met = ratio <= target if at_most else ratio >= target
+        all_met &= met
+        lines.append(f"| {name} | {p:.2f} {unit} | {o:.2f} {unit} | {ratio:.3f}× | "
+                     f"{'≤' if at_most else '≥'} {target}× | {'yes' if met else 'NO'} |")
+    return "\n".join(lines), all_met
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench"),
+                        help="folder of the bench model (built there if missing)")
+    parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=1344)
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args()
+
+    from gguf_mcv import synthetic
+
+    built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
+    model, mmproj = built.quants[args.quant], built.mmproj
+    png = test_image(args.image_size)
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    print(f"bench model {model.name} + {mmproj.name}, {args.threads} threads, "
+          f"{args.image_size}×{args.image_size} image, {args.max_tokens} tokens", flush=True)
+    peer = run_peer(model, mmproj, uri, args)
+    gc.collect()
+    ours = run_ours(model, mmproj, png, args)
+    text, ok = table(peer, ours)
+    print()
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"peer": peer, "gguf_mcv": ours, "args": vars(args)},
+                                        default=str, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
