@@ -113,7 +113,7 @@ def describe(src: object) -> str:
 
 def _from_locator(text: str, allow_remote: bool) -> Image:
     if text.startswith("data:"):
-        return _decode(_data_uri_bytes(text), text[:40] + "…")
+        return _decode(data_uri_bytes(text), text[:40] + "…")
     scheme = urllib.parse.urlsplit(text).scheme.lower()
     if scheme in ("http", "https"):
         if not allow_remote:
@@ -137,7 +137,8 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
     return _decode(data, str(path))
 
 
-def _data_uri_bytes(uri: str) -> bytes:
+def data_uri_bytes(uri: str) -> bytes:
+    """The payload of a ``data:`` URI (base64 or percent-encoded); MediaError if malformed."""
     header, sep, payload = uri.partition(",")
     if not sep:
         raise MediaError("Malformed data URI: no ',' separating header and data.")

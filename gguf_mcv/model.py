@@ -21,6 +21,7 @@ from .engine import Engine, Sampling
 from .errors import ConfigError, ContextOverflowError
 from .generation import Stream, respond
 from .media import Image, ImageInput, load_image
+from .messages import MediaPolicy, convert
 from .reply import Reply, VideoStats
 from .slicing import apply_detail
 from .video import Frame, Frames, VideoInput, format_timestamp, sample_frames
@@ -149,6 +150,40 @@ class Model:
         user, counts = self._user_turn(prompt, [], [video], head, options, max_tokens, thinking)
         pieces = self._respond(head + [user], thinking, max_tokens, stop, self._sampling(**sampling),
                                progress=progress, video=counts)
+        return _deliver(pieces, stream)
+
+    def chat_completion(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        stream: bool = False,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop: Sequence[str] | None = None,
+        thinking: bool | None = None,
+        policy: MediaPolicy = MediaPolicy(),
+        video_options: VideoOptions = VideoOptions(),
+        progress: Callable[[int, int], None] | None = None,
+        **sampling: Any,
+    ) -> Reply | Stream:
+        """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
+
+        ``policy`` says whether local paths and remote URLs may be named (a server
+        refuses both by default). Videos are sampled with ``video_options``; frames
+        that do not fit raise :class:`ContextOverflowError` before anything is encoded.
+        """
+        def video_part(url: str) -> tuple[str, list[Image]]:
+            frames = sample_frames(url, max_frames=video_options.max_frames, fps=video_options.fps,
+                                   dedupe=video_options.dedupe, max_side=self.info.slice_size)
+            lines = [_frame_line(f, self.engine.marker, video_options.timestamps) for f in frames]
+            images = [apply_detail(f.image, detail="low", slice_size=self.info.slice_size) for f in frames]
+            return "\n".join(lines), images
+
+        turns = convert(messages, marker=self.engine.marker, policy=policy, prepare_video=video_part,
+                        prepare_image=lambda url, detail: self.prepare_image(url, detail=detail))
+        if turns[-1]["role"] == "assistant":
+            raise ConfigError("The last message must not be the assistant's: nothing to answer.")
+        pieces = self._respond(turns, thinking, max_tokens, stop, self._sampling(**sampling),
+                               progress=progress)
         return _deliver(pieces, stream)
 
     def chat(self, system: str | None = None, thinking: bool | None = None, *,

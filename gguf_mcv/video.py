@@ -46,7 +46,10 @@ import glob
 import math
 import os
 import re
+import tempfile
 import threading
+import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +61,7 @@ import numpy as np
 import PIL.Image
 
 from .errors import ConfigError, MediaError
-from .media import MAX_PIXELS, Image, ImageInput, load_image
+from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image
 
 if TYPE_CHECKING:
     from .hardware import Hardware
@@ -68,7 +71,7 @@ __all__ = [
     "sample_frames", "sample_indices",
 ]
 
-VideoInput = Union[str, os.PathLike, Sequence[ImageInput], np.ndarray]
+VideoInput = Union[str, os.PathLike, bytes, Sequence[ImageInput], np.ndarray]
 
 #: MiniCPM-V's own cap on frames per video.
 MAX_FRAMES = 64
@@ -194,7 +197,12 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
         raise ConfigError(f"frame_rate must be between 0.01 and 1000, not {frame_rate}.")
     _check_rates(fps, max_frames)
     opts = _Opts(max_frames, fps, max_side)
-    if isinstance(video, np.ndarray):
+    if isinstance(video, (bytes, bytearray)) or (isinstance(video, str) and video.startswith("data:")):
+        frames = _from_bytes(video, opts)
+    elif isinstance(video, str) and video.lower().startswith("file://"):
+        local = urllib.request.url2pathname(urllib.parse.urlsplit(video).path)
+        frames = _from_file(Path(local), video, opts)
+    elif isinstance(video, np.ndarray):
         frames = _from_array(video, frame_rate or 1.0, opts)
     elif isinstance(video, (str, os.PathLike)):
         path = Path(video).expanduser()
@@ -292,6 +300,21 @@ def _from_stills(items: list[Any], name: str, rate: float, opts: _Opts) -> Frame
         frames.append(_frame(i, i / rate, image.rgb, name, opts.max_side, source=image.source))
     return Frames(frames, sampled=len(frames), duration=total / rate, native_fps=rate,
                   total_frames=total, source=name)
+
+
+def _from_bytes(video: bytes | bytearray | str, opts: _Opts) -> Frames:
+    """A video given as bytes or a ``data:`` URI: decoded through a temporary file (OpenCV needs one)."""
+    if isinstance(video, str):
+        name = video[:40] + "…"
+        data = data_uri_bytes(video)
+    else:
+        name, data = f"<{len(video)} bytes of video>", bytes(video)
+    if not data:
+        raise MediaError(f"Video {name} is empty (0 bytes).")
+    with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
+        path = Path(folder) / "video"
+        path.write_bytes(data)
+        return _from_file(path, name, opts)
 
 
 def _from_file(path: Path, name: str, opts: _Opts) -> Frames:

@@ -234,3 +234,37 @@ def test_bad_video_raises_media_error(tiny_model, tmp_path: Path) -> None:
     bad.write_text("not a video")
     with pytest.raises(MediaError, match="broken.mp4"):
         tiny_model.ask_video(bad, "?")
+
+
+# --- OpenAI-style messages -------------------------------------------------------------
+
+
+def test_chat_completion_with_parts_and_policy(tiny_model, image_file: Path) -> None:
+    from gguf_mcv.messages import MediaPolicy
+
+    uri = "data:image/png;base64," + base64.b64encode(image_file.read_bytes()).decode()
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    reply = tiny_model.chat_completion(messages, max_tokens=2, temperature=0.5)
+    assert reply.usage.image_tokens == 64
+    server_policy = MediaPolicy(allow_files=False)
+    local = [{"role": "user", "content": [{"type": "image_url", "image_url": str(image_file)}]}]
+    with pytest.raises(MediaError, match="Local file paths are not allowed"):
+        tiny_model.chat_completion(local, policy=server_policy)
+    with pytest.raises(MediaError, match="not allowed"):
+        tiny_model.chat_completion([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}], policy=server_policy)
+    with pytest.raises(ConfigError, match="role"):
+        tiny_model.chat_completion([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(TypeError):
+        tiny_model.chat_completion(messages, temprature=0.1)
+
+
+def test_chat_completion_with_a_video_part(tiny_model, tmp_path: Path) -> None:
+    video = moving_ball_video(tmp_path / "v.avi", seconds=3)
+    uri = "data:video/x-msvideo;base64," + base64.b64encode(video.read_bytes()).decode()
+    reply = tiny_model.chat_completion([{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": uri}}, {"type": "text", "text": "What moves?"}]}],
+        max_tokens=2)
+    assert reply.usage.image_tokens == 3 * 64

@@ -635,3 +635,24 @@ def test_broken_files_print_nothing_and_log_levels_come_back(clips: Path, tmp_pa
     assert cv2.utils.logging.getLogLevel() == before
     if video._avutil:
         assert video._avutil.av_log_get_level() != -8  # FFmpeg's level restored too
+
+
+def test_video_as_bytes_and_data_uri(tmp_path) -> None:
+    import base64
+
+    import cv2
+
+    path = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(30):
+        writer.write(np.full((48, 64, 3), i * 8, dtype=np.uint8))
+    writer.release()
+    data = path.read_bytes()
+    from_bytes = sample_frames(data, max_frames=3, dedupe=False)
+    from_uri = sample_frames("data:video/x-msvideo;base64," + base64.b64encode(data).decode(),
+                             max_frames=3, dedupe=False)
+    from_url = sample_frames(path.as_uri(), max_frames=3, dedupe=False)
+    assert [f.index for f in from_bytes] == [f.index for f in from_uri] == [f.index for f in from_url]
+    assert len(from_bytes) == 3
+    with pytest.raises(MediaError, match="empty"):
+        sample_frames(b"")
