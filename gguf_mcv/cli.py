@@ -1,16 +1,18 @@
 """The ``gguf-mcv`` command: a thin layer over the library.
 
-Exit codes: 0 ok, 1 a user-facing error (one line, no traceback unless
+Exit codes: 0 ok, 1 a user-facing error (one line on stderr, no traceback unless
 ``--debug``), 2 bad usage (argparse).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from .errors import GgufMcvError
+from .errors import ConfigError, GgufMcvError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,14 +20,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)
     except (GgufMcvError, OSError) as exc:
         if args.debug:
             raise
-        print(f"gguf-mcv: error: {exc}", file=sys.stderr)
+        print(f"gguf-mcv: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -37,39 +39,154 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(metavar="COMMAND")
 
-    p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
-    p.set_defaults(func=_selftest)
+    p = sub.add_parser("models", help="list the catalog and what is in the local cache")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_models)
+
+    p = sub.add_parser("plan", help="show which quant fits this machine, and why")
+    p.add_argument("model", help="catalog name, Hub repo id, or 'auto'")
+    p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
+    p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
+    p.add_argument("--quant", help="evaluate this quant only")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("pull", help="download a model and its vision projector")
+    p.add_argument("model", help="catalog name or Hub repo id")
+    p.add_argument("--quant", help="e.g. Q4_K_M (default: planned from RAM)")
+    p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--revision")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_pull)
 
     p = sub.add_parser("ask", help="ask a question about images")
-    p.add_argument("model", help="catalog name or Hub repo id (or a local .gguf with --mmproj)")
+    _model_args(p)
     p.add_argument("args", nargs="+", metavar="IMAGE... PROMPT", help="image files, then the question")
     p.add_argument("--example", action="store_true", help="ask about the bundled example image")
-    p.add_argument("--mmproj", help="local vision projector, when MODEL is a local .gguf file")
-    p.add_argument("--quant", help="quantization, e.g. Q4_K_M (default: planned from RAM)")
-    p.add_argument("--ram", help="RAM budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
-    p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    _answer_args(p)
     p.set_defaults(func=_ask)
+
+    p = sub.add_parser("video", help="ask a question about a video")
+    _model_args(p)
+    p.add_argument("video", help="video file, animated GIF or folder of images")
+    p.add_argument("prompt")
+    p.add_argument("--frames", type=int, help="at most this many frames (default: from the machine)")
+    p.add_argument("--fps", type=float, default=1.0, help="frames sampled per second (default 1)")
+    p.add_argument("--no-dedupe", action="store_true", help="keep near-duplicate frames")
+    p.add_argument("--no-timestamps", action="store_true", help="no frame times in the prompt")
+    _answer_args(p)
+    p.set_defaults(func=_video)
+
+    p = sub.add_parser("chat", help="talk about images and videos interactively")
+    _model_args(p)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.set_defaults(func=_chat)
+
+    p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require this key (default: $GGUF_MCV_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
+    p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
+    p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
+    _model_args(p)
+    p.add_argument("image", nargs="?", help="image to ask about (default: the bundled example)")
+    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
+    p.set_defaults(func=_selftest)
     return parser
 
 
-def _selftest(args: argparse.Namespace) -> int:
-    from . import selftest
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="catalog name, Hub repo id, or a local .gguf file")
+    p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
+                                    "(default: the single mmproj*.gguf next to it)")
+    p.add_argument("--quant", help="quantization, e.g. Q4_K_M (default: planned from RAM)")
+    p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
+    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: performance cores)")
+    p.add_argument("--gpu-layers", default="0", help="layers to offload to a GPU: N, -1 (all) or auto")
+    p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
+    p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
 
-    print("gguf-mcv selftest")
-    return 0 if selftest.run() else 1
+
+def _answer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print the answer with usage and timings as JSON")
 
 
-def _load(args: argparse.Namespace):
-    from .loader import load
+# --- commands ----------------------------------------------------------------------
 
-    common = dict(n_ctx=args.ctx, n_threads=args.threads, verbose=args.verbose)
-    if args.mmproj:
-        return load(model_path=args.model, mmproj_path=args.mmproj, **common)
-    return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+def _models(args: argparse.Namespace) -> int:
+    from .catalog import load_catalog
+    from .hub import cached_models
+
+    cached = {repo.lower(): (repo, files) for repo, files in cached_models().items()}
+    rows = []
+    for entry in load_catalog().entries():
+        files = cached.pop(entry.repo.lower(), ("", []))[1]
+        rows.append({"name": entry.name, "display_name": entry.display_name, "repo": entry.repo,
+                     "rank": entry.rank, "thinking": entry.thinking,
+                     "quants": {q: f.size for q, f in entry.quants.items()},
+                     "cached": [{"file": f, "bytes": n} for f, n in files]})
+    others = [{"repo": repo, "cached": [{"file": f, "bytes": n} for f, n in files]}
+              for repo, files in cached.values()]
+    if args.json:
+        print(json.dumps({"catalog": rows, "other_cached": others}, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['name']:<26} {row['display_name']:<26} {row['repo']}")
+        print(f"{'':<26} quants: {', '.join(row['quants'])}")
+        for f in row["cached"]:
+            print(f"{'':<26} cached: {f['file']} ({_size(f['bytes'])})")
+    for row in others:
+        print(f"{'(not in catalog)':<26} {row['repo']}")
+        for f in row["cached"]:
+            print(f"{'':<26} cached: {f['file']} ({_size(f['bytes'])})")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import plan
+
+    result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
+                  kv_cache_type=args.kv)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table())
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from .hub import pull
+
+    files = pull(args.model, quant=args.quant, ram_budget=args.ram, n_ctx=args.ctx,
+                 revision=args.revision, progress=False if args.no_progress else None)
+    out = {"repo": files.repo, "revision": files.revision, "quant": files.quant,
+           "model": str(files.model), "mmproj": str(files.mmproj)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{files.repo} {files.quant}\n  model:  {files.model}\n  mmproj: {files.mmproj}")
+    return 0
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -79,11 +196,183 @@ def _ask(args: argparse.Namespace) -> int:
     if args.example:
         images = [str(EXAMPLE_IMAGE), *images]
     with _load(args) as model:
-        stream = model.ask(prompt, images, stream=True, max_tokens=args.max_tokens, detail=args.detail)
-        for piece in stream:
+        reply = model.ask(prompt, images, stream=not args.json, detail=args.detail, **_sampling(args))
+        _print_answer(reply, args.json)
+    return 0
+
+
+def _video(args: argparse.Namespace) -> int:
+    with _load(args) as model:
+        reply = model.ask_video(
+            args.video, args.prompt, max_frames=args.frames, fps=args.fps,
+            dedupe=not args.no_dedupe, timestamps=not args.no_timestamps, stream=not args.json,
+            progress=_progress("encoding frames"), **_sampling(args))
+        _print_answer(reply, args.json)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .errors import MediaError
+    from .model import VideoOptions
+
+    with _load(args) as model:
+        chat = model.chat(system=args.system)
+        images: list[str] = []
+        videos: list[str] = []
+        print("Type a question. /image PATH, /video PATH, /reset, /exit.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                return 0
+            command, _, rest = line.partition(" ")
+            if command == "/exit":
+                return 0
+            if command == "/reset":
+                chat.reset()
+                images.clear()
+                videos.clear()
+                print("(conversation cleared)", file=sys.stderr)
+            elif command in ("/image", "/video"):
+                if not Path(rest.strip()).exists():
+                    print(f"(no such file: {rest.strip()})", file=sys.stderr)
+                    continue
+                (images if command == "/image" else videos).append(rest.strip())
+                print(f"({command[1:]} added to the next question)", file=sys.stderr)
+            elif line:
+                try:
+                    stream = chat.send(line, images, videos=videos, stream=True,
+                                       max_tokens=args.max_tokens, video_options=VideoOptions(),
+                                       progress=_progress("encoding"))
+                    for piece in stream:
+                        print(piece, end="", flush=True)
+                    print()
+                except (MediaError, ConfigError) as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
+                images.clear()
+                videos.clear()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import serve
+    except ImportError as exc:
+        raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
+    with _load(args) as model:
+        serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .selftest import EXAMPLE_IMAGE
+
+    image = args.image or str(EXAMPLE_IMAGE)
+    with _load(args) as model:
+        chat = model.chat()
+        first = chat.send("Describe this picture.", image, detail=args.detail,
+                          max_tokens=args.max_tokens, temperature=0)
+        follow = chat.send("What colours are in it?", max_tokens=args.max_tokens, temperature=0)
+        result = {
+            "model": model.info.name, "quant": model.info.quant,
+            "image_tokens": first.usage.image_tokens, "slices_encoded": first.timings.slices_encoded,
+            "first_ttft_s": first.timings.ttft_ms / 1000, "encode_s": first.timings.encode_ms / 1000,
+            "follow_up_ttft_s": follow.timings.ttft_ms / 1000,
+            "decode_tokens_per_s": first.timings.decode_tokens_per_s,
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
+    return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from . import selftest
+
+    print("gguf-mcv selftest")
+    return 0 if selftest.run() else 1
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace):
+    from .loader import load
+
+    gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
+    common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
+                                  vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
+                                  verbose=args.verbose)
+    local = Path(args.model)
+    if args.model.endswith(".gguf") or args.mmproj:
+        if not local.is_file():
+            raise ConfigError(f"Model file {local} does not exist.")
+        return load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
+    return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+
+def _find_mmproj(model: Path) -> Path:
+    found = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower())
+    if len(found) != 1:
+        raise ConfigError(f"Pass --mmproj: found {len(found)} mmproj files next to {model}.")
+    return found[0]
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        out["temperature"] = args.temperature
+    if args.seed is not None:
+        out["seed"] = args.seed
+    return out
+
+
+def _print_answer(reply_or_stream, as_json: bool) -> None:
+    if not as_json:
+        for piece in reply_or_stream:
             print(piece, end="", flush=True)
         print()
-    return 0
+        return
+    reply = reply_or_stream
+    out: dict[str, Any] = {"answer": str(reply), "finish_reason": reply.finish_reason,
+                           "usage": vars(reply.usage), "timings": vars(reply.timings)}
+    if reply.reasoning:
+        out["reasoning"] = reply.reasoning
+    if reply.video is not None:
+        out["video"] = vars(reply.video)
+    print(json.dumps(out, indent=2))
+
+
+def _progress(label: str) -> Callable[[int, int], None] | None:
+    """A one-line progress display on stderr when it is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
+              file=sys.stderr, flush=True)
+
+    return show
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} takes an integer or 'auto', not {text!r}.") from None
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

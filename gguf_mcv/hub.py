@@ -194,6 +194,26 @@ def cached_files(repo: str, revision: str | None = None) -> RepoFiles:
     )
 
 
+def cached_models() -> dict[str, list[tuple[str, int]]]:
+    """``.gguf`` files in the local HF cache, by repo id: (path in repo, bytes on disk)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(_hf_cache())
+    except CacheNotFound:
+        return {}
+    found: dict[str, list[tuple[str, int]]] = {}
+    for repo in cache.repos:
+        if repo.repo_type != "model":
+            continue
+        files = {(f.file_path.relative_to(rev.snapshot_path).as_posix(), f.size_on_disk)
+                 for rev in repo.revisions for f in rev.files if f.file_name.endswith(".gguf")}
+        if files:
+            found[repo.repo_id] = sorted(files)
+    return found
+
+
 def pull(
     model: str,
     *,
