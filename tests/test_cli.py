@@ -1,0 +1,124 @@
+"""Each gguf-mcv subcommand as a subprocess: exit codes, --json output, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+
+def run(*args: str, stdin: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gguf_mcv", *args], input=stdin, env=os.environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def picture(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "picture.png"
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 300, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_no_command_is_a_usage_error() -> None:
+    assert run().returncode == 2
+    assert run("ask").returncode == 2
+    assert run("nonsense").returncode == 2
+
+
+def test_ask_prints_an_answer(tiny, picture: Path) -> None:
+    done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "What is it?", "--max-tokens", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n") and done.stderr == ""
+
+
+def test_ask_json_with_explicit_mmproj_and_example(tiny) -> None:
+    done = run("ask", str(tiny.quants["Q2_K"]), "--mmproj", str(tiny.mmproj), "--example",
+               "What is it?", "--max-tokens", "2", "--json", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["usage"]["image_tokens"] > 0 and out["usage"]["completion_tokens"] <= 2
+    assert set(out["timings"]) >= {"ttft_ms", "encode_ms", "decode_ms"}
+
+
+@pytest.mark.parametrize("args", [
+    ("ask", "/no/such/model.gguf", "x.png", "?"),
+    ("ask", "{model}", "/no/such/picture.png", "?"),
+    ("video", "{model}", "/no/such/clip.mp4", "?"),
+])
+def test_bad_paths_give_one_clear_line(tiny, args) -> None:
+    done = run(*(a.format(model=tiny.quants["Q4_K_M"]) for a in args))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: ") and "/no/such/" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_debug_shows_the_traceback(tiny) -> None:
+    done = run("--debug", "ask", str(tiny.quants["Q4_K_M"]), "/no/such/picture.png", "?")
+    assert done.returncode == 1 and "Traceback" in done.stderr
+
+
+def test_video_json_reports_frames(tiny, tmp_path: Path) -> None:
+    frames = np.stack([np.full((48, 64, 3), i * 20, dtype=np.uint8) for i in range(5)])
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames):
+        PIL.Image.fromarray(frame).save(folder / f"f{i}.png")
+    done = run("video", str(tiny.quants["Q4_K_M"]), str(folder), "What changes?", "--frames", "3",
+               "--max-tokens", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["video"]["used"] == 3
+
+
+def test_chat_session_with_commands(tiny, picture: Path) -> None:
+    script = f"/image {picture}\nWhat is it?\nAnd now?\n/reset\n/image /no/such.png\n/exit\n"
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3", stdin=script)
+    assert done.returncode == 0, done.stderr
+    assert "(image added" in done.stderr and "(conversation cleared)" in done.stderr
+    assert "(no such file" in done.stderr
+
+
+def test_bench_json(tiny, picture: Path) -> None:
+    done = run("bench", str(tiny.quants["Q4_K_M"]), str(picture), "--max-tokens", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["slices_encoded"] >= 1 and out["follow_up_ttft_s"] >= 0
+
+
+def test_models_json_lists_the_catalog_and_the_cache(hub, tiny) -> None:
+    hub.add_repo("acme/tiny-gguf", {"ggml-model-Q4_0.gguf": tiny.quants["Q4_0"],
+                                    "mmproj-model-f16.gguf": tiny.mmproj})
+    assert run("pull", "acme/tiny-gguf", "--quant", "Q4_0", "--no-progress").returncode == 0
+    done = run("models", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert any(row["name"] == "minicpm-v-2.6" for row in out["catalog"])
+    cached = {row["repo"]: row["cached"] for row in out["other_cached"]}
+    assert {f["file"] for f in cached["acme/tiny-gguf"]} == {"ggml-model-Q4_0.gguf",
+                                                            "mmproj-model-f16.gguf"}
+
+
+def test_pull_json_and_errors(hub, tiny) -> None:
+    hub.add_repo("acme/tiny-gguf", {"ggml-model-Q8_0.gguf": tiny.quants["Q8_0"],
+                                    "mmproj-model-f16.gguf": tiny.mmproj})
+    done = run("pull", "acme/tiny-gguf", "--quant", "Q8_0", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert Path(out["model"]).is_file() and out["quant"] == "Q8_0"
+    missing = run("pull", "acme/missing-gguf", "--quant", "Q8_0")
+    assert missing.returncode == 1 and "No model repository" in missing.stderr
+
+
+def test_python_dash_m_and_console_script_agree() -> None:
+    import shutil
+
+    script = shutil.which("gguf-mcv", path=os.path.dirname(sys.executable))
+    assert script is not None
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "selftest" in done.stdout
