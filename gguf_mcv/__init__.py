@@ -25,6 +25,7 @@ from .errors import (
 )
 from .generation import Stream
 from .hardware import Hardware, parse_size, probe
+from .hub import ModelFiles, pull
 from .loader import load
 from .media import Image, load_image
 from .model import Chat, Model, VideoOptions
@@ -38,6 +39,6 @@ __all__ = [
     "DownloadError", "EmbeddingCache", "EngineError", "GgufMcvError", "Hardware", "HubAuthError",
     "Image", "IncompatibleProjectorError", "MediaError", "MiniCPMVChatHandler", "Model", "ModelNotFoundError",
     "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Reply", "Stream", "Timings", "Usage",
-    "Frame", "Frames", "VideoOptions", "VideoStats", "load", "load_image", "parse_size", "probe",
-    "sample_frames",
+    "Frame", "Frames", "ModelFiles", "VideoOptions", "VideoStats", "load", "load_image", "parse_size", "probe",
+    "pull", "sample_frames",
 ]

@@ -22,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: free space kept beyond the files themselves when checking the disk
 DISK_MARGIN = 64 * 2**20
+#: pauses (s) before retrying a listing the Hub answered with a 5xx error (downloads are
+#: retried by huggingface_hub itself)
+RETRY_DELAYS = (1.0, 3.0)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _MMPROJ_PREFERENCE = ("F16", "BF16", "F32", "Q8_0")
 
@@ -147,8 +151,8 @@ def list_files(repo: str, revision: str | None = None) -> RepoFiles:
     from huggingface_hub import HfApi
 
     try:
-        with hub_errors(repo):
-            info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        info = _retrying(lambda: HfApi().model_info(repo, revision=revision, files_metadata=True),
+                         repo)
     except OfflineError as exc:
         logger.warning("%s; using the local cache", exc)
         return cached_files(repo, revision)
@@ -269,8 +273,9 @@ def _download(listing: RepoFiles, f: RemoteFile, progress: bool | None) -> Path:
         _remove_stale_partials(listing.repo, f.sha256)
     show = sys.stderr.isatty() if progress is None else progress
     try:
+        # huggingface_hub retries transport errors and 5xx answers itself. The requested
+        # revision (not the commit) makes the cache record the branch for offline use.
         with hub_errors(listing.repo, f.path):
-            # the requested revision (not the commit) so the cache records the branch for offline use
             return Path(hf_hub_download(
                 listing.repo, f.path, revision=listing.requested, cache_dir=_hf_cache(),
                 tqdm_class=None if show else _silent_tqdm(),
@@ -389,6 +394,23 @@ def _check_disk(missing: list[RemoteFile]) -> None:
         )
 
 
+class _ServerError(DownloadError):
+    """A 5xx answer: the Hub (or a proxy) failed, and trying again may work."""
+
+
+def _retrying(call, repo: str, filename: str | None = None):
+    """``call()`` with Hub errors translated, retried after :data:`RETRY_DELAYS` on 5xx answers."""
+    for delay in (*RETRY_DELAYS, None):
+        try:
+            with hub_errors(repo, filename):
+                return call()
+        except _ServerError as exc:
+            if delay is None:
+                raise
+            logger.warning("%s; retrying in %.0f s", exc, delay)
+            time.sleep(delay)
+
+
 @contextlib.contextmanager
 def hub_errors(repo: str, filename: str | None = None) -> Iterator[None]:
     """Turn huggingface_hub's exceptions into gguf_mcv errors that say what to do."""
@@ -409,6 +431,16 @@ def hub_errors(repo: str, filename: str | None = None) -> Iterator[None]:
         ) from exc
     except hf.RevisionNotFoundError as exc:
         raise ModelNotFoundError(f"{repo} has no revision like that: {exc}") from exc
+    except hf.LocalEntryNotFoundError as exc:
+        # the Hub could not be asked (after huggingface_hub's own retries) and no copy is cached
+        cause = exc.__cause__ or exc.__context__
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if status is not None and status >= 500:
+            raise _ServerError(f"The Hub answered {status} for {what}; try again later.") from exc
+        raise OfflineError(
+            f"Could not reach the Hub for {what}, and it is not in the local cache. Check the "
+            "network and run the same command again."
+        ) from exc
     except hf.EntryNotFoundError as exc:
         raise ModelNotFoundError(f"{what} does not exist on the Hub.") from exc
     except hf.OfflineModeIsEnabled as exc:
@@ -420,7 +452,8 @@ def hub_errors(repo: str, filename: str | None = None) -> Iterator[None]:
                 f"The Hub refused access to {repo} ({status}): set HF_TOKEN to a valid token "
                 "with access to it."
             ) from exc
-        raise DownloadError(f"The Hub answered {status} for {what}; try again later. ({exc})") from exc
+        kind = _ServerError if status is not None and status >= 500 else DownloadError
+        raise kind(f"The Hub answered {status} for {what}; try again later. ({exc})") from exc
     except hf.HTTPError as exc:  # transport errors: no connection, timeouts, dropped streams
         raise OfflineError(
             f"The connection to the Hub failed for {what} ({type(exc).__name__}: {exc}). Check the "
