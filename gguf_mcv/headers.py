@@ -2,18 +2,18 @@
 
 llama.cpp aborts the whole process on some malformed files and on some model /
 projector mismatches; everything here runs before any native load, so those
-files are refused with a Python error instead. Headers are read with the
-``gguf`` package's reader; its memory map never reads tensor data.
+files are refused with a Python error instead. Headers are read as a stream
+(:func:`parse_header`), which also works on the first bytes of a remote file.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, BinaryIO
 
 from .errors import CorruptModelError, IncompatibleProjectorError, ModelNotFoundError
 
@@ -59,44 +59,186 @@ class ProjectorHeader:
     query_num: int | None
 
 
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A metadata array too long to keep (e.g. the vocabulary): its element type and length."""
+
+    element_type: int
+    count: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in the header: name, numpy-order shape, ggml type, data range."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  #: from the start of the file
+    n_bytes: int
+
+
+class _Truncated(Exception):
+    """The data ended before the header did."""
+
+
+#: arrays up to this many elements are kept as lists; longer ones become ArrayInfo
+_KEEP_ARRAY = 64
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Stream:
+    """Little-endian GGUF fields read from a binary stream, with running position."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.pos = f, 0
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) < n:
+            raise _Truncated
+        self.pos += n
+        return data
+
+    def num(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.num("<Q")
+        if n > 2**24:
+            raise ValueError(f"implausible string length {n} at byte {self.pos}")
+        return self.take(n).decode("utf-8", "replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.num(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+        etype, count = self.num("<I"), self.num("<Q")
+        if count > 2**32:
+            raise ValueError(f"implausible array length {count} at byte {self.pos}")
+        if count <= _KEEP_ARRAY:
+            return [self.value(etype) for _ in range(count)]
+        self.on_long_array(ArrayInfo(etype, count))
+        if etype in _SCALARS:
+            self.take(count * struct.calcsize(_SCALARS[etype]))
+        else:
+            for _ in range(count):
+                self.value(etype)
+        return ArrayInfo(etype, count)
+
+    def on_long_array(self, info: ArrayInfo) -> None:
+        """Called when a long array starts (before its elements are read)."""
+
+
+def parse_header(f: BinaryIO, *, tensors: bool = True,
+                 partial: bool = False) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """Metadata and tensor entries of the GGUF file open as ``f``, read as a stream.
+
+    gguf-py's ``GGUFReader`` builds one numpy view per vocabulary entry (hundreds of MB
+    for a 150k-token vocabulary) and needs the whole file; this reads the header
+    sequentially, keeps long arrays as :class:`ArrayInfo`, and works on a prefix of a
+    file (a ranged download): raises ``_Truncated`` when the data ends too early, or with
+    ``partial`` returns the metadata read so far (a long array cut short is recorded as
+    its :class:`ArrayInfo`).
+    """
+    r = _Stream(f)
+    fields: dict[str, Any] = {}
+    try:
+        return _parse(r, fields, tensors)
+    except _Truncated:
+        if partial:
+            return fields, []
+        raise
+
+
+def _parse(r: _Stream, fields: dict[str, Any], tensors: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
+    if r.take(4) != GGUF_MAGIC:
+        raise ValueError("bad magic")
+    version = r.num("<I")
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    n_tensors, n_kv = r.num("<Q"), r.num("<Q")
+    if n_tensors > 2**20 or n_kv > 2**20:
+        raise ValueError(f"implausible counts: {n_tensors} tensors, {n_kv} metadata keys")
+    for _ in range(n_kv):
+        key = r.string()
+        r.on_long_array = lambda info, key=key: fields.__setitem__(key, info)  # type: ignore[method-assign]
+        fields[key] = r.value(r.num("<I"))
+    if not tensors:
+        return fields, []
+    entries = []
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.num("<I")
+        if n_dims > 8:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        dims = [r.num("<Q") for _ in range(n_dims)]
+        entries.append((name, dims, r.num("<I"), r.num("<Q")))
+    align = int(fields.get("general.alignment", 32)) or 32
+    data_start = -(-r.pos // align) * align
+    return fields, [_tensor(name, dims, kind, data_start + off) for name, dims, kind, off in entries]
+
+
+def _tensor(name: str, dims: list[int], kind: int, offset: int) -> TensorInfo:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"tensor {name} has unknown ggml type {kind}") from exc
+    n = 1
+    for d in dims:
+        n *= d
+    return TensorInfo(name, tuple(reversed(dims)), kind, offset, n * size // block)
+
+
 def read_fields(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """All metadata keys and tensor shapes (numpy order) of a GGUF file, checked for damage."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"Model file {path} does not exist: check the path.")
     size = path.stat().st_size
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise CorruptModelError(
-            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'). "
-            "Pass a .gguf model file."
-        )
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError) as exc:
-        raise CorruptModelError(
-            f"{path} is a damaged or truncated GGUF file ({exc}). Delete it and download it again."
-        ) from exc
-    shapes: dict[str, tuple[int, ...]] = {}
-    for tensor in reader.tensors:
-        if tensor.data_offset + int(tensor.n_bytes) > size:
+        if magic != GGUF_MAGIC:
             raise CorruptModelError(
-                f"{path} is truncated: tensor {tensor.name} ends at byte "
-                f"{tensor.data_offset + int(tensor.n_bytes)} but the file has {size} bytes. "
-                "Delete it and download it again."
+                f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'). "
+                "Pass a .gguf model file."
             )
-        shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    fields = {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    del reader  # release the memory map
-    return fields, shapes
+        f.seek(0)
+        try:
+            fields, tensors = parse_header(io.BufferedReader(f, buffer_size=2**20))
+        except _Truncated:
+            raise CorruptModelError(
+                f"{path} is truncated: it ends inside its header. Delete it and download it again."
+            ) from None
+        except (ValueError, UnicodeDecodeError, struct.error) as exc:
+            raise CorruptModelError(
+                f"{path} has a damaged GGUF header ({exc}). Delete it and download it again."
+            ) from exc
+    for t in tensors:
+        if t.offset + t.n_bytes > size:
+            raise CorruptModelError(
+                f"{path} is truncated: tensor {t.name} ends at byte {t.offset + t.n_bytes} but "
+                f"the file has {size} bytes. Delete it and download it again."
+            )
+    return fields, {t.name: t.shape for t in tensors}
 
 
 def read_text_header(path: str | os.PathLike) -> TextHeader:
     """Read a text model's header; raise if it is not a usable text model file."""
     fields, shapes = read_fields(path)
+    return text_header(fields, shapes, os.fspath(path), os.path.getsize(path))
+
+
+def text_header(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: str,
+                size: int) -> TextHeader:
+    """A :class:`TextHeader` from parsed metadata (``shapes`` may be empty for a remote prefix)."""
     arch = fields.get("general.architecture")
     if not isinstance(arch, str):
         raise CorruptModelError(f"{path} has no general.architecture: not a model file.")
@@ -110,17 +252,19 @@ def read_text_header(path: str | os.PathLike) -> TextHeader:
         return int(value[0] if isinstance(value, list) else value)
 
     n_embd, n_head = num("embedding_length"), num("attention.head_count")
-    tokens = shapes.get("token_embd.weight")
+    embd = shapes.get("token_embd.weight")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    n_vocab = embd[0] if embd else (tokens.count if isinstance(tokens, ArrayInfo) else 0)
     return TextHeader(
-        path=os.fspath(path),
-        size=os.path.getsize(path),
+        path=path,
+        size=size,
         architecture=arch,
         n_layers=num("block_count"),
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=num("attention.head_count_kv", n_head),
         head_dim=num("attention.key_length", n_embd // n_head if n_head else 0),
-        n_vocab=tokens[0] if tokens else 0,
+        n_vocab=n_vocab,
         n_ctx_train=num("context_length"),
         file_type=fields.get("general.file_type"),
         chat_template=fields.get("tokenizer.chat_template"),
@@ -181,23 +325,3 @@ def _release(version: int | None) -> str:
 
 def _maybe_int(value: Any) -> int | None:
     return int(value) if value is not None else None
-
-
-def _value(field: Any) -> Any:
-    """A reader field as a plain Python value (str, number, bool or list)."""
-    from gguf import GGUFValueType
-
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.ARRAY:
-        if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-            return None if len(field.data) > 64 else [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-        return [_scalar(field.parts[i]) for i in field.data[:64]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    return _scalar(field.parts[field.data[0]])
-
-
-def _scalar(part: np.ndarray) -> Any:
-    value = part[0] if len(part) else None
-    return value.item() if hasattr(value, "item") else value

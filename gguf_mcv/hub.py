@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -30,12 +31,14 @@ from typing import Iterator
 from . import constants
 from .catalog import CatalogEntry, load_catalog
 from .errors import (
+    CorruptModelError,
     DownloadError,
     HubAuthError,
     ModelNotFoundError,
     NotEnoughDiskError,
     OfflineError,
 )
+from .headers import TextHeader, parse_header, text_header
 from .quants import GgufFileInfo, classify_gguf, normalize_quant, quality_rank
 
 logger = logging.getLogger(__name__)
@@ -459,6 +462,41 @@ def hub_errors(repo: str, filename: str | None = None) -> Iterator[None]:
             f"The connection to the Hub failed for {what} ({type(exc).__name__}: {exc}). Check the "
             "network and run the same command again; files already complete are kept."
         ) from exc
+
+
+#: first bytes fetched to read a remote header, and the most ever fetched for one
+HEADER_FIRST_BYTES = 256 * 1024
+HEADER_MAX_BYTES = 8 * 2**20
+
+
+def remote_text_header(listing: RepoFiles, f: RemoteFile) -> TextHeader:
+    """The header of a text model on the Hub, from ranged reads of its first bytes.
+
+    Enough to plan memory for a repo the catalog does not know: the architecture keys
+    come first in a GGUF file, so a few hundred KB suffice; more is fetched (doubling,
+    up to :data:`HEADER_MAX_BYTES`) only when they are not there yet.
+    """
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    url = hf_hub_url(listing.repo, f.path, revision=listing.revision)
+    want = HEADER_FIRST_BYTES
+    while True:
+        with hub_errors(listing.repo, f.path):
+            resp = get_session().get(url, headers={**build_hf_headers(), "Range": f"bytes=0-{want - 1}"},
+                                     follow_redirects=True)
+            hf_raise_for_status(resp)
+        data = resp.content
+        fields, _ = parse_header(io.BytesIO(data), tensors=False, partial=True)
+        arch = fields.get("general.architecture")
+        complete = isinstance(arch, str) and f"{arch}.block_count" in fields and (
+            f"{arch}.attention.head_count_kv" in fields or "tokenizer.ggml.tokens" in fields)
+        if complete or len(data) < want or want >= HEADER_MAX_BYTES:
+            try:
+                return text_header(fields, {}, f"{listing.repo}/{f.path}", f.size or 0)
+            except CorruptModelError as exc:
+                raise CorruptModelError(f"Could not read the header of {f.path} in {listing.repo}: {exc}") from exc
+        want *= 2
 
 
 def _planned_quant(model: str, listing: RepoFiles, entry: CatalogEntry | None,

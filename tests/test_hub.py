@@ -176,3 +176,15 @@ def test_catalog_name_resolves_to_its_repo() -> None:
     assert (repo, entry) == ("someone/else-gguf", None)
     with pytest.raises(ModelNotFoundError):
         hubmod.resolve("minicpm-v-9000")
+
+
+def test_remote_header_is_read_with_a_small_ranged_request(hub, tiny) -> None:
+    publish(hub, tiny)
+    listing = hubmod.list_files(REPO)
+    f = listing.model_file("Q8_0")
+    header = hubmod.remote_text_header(listing, f)
+    assert (header.architecture, header.n_layers, header.n_embd, header.n_head_kv) == ("qwen2", 2, 256, 2)
+    assert header.n_vocab == tiny.spec.n_vocab and header.chat_template
+    gets = hub.requests(method="GET", path="*/resolve/*")
+    assert len(gets) == 1 and gets[0].range == f"bytes=0-{hubmod.HEADER_FIRST_BYTES - 1}"
+    assert gets[0].bytes_sent <= hubmod.HEADER_FIRST_BYTES < f.size
