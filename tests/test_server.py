@@ -1,0 +1,609 @@
+"""The HTTP server, driven by the real OpenAI and Ollama clients and plain requests, on the tiny model.
+
+Random weights give gibberish: the tests check behaviour (answers, usage, status codes,
+queueing, cancellation), never wording. To make queueing deterministic a test holds the
+model itself (a library stream that has yielded its first piece holds the model's lock),
+so requests pile up behind it.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import numpy as np
+import PIL.Image
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+ollama = pytest.importorskip("ollama")
+requests = pytest.importorskip("requests")
+
+import gguf_mcv  # noqa: E402  (after the importorskips)
+from gguf_mcv import server  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class Running:
+    """A uvicorn server for ``app`` on a free localhost port, in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model(tiny) -> Iterator[gguf_mcv.Model]:
+    m = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def srv(model) -> Iterator[Running]:
+    """The main server: API key set, defaults otherwise."""
+    running = Running(server.build_app(model, api_key=KEY))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def small(model) -> Iterator[Running]:
+    """A second server on the same model: no key, a queue of 1, a 64 KiB body limit, remote media on."""
+    running = Running(server.build_app(model, api_key="", max_queue=1, max_body_bytes=64 * 1024,
+                                       allow_remote_media=True))
+    yield running
+    running.stop()
+
+
+def png(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def image_message(url: str, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def oai(running: Running, key: str = KEY) -> Any:
+    return openai.OpenAI(base_url=running.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def oll(running: Running, headers: dict[str, str] | None = AUTH) -> Any:
+    return ollama.Client(host=running.url, headers=headers, timeout=60)
+
+
+def served(running: Running) -> str:
+    return requests.get(running.url + "/health", timeout=10).json()["model"]
+
+
+def metrics(running: Running, headers: dict[str, str] = AUTH) -> dict[str, Any]:
+    return requests.get(running.url + "/metrics", headers=headers, timeout=10).json()
+
+
+@contextmanager
+def holding(model: gguf_mcv.Model) -> Iterator[None]:
+    """Keep the model busy: a stream holds its lock from its first piece until closed."""
+    stream = model.ask("Say many things.", stream=True, max_tokens=4000, temperature=0)
+    next(stream)
+    try:
+        yield
+    finally:
+        stream.close()
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+# -- OpenAI -------------------------------------------------------------------------------------
+
+
+def test_openai_lists_the_model_and_answers_about_an_image(srv: Running) -> None:
+    client = oai(srv)
+    name = served(srv)
+    assert [m.id for m in client.models.list().data] == [name]
+    assert client.models.retrieve(name).id == name
+    r = client.chat.completions.create(model=name, messages=image_message(data_uri(png(1))),
+                                       max_tokens=8, seed=1)
+    assert r.model == name and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 64  # one 64-token image slice plus the text
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_openai_streaming_gives_the_same_answer_with_usage(srv: Running) -> None:
+    client = oai(srv)
+    kwargs = dict(model=served(srv), messages=image_message(data_uri(png(2))), max_tokens=12,
+                  temperature=0, stop=["\n\n\n"])
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_openai_video_url_part(srv: Running) -> None:
+    frames = [PIL.Image.fromarray(np.full((48, 64, 3), 60 * i, np.uint8)) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=1000, loop=0)
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": data_uri(buf.getvalue(), "image/gif")}},
+        {"type": "text", "text": "What happens?"}]}]
+    r = oai(srv).chat.completions.create(model=served(srv), messages=messages, max_tokens=4)
+    assert r.usage.prompt_tokens > 2 * 64  # several frames, 64 tokens each
+
+
+# -- Ollama ---------------------------------------------------------------------------------------
+
+
+def test_ollama_client_generate_with_images(srv: Running) -> None:
+    client = oll(srv)
+    name = served(srv)
+    r = client.generate(model=name, prompt="Describe it.", images=[png(3)],
+                        options={"num_predict": 8, "seed": 2, "temperature": 0.5})
+    assert r.done and r.done_reason in ("stop", "length")
+    assert isinstance(r.response, str)
+    assert r.prompt_eval_count > 64 and 1 <= r.eval_count <= 8
+    assert r.total_duration >= r.eval_duration > 0
+
+    parts = list(client.generate(model=name, prompt="Describe it.", images=[b64(png(3))], stream=True,
+                                 options={"num_predict": 8, "temperature": 0}))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].eval_count >= 1 and parts[-1].prompt_eval_count > 64
+    assert all(p.model == name for p in parts)
+
+
+def test_ollama_client_chat_with_images(srv: Running) -> None:
+    client = oll(srv)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is this?", "images": [b64(png(4))]}]
+    r = client.chat(model=served(srv), messages=messages, options={"num_predict": 6})
+    assert r.message.role == "assistant" and isinstance(r.message.content, str)
+    assert r.done and r.prompt_eval_count > 64 and 1 <= r.eval_count <= 6
+
+    parts = list(client.chat(model=served(srv), messages=messages, stream=True,
+                             options={"num_predict": 6}))
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert parts[-1].eval_count >= 1
+
+
+def test_ollama_list_show_ps_and_version(srv: Running) -> None:
+    client = oll(srv)
+    name = served(srv)
+    listed = client.list().models
+    assert len(listed) == 1 and listed[0].model == f"{name}:latest"
+    assert listed[0].size > 0 and listed[0].details.format == "gguf"
+    assert listed[0].details.quantization_level == "Q4_K_M"
+    shown = client.show(listed[0].model)  # the listed name is accepted back
+    assert "vision" in shown.capabilities and shown.modelinfo["minicpmv.context_length"] == 4096
+    assert client.ps().models[0].context_length == 4096
+    assert requests.get(srv.url + "/api/version", headers=AUTH, timeout=10).json()["version"]
+
+
+def test_requests_scripts_the_ollama_way(srv: Running) -> None:
+    url = srv.url + "/api/generate"
+    body = {"model": served(srv), "prompt": "What is this?", "images": [b64(png(5))],
+            "options": {"num_predict": 5}}
+    r = requests.post(url, json={**body, "stream": False}, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["done"] is True and isinstance(r.json()["response"], str)
+
+    # streaming is the default; curl -d sends no JSON content type, which must not matter
+    form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
+    r = requests.post(url, data=json.dumps(body), headers=form, stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] >= 1
+    assert all(line["done"] is False and isinstance(line["response"], str) for line in lines[:-1])
+
+    # an empty prompt only "loads" the model, as in Ollama
+    r = requests.post(url, json={"model": served(srv)}, headers=AUTH, timeout=10)
+    assert r.json()["done_reason"] == "load"
+
+
+# -- queueing and concurrency ------------------------------------------------------------------------
+
+
+def test_eight_concurrent_clients_are_queued_and_all_answered(srv: Running, model) -> None:
+    client = oai(srv)
+    name = served(srv)
+
+    def ask(i: int) -> Any:
+        return client.chat.completions.create(model=name, messages=image_message(data_uri(png(10 + i))),
+                                              max_tokens=4, seed=i)
+
+    with ThreadPoolExecutor(8) as pool:
+        with holding(model):
+            futures = [pool.submit(ask, i) for i in range(8)]
+            wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["queue_length"] == 7)
+            began = time.monotonic()
+            health = requests.get(srv.url + "/health", timeout=5)
+            assert time.monotonic() - began < 1.0  # the event loop is free while the model works
+            assert health.json() == {"status": "ok", "model": name, "queue_length": 7, "in_flight": 1}
+        replies = [f.result(timeout=60) for f in futures]
+    assert all(r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 64 for r in replies)
+
+
+def test_a_full_queue_answers_503_with_retry_after(small: Running, model) -> None:
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+
+    def post() -> requests.Response:
+        return requests.post(small.url + "/v1/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        with holding(model):
+            futures: list[Future] = [pool.submit(post) for _ in range(8)]
+            wait_for(lambda: sum(f.done() for f in futures) == 6)  # one answering, one waiting
+        responses = [f.result(timeout=60) for f in futures]
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [200, 200] + [503] * 6
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "server_busy"
+    assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
+def test_a_hung_up_stream_frees_the_model(srv: Running) -> None:
+    before = metrics(srv)["cancelled"]
+    body = {"model": served(srv), "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 4000, "temperature": 0, "stream": True}
+    with requests.Session() as session:
+        r = session.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True, timeout=60)
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+        began = time.monotonic()
+        health = requests.get(srv.url + "/health", timeout=5).json()
+        assert time.monotonic() - began < 1.0 and health["in_flight"] == 1  # answered while generating
+        r.close()  # hang up mid-stream
+    wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["in_flight"] == 0, timeout=5)
+    began = time.monotonic()
+    reply = oai(srv).chat.completions.create(model=served(srv), max_tokens=3,
+                                             messages=[{"role": "user", "content": "Hi"}])
+    assert reply.usage.completion_tokens >= 1
+    assert time.monotonic() - began < 5
+    assert metrics(srv)["cancelled"] == before + 1
+
+
+def test_a_client_that_gives_up_while_queued_costs_no_answer(srv: Running, model) -> None:
+    before = metrics(srv)
+    with holding(model), pytest.raises(requests.Timeout):
+        requests.post(srv.url + "/api/generate", json={"prompt": "Hi", "options": {"num_predict": 50}},
+                      headers=AUTH, timeout=0.5)
+    wait_for(lambda: metrics(srv)["cancelled"] == before["cancelled"] + 1)
+    after = metrics(srv)
+    assert after["answers"] == before["answers"]  # stopped before its first piece went anywhere
+    assert after["requests"]["POST /api/generate"].get("499", 0) == \
+        before["requests"].get("POST /api/generate", {}).get("499", 0) + 1
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+
+
+def test_bad_images_get_400(srv: Running) -> None:
+    client = oai(srv)
+    corrupt_png = png(6)[:40] + b"\x00" * 100
+    for url in ("data:image/png;base64,@@not-base64@@", data_uri(corrupt_png)):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=served(srv), messages=image_message(url),
+                                               max_tokens=3, stream=stream)
+            assert err.value.body["type"] == "invalid_request_error"
+
+    r = requests.post(srv.url + "/api/generate", headers=AUTH, timeout=30,
+                      json={"prompt": "What?", "images": ["not base64!"], "stream": False})
+    assert r.status_code == 400 and "base64" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as err:
+        oll(srv).chat(model=served(srv), messages=[{"role": "user", "content": "?", "images": [corrupt_png]}])
+    assert err.value.status_code == 400
+
+
+def test_oversize_bodies_get_413(small: Running) -> None:
+    big = {"prompt": "x" * (100 * 1024), "stream": False}
+    r = requests.post(small.url + "/api/generate", json=big, timeout=30)
+    assert r.status_code == 413 and isinstance(r.json()["error"], str)
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the server must count
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 8192):
+            yield data[i:i + 8192]
+
+    r = requests.post(small.url + "/v1/chat/completions", data=chunked(), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_wrong_or_missing_key_gets_401_but_health_does_not_need_one(srv: Running) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        oai(srv, key="wrong").models.list()
+    with pytest.raises(ollama.ResponseError) as err:
+        oll(srv, headers=None).list()
+    assert err.value.status_code == 401
+    r = requests.post(srv.url + "/api/generate", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 401 and isinstance(r.json()["error"], str)
+    r = requests.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(srv.url + "/metrics", timeout=10).status_code == 401
+    assert requests.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_local_files_are_refused(srv: Running, tmp_path) -> None:
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(7))
+    for url in ("file:///etc/passwd", "/etc/passwd", str(picture), picture.as_uri()):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai(srv).chat.completions.create(model=served(srv), messages=image_message(url), max_tokens=2)
+        assert "not allowed" in err.value.message and "root:" not in err.value.message
+
+
+def test_remote_urls_refused_unless_enabled_and_never_to_private_hosts(srv: Running, small: Running) -> None:
+    with pytest.raises(openai.BadRequestError, match="not allowed"):
+        oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
+                                         messages=image_message("https://example.com/cat.png"))
+    port = small.url.rsplit(":", 1)[1]
+    for url in (f"http://127.0.0.1:{port}/health", f"http://localhost:{port}/health",
+                "http://169.254.169.254/latest/meta-data/", "http://[::1]/x.png", "http://10.0.0.1/x.png"):
+        with pytest.raises(openai.BadRequestError, match="not a public address"):
+            oai(small, key="none").chat.completions.create(model=served(small), max_tokens=2,
+                                                           messages=image_message(url))
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    files: ClassVar[dict[str, bytes]] = {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        data = self.files.get(self.path)
+        self.send_response(200 if data is not None else 404)
+        self.send_header("Content-Length", str(len(data or b"")))
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_remote_images_are_fetched_with_a_size_cap(small: Running, monkeypatch) -> None:
+    # the test's file server is on loopback, so treat every address as public here
+    monkeypatch.setattr(server, "_is_public", lambda ip: True)
+    _Files.files = {"/cat.png": png(8), "/huge.png": png(9, (400, 400))}  # the second is > 64 KiB
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    try:
+        client = oai(small, key="none")
+        for path in ("/cat.png", "/moved"):
+            r = client.chat.completions.create(model=served(small), max_tokens=2,
+                                               messages=image_message(base + path))
+            assert r.usage.prompt_tokens > 64
+        with pytest.raises(openai.BadRequestError, match="larger than"):
+            client.chat.completions.create(model=served(small), max_tokens=2,
+                                           messages=image_message(base + "/huge.png"))
+        with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+            client.chat.completions.create(model=served(small), max_tokens=2,
+                                           messages=image_message(base + "/missing.png"))
+    finally:
+        files.shutdown()
+        files.server_close()
+
+
+def test_model_names(srv: Running) -> None:
+    name = served(srv)
+    with pytest.raises(openai.NotFoundError):
+        oai(srv).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ollama.ResponseError) as err:
+        oll(srv).generate(model="llava:latest", prompt="hi")
+    assert err.value.status_code == 404
+    for alias in (name.upper(), f"{name}:latest", f"{name}:q4_k_m", f"{name}.gguf"):
+        r = oll(srv).generate(model=alias, prompt="hi", options={"num_predict": 2})
+        assert r.done and r.model == alias
+    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=30,  # model may be omitted
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == name
+
+
+def test_invalid_requests_get_400_in_each_shape(srv: Running) -> None:
+    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10, data=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
+                      json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = requests.post(srv.url + "/api/chat", headers=AUTH, timeout=10,
+                      json={"messages": [{"role": "robot", "content": "hi"}], "stream": False})
+    assert r.status_code == 400 and "role" in r.json()["error"]
+    r = requests.get(srv.url + "/v1/nothing-here", headers=AUTH, timeout=10)
+    assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+def test_metrics_count_requests_and_the_server_is_still_healthy(srv: Running) -> None:
+    before = metrics(srv)
+    requests.get(srv.url + "/v1/models", timeout=10)  # no key: 401
+    oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
+                                     messages=image_message(data_uri(png(99))))  # an image not seen before
+    requests.post(srv.url + "/api/chat", headers=AUTH, json={"messages": [{"role": "x"}]}, timeout=10)
+    after = metrics(srv)
+
+    def count(m: dict[str, Any], route: str, status: int) -> int:
+        return m["requests"].get(route, {}).get(str(status), 0)
+
+    assert count(after, "GET /v1/models", 401) == count(before, "GET /v1/models", 401) + 1
+    chats = "POST /v1/chat/completions"
+    assert count(after, chats, 200) == count(before, chats, 200) + 1
+    assert count(after, "POST /api/chat", 400) == count(before, "POST /api/chat", 400) + 1
+    assert count(after, "GET /metrics", 200) >= 1
+    assert after["answers"] == before["answers"] + 1
+    assert after["prompt_tokens"] - before["prompt_tokens"] > 64
+    assert after["image_tokens"] - before["image_tokens"] == 64
+    assert after["completion_tokens"] > before["completion_tokens"]
+    assert after["encode_ms_total"] > before["encode_ms_total"]
+    assert after["queue_length"] == 0 and after["in_flight"] == 0
+    assert requests.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+# -- smaller pieces ----------------------------------------------------------------------------------
+
+
+def test_api_key_from_the_environment(model, monkeypatch) -> None:
+    monkeypatch.setenv(server.API_KEY_ENV, "from-env")
+    running = Running(server.build_app(model))
+    try:
+        assert requests.get(running.url + "/v1/models", timeout=10).status_code == 401
+        key = {"Authorization": "Bearer from-env"}
+        assert requests.get(running.url + "/v1/models", headers=key, timeout=10).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_serve_binds_loopback_and_warns_when_exposed_without_a_key(model, monkeypatch, caplog) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.delenv(server.API_KEY_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="gguf_mcv.server"):
+        server.serve(model, port=9999)
+        assert calls[-1]["host"] == "127.0.0.1" and calls[-1]["port"] == 9999
+        assert "without an API key" not in caplog.text
+        server.serve(model, host="0.0.0.0")
+    assert "without an API key" in caplog.text
+
+
+def _reply(text: str) -> gguf_mcv.Reply:
+    timings = gguf_mcv.Timings(0, 0, 0, 0, 0, 0, 0, 0)
+    return gguf_mcv.Reply(text, usage=gguf_mcv.Usage(3, 0, 0, 0), timings=timings, finish_reason="stop")
+
+
+def test_priming_keeps_every_piece_the_reply_and_closing() -> None:
+    closed: list[bool] = []
+
+    def pieces(texts: list[str]):
+        try:
+            yield from texts
+            return _reply("".join(texts))
+        finally:
+            closed.append(True)
+
+    empty = server._primed(gguf_mcv.Stream(pieces([])))
+    assert list(empty) == [] and empty.reply == ""
+    primed = server._primed(gguf_mcv.Stream(pieces(["a", "b", "c"])))
+    assert list(primed) == ["a", "b", "c"] and primed.reply == "abc"
+    closed.clear()
+    primed = server._primed(gguf_mcv.Stream(pieces(["a", "b"])))
+    assert next(primed) == "a"
+    primed.close()  # closing the primed stream closes the model's stream (and frees the model)
+    assert closed == [True]
+
+
+def test_names_a_catalog_model_answers_to(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from gguf_mcv.model import ModelInfo
+
+    info = ModelInfo(name="MiniCPM-V 2.6", model_path=str(tmp_path / "ggml-model-Q4_K_M.gguf"),
+                     mmproj_path=str(tmp_path / "mmproj-model-f16.gguf"), quant="Q4_K_M",
+                     repo="openbmb/MiniCPM-V-2_6-gguf", template_origin="gguf", can_think=False,
+                     thinking_default=False, n_ctx=4096, slice_size=448)
+    served, names = server._model_names(SimpleNamespace(info=info), None)
+    assert served == "minicpm-v-2.6"
+    for name in ("minicpm-v-2.6", "MiniCPM-V 2.6", "openbmb/MiniCPM-V-2_6-gguf", "minicpm-v:8b", "minicpm-v",
+                 "minicpm-v:latest", "ggml-model-Q4_K_M", "minicpm-v-2.6:Q4_K_M"):
+        assert server._normal_name(name) in names, name
+    for name in ("minicpm-v:2b", "minicpm-v-4.5", "llava"):
+        assert server._normal_name(name) not in names, name
+    assert server._model_names(SimpleNamespace(info=info), "my-vlm")[0] == "my-vlm"
+
+
+class _Scripted:
+    """A stand-in Model whose answers follow the question: "late" fails after a piece, "crash" at once."""
+
+    def __init__(self, info: Any) -> None:
+        self.info = info
+
+    def chat_completion(self, messages: list[dict[str, Any]], **options: Any) -> gguf_mcv.Stream:
+        question = messages[-1]["content"]
+        if question == "crash":
+            raise RuntimeError("a bug")
+
+        def pieces():
+            yield "one "
+            if question == "late":
+                raise gguf_mcv.EngineError("llama_decode failed")
+            return _reply("one ")
+
+        return gguf_mcv.Stream(pieces())
+
+
+def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog) -> None:
+    running = Running(server.build_app(_Scripted(model.info), api_key=""))
+    try:
+        client = oai(running, key="none")
+        with pytest.raises(openai.APIError, match="llama_decode failed"):
+            for _ in client.chat.completions.create(model=served(running), stream=True,
+                                                    messages=[{"role": "user", "content": "late"}]):
+                pass
+        with pytest.raises(ollama.ResponseError, match="llama_decode failed"):
+            for _ in oll(running, headers=None).chat(messages=[{"role": "user", "content": "late"}],
+                                                     model=served(running), stream=True):
+                pass
+        with caplog.at_level(logging.ERROR, logger="gguf_mcv.server"):
+            crash = {"messages": [{"role": "user", "content": "crash"}]}
+            r = requests.post(running.url + "/api/chat", json=crash, timeout=10)
+        assert r.status_code == 500 and "a bug" in r.json()["error"]
+        assert "a bug" in caplog.text  # real faults are logged
+        r = requests.post(running.url + "/api/generate", json={"prompt": "fine", "stream": False}, timeout=10)
+        assert r.json()["response"] == "one " and r.json()["eval_count"] == 0
+        assert metrics(running, headers={})["failed"] == 3
+    finally:
+        running.stop()
