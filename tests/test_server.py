@@ -33,6 +33,7 @@ requests = pytest.importorskip("requests")
 
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
+from gguf_mcv.server import admission, naming, remote_media  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -416,7 +417,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 
 def test_remote_images_are_fetched_with_a_size_cap(small: Running, monkeypatch) -> None:
     # the test's file server is on loopback, so treat every address as public here
-    monkeypatch.setattr(server, "_is_public", lambda ip: True)
+    monkeypatch.setattr(remote_media, "_is_public", lambda ip: True)
     _Files.files = {"/cat.png": png(8), "/huge.png": png(9, (400, 400))}  # the second is > 64 KiB
     files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
     threading.Thread(target=files.serve_forever, daemon=True).start()
@@ -535,12 +536,12 @@ def test_priming_keeps_every_piece_the_reply_and_closing() -> None:
         finally:
             closed.append(True)
 
-    empty = server._primed(gguf_mcv.Stream(pieces([])))
+    empty = admission._primed(gguf_mcv.Stream(pieces([])))
     assert list(empty) == [] and empty.reply == ""
-    primed = server._primed(gguf_mcv.Stream(pieces(["a", "b", "c"])))
+    primed = admission._primed(gguf_mcv.Stream(pieces(["a", "b", "c"])))
     assert list(primed) == ["a", "b", "c"] and primed.reply == "abc"
     closed.clear()
-    primed = server._primed(gguf_mcv.Stream(pieces(["a", "b"])))
+    primed = admission._primed(gguf_mcv.Stream(pieces(["a", "b"])))
     assert next(primed) == "a"
     primed.close()  # closing the primed stream closes the model's stream (and frees the model)
     assert closed == [True]
@@ -555,14 +556,14 @@ def test_names_a_catalog_model_answers_to(tmp_path) -> None:
                      mmproj_path=str(tmp_path / "mmproj-model-f16.gguf"), quant="Q4_K_M",
                      repo="openbmb/MiniCPM-V-2_6-gguf", template_origin="gguf", can_think=False,
                      thinking_default=False, n_ctx=4096, slice_size=448)
-    served, names = server._model_names(SimpleNamespace(info=info), None)
+    served, names = naming.model_names(SimpleNamespace(info=info), None)
     assert served == "minicpm-v-2.6"
     for name in ("minicpm-v-2.6", "MiniCPM-V 2.6", "openbmb/MiniCPM-V-2_6-gguf", "minicpm-v:8b", "minicpm-v",
                  "minicpm-v:latest", "ggml-model-Q4_K_M", "minicpm-v-2.6:Q4_K_M"):
-        assert server._normal_name(name) in names, name
+        assert naming.normal_name(name) in names, name
     for name in ("minicpm-v:2b", "minicpm-v-4.5", "llava"):
-        assert server._normal_name(name) not in names, name
-    assert server._model_names(SimpleNamespace(info=info), "my-vlm")[0] == "my-vlm"
+        assert naming.normal_name(name) not in names, name
+    assert naming.model_names(SimpleNamespace(info=info), "my-vlm")[0] == "my-vlm"
 
 
 class _Scripted:

@@ -1,0 +1,57 @@
+"""A local HTTP server for one :class:`~gguf_mcv.model.Model`: OpenAI and Ollama clients work as they are.
+
+    from gguf_mcv.server import serve
+    serve(model, port=8080)            # http://127.0.0.1:8080/v1 and http://127.0.0.1:8080/api
+
+Routes (``/health`` needs no key, every other route does when a key is set):
+
+* OpenAI: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
+  (SSE when ``stream``; usage always in the last chunk). Errors are
+  ``{"error": {"message", "type", "param", "code"}}``.
+* Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
+  ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
+  Errors are ``{"error": "message"}``.
+* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters).
+
+The model answers one request at a time; up to ``max_queue`` more wait, later ones get
+``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
+it). Each answer runs on its own thread; a client that hangs up stops its generation.
+
+Security: binds 127.0.0.1 by default. The API key (``api_key=``, else the environment
+variable ``GGUF_MCV_API_KEY``) is accepted as ``Authorization: Bearer <key>``. Request
+bodies over ``max_body_bytes`` get 413. Images and videos come inside the request
+(data: URIs, Ollama's base64); local paths and ``file://`` URLs only with
+``allow_local_files``; ``http(s)`` URLs only with ``allow_remote_media``, and then the
+server fetches them itself (size cap, timeout, at most 3 redirects) and only from
+public addresses: every address the host resolves to is checked and the connection
+goes to the checked one, so a URL cannot reach loopback, private or link-local hosts.
+
+A request's ``model`` may be omitted; if given it must name the served model: its
+served name, catalog name or alias, Hub repo, display name or file stem, any case,
+with or without an Ollama tag (``:latest`` or the quant, e.g. ``minicpm-v-2.6:q4_k_m``).
+
+Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api`` (the
+routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
+``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
+``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
+``http_errors`` (error shapes and handlers), ``remote_media`` (the SSRF-safe fetch).
+"""
+
+from __future__ import annotations
+
+try:  # the server's dependencies are an optional extra: say how to get them
+    import fastapi.responses
+    import pydantic
+    import starlette.exceptions
+    import starlette.requests
+    import starlette.types
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "gguf_mcv.server needs FastAPI and uvicorn: pip install 'gguf-mcv[server]'"
+    ) from exc
+
+from .app import API_KEY_ENV, build_app, serve
+
+del fastapi, pydantic, starlette  # imported above only to check that they are installed
+
+__all__ = ["API_KEY_ENV", "build_app", "serve"]

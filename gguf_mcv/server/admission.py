@@ -1,0 +1,221 @@
+"""Answering under the queue: each answer on its own thread, streamed back, stopped on hang-up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..generation import Stream
+from ..reply import Reply
+from .http_errors import ClientGone, HTTPError, as_http_error, openai_error
+from .state import State, state_of
+
+T = TypeVar("T")
+
+
+class _Job:
+    """One answer generated on its own thread; what it yields reaches the event loop in a queue.
+
+    The thread evaluates the prompt first (so bad images fail before a response starts),
+    then iterates ``shape(stream)``, checking between items whether it was cancelled.
+    ``done(outcome, reply, seconds)`` is called on the event loop when the thread ends;
+    ``outcome`` is ``"answered"`` (with the reply), ``"cancelled"`` or ``"failed"``.
+    """
+
+    def __init__(self, start: Callable[[], Stream], shape: Callable[[Stream], Iterable[Any]],
+                 done: Callable[[str, Reply | None, float], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._stop = threading.Event()
+        self._start, self._shape, self._done = start, shape, done
+        self.reply: Reply | None = None
+        threading.Thread(target=self._run, name="gguf_mcv-answer", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+    async def ready(self) -> None:
+        """Wait until the prompt has been evaluated; raise what went wrong before that."""
+        kind, value = await self._events.get()
+        if kind == "error":
+            raise value
+
+    async def items(self) -> AsyncIterator[Any]:
+        """What ``shape`` yields, until the end; raises what went wrong."""
+        while True:
+            kind, value = await self._events.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                self.reply = value
+                return
+            yield value
+
+    async def result(self) -> Reply:
+        async for _ in self.items():
+            pass
+        assert self.reply is not None
+        return self.reply
+
+    def _run(self) -> None:
+        began, outcome, reply = time.perf_counter(), "failed", None
+        try:
+            stream = _primed(self._start())
+            self._emit("ready", None)
+            with stream:  # closing it stops generation and frees the model, on this thread
+                for item in self._shape(stream):
+                    if self._stop.is_set():
+                        outcome = "cancelled"
+                        return
+                    self._emit("item", item)
+            outcome, reply = "answered", stream.reply
+            self._emit("end", reply)
+        except Exception as exc:
+            self._emit("error", exc)
+        finally:
+            self._call(self._done, outcome, reply, time.perf_counter() - began)
+
+    def _emit(self, kind: str, value: Any) -> None:
+        self._call(self._events.put_nowait, (kind, value))
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is gone (server shut down)
+            pass
+
+
+def _primed(stream: Stream) -> Stream:
+    """Evaluate the prompt now (its errors surface here); a Stream of the same pieces.
+
+    Closing the returned stream closes ``stream``.
+    """
+    try:
+        first = [next(stream)]
+    except StopIteration:  # an empty answer: stream.reply is set
+        first = []
+
+    def pieces() -> Generator[str, None, Reply]:
+        with stream:
+            if first:  # an exhausted Stream must not be iterated again: it would lose its reply
+                yield first[0]
+                yield from stream
+        assert stream.reply is not None
+        return stream.reply
+
+    return Stream(pieces())
+
+
+async def _or_hang_up(request: Request, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, unless the client hangs up first: then :class:`ClientGone`."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_hung_up(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientGone()
+    return task.result()
+
+
+async def _hung_up(request: Request) -> None:
+    # the body has been read, so the next ASGI message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _begin(request: Request, start: Callable[[], Stream],
+                 shape: Callable[[Stream], Iterable[Any]]) -> _Job:
+    """Wait for the model (503 when the queue is full), start the answer, wait until it runs."""
+    state = state_of(request)
+    await _or_hang_up(request, state.gate.acquire(state.metrics.retry_after()))
+    try:
+        job = _Job(start, shape, partial(_finished, state))
+    except BaseException:
+        state.gate.release()
+        raise
+    with _cancelled_on_error(job):
+        await _or_hang_up(request, job.ready())
+    return job
+
+
+@contextmanager
+def _cancelled_on_error(job: _Job) -> Iterator[None]:
+    """Stop ``job`` if anything goes wrong (a hang-up too); answer its errors over HTTP."""
+    try:
+        yield
+    except (ClientGone, HTTPError):
+        job.cancel()
+        raise
+    except Exception as exc:
+        job.cancel()
+        raise as_http_error(exc) from None
+    except BaseException:
+        job.cancel()
+        raise
+
+
+def _finished(state: State, outcome: str, reply: Reply | None, seconds: float) -> None:
+    state.gate.release()
+    state.metrics.record(outcome, reply, seconds)
+
+
+async def answer(request: Request, start: Callable[[], Stream]) -> Reply:
+    """The whole answer (the generation stops if the client hangs up)."""
+    job = await _begin(request, start, iter)
+    with _cancelled_on_error(job):
+        return await _or_hang_up(request, job.result())
+
+
+async def answer_stream(request: Request, start: Callable[[], Stream],
+                        shape: Callable[[Stream], Iterable[Any]], ndjson: bool) -> Response:
+    """A streaming response of what ``shape`` makes of the answer: NDJSON lines or SSE events."""
+    job = await _begin(request, start, shape)
+    fmt = _ndjson_lines if ndjson else _sse_events
+    return _AnswerResponse(job, fmt(job),
+                           media_type="application/x-ndjson" if ndjson else "text/event-stream")
+
+
+class _AnswerResponse(StreamingResponse):
+    """A streaming answer whose generation stops however the response ends (a hang-up too)."""
+
+    def __init__(self, job: _Job, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+async def _sse_events(job: _Job) -> AsyncIterator[str]:
+    try:
+        async for chunk in job.items():
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    except Exception as exc:  # the response has started: the error goes in the stream
+        yield f"data: {json.dumps(openai_error(as_http_error(exc)), ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _ndjson_lines(job: _Job) -> AsyncIterator[str]:
+    try:
+        async for line in job.items():
+            yield json.dumps(line, ensure_ascii=False) + "\n"
+    except Exception as exc:
+        yield json.dumps({"error": as_http_error(exc).message}, ensure_ascii=False) + "\n"

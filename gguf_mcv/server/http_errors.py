@@ -1,0 +1,95 @@
+"""HTTP errors: the error type the routes raise, its OpenAI and Ollama shapes, the handlers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError, ModelNotFoundError
+
+log = logging.getLogger("gguf_mcv.server")
+
+#: Status for a request whose client hung up before it was answered (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+class HTTPError(Exception):
+    """An error answer, rendered in the shape of the API the request was for."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy"}
+
+
+def _error_response(request: Request, error: HTTPError) -> JSONResponse:
+    ollama = request.url.path.startswith("/api/")
+    content = {"error": error.message} if ollama else openai_error(error)
+    return JSONResponse(content, status_code=error.status, headers=error.headers)
+
+
+def openai_error(error: HTTPError) -> dict[str, Any]:
+    """``error`` as an OpenAI error body."""
+    return {"error": {"message": error.message, "type": _ERROR_TYPES.get(error.status, "server_error"),
+                      "param": error.param, "code": error.code}}
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPError)
+    return _error_response(request, exc)
+
+
+async def _on_library_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GgufMcvError)
+    return _error_response(request, as_http_error(exc))
+
+
+async def _on_starlette_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return _error_response(request, HTTPError(exc.status_code, str(exc.detail),
+                                              headers=dict(exc.headers or {})))
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def _on_crash(request: Request, exc: Exception) -> Response:
+    # Starlette logs the exception itself after this answer is sent
+    return _error_response(request, HTTPError(500, f"Internal error: {type(exc).__name__}: {exc}",
+                                              code="internal_error"))
+
+
+def as_http_error(exc: BaseException) -> HTTPError:
+    """The HTTP answer for an exception raised while answering; real faults are logged."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, (MediaError, ContextOverflowError, ConfigError)):
+        code = "invalid_image" if isinstance(exc, MediaError) else None
+        return HTTPError(400, str(exc), code=code)
+    if isinstance(exc, ModelNotFoundError):
+        return HTTPError(404, str(exc), code="not_found")
+    log.error("Answering failed", exc_info=exc)
+    return HTTPError(500, f"Internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every exception in the shape of the API the request was for."""
+    app.add_exception_handler(HTTPError, _on_http_error)
+    app.add_exception_handler(GgufMcvError, _on_library_error)
+    app.add_exception_handler(StarletteHTTPException, _on_starlette_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)
+    app.add_exception_handler(Exception, _on_crash)

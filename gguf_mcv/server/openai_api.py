@@ -1,0 +1,109 @@
+"""The OpenAI API: ``/v1/models`` and ``/v1/chat/completions`` (SSE when streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import Field
+
+from ..openai_compat import completion, completion_chunks
+from .admission import answer, answer_stream
+from .bodies import Body, json_body, stop_list
+from .http_errors import HTTPError
+from .remote_media import fetch_remote_media
+from .state import State, file_mtime, model_stream, state_of
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class ChatMessage(Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(Body):
+    """``POST /v1/chat/completions``; usage is reported whatever ``stream_options`` says."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    repeat_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise HTTPError(400, "Only n=1 is supported.", param="n")
+        if self.logprobs:
+            raise HTTPError(400, "logprobs are not supported.", param="logprobs")
+        if self.tools:
+            raise HTTPError(400, "Tools are not supported by this server.", param="tools")
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise HTTPError(400, "Only response_format type 'text' is supported.",
+                            param="response_format")
+
+    def options(self, n_ctx: int) -> dict[str, Any]:
+        """Keyword arguments for :meth:`Model.chat_completion`."""
+        thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return dict(max_tokens=self.max_completion_tokens or self.max_tokens or n_ctx,
+                    stop=stop_list(self.stop), thinking=None if thinking is None else bool(thinking),
+                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    repeat_penalty=self.repeat_penalty, seed=self.seed)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        # "developer" is what newer OpenAI clients call the system role
+        return [{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
+                for m in self.messages]
+
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state_of(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    state = state_of(request)
+    state.check_model(model_id)
+    return _model_card(state)
+
+
+def _model_card(state: State) -> dict[str, Any]:
+    return {"id": state.name, "object": "model", "owned_by": "gguf_mcv",
+            "created": int(file_mtime(state.model.info.model_path))}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    request: Request, body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+) -> Any:
+    state = state_of(request)
+    state.check_model(body.model)
+    name = state.name  # OpenAI answers name the model that answered
+    body.check_supported()
+    messages = body.message_dicts()
+    if state.allow_remote:
+        messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
+    start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
+    if body.stream:
+        return await answer_stream(request, start, partial(completion_chunks, model=name), ndjson=False)
+    return completion(await answer(request, start), model=name)

@@ -1,0 +1,61 @@
+"""What the routes share (the model, settings, queue, counters) and two helpers over the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from ..generation import Stream
+from ..messages import MediaPolicy
+from ..model import Model
+from .gate import Gate
+from .http_errors import HTTPError
+from .metrics import Metrics
+from .naming import normal_name
+
+
+@dataclass
+class State:
+    """What the routes share: the model, settings, the queue and the counters."""
+
+    model: Model
+    name: str
+    names: frozenset[str]
+    api_key: str | None
+    max_body_bytes: int
+    policy: MediaPolicy
+    allow_remote: bool
+    gate: Gate
+    metrics: Metrics
+
+    def check_model(self, requested: str | None) -> str:
+        """The name to echo for ``requested``; 404 if it names another model."""
+        if not requested:
+            return self.name
+        if normal_name(requested) not in self.names:
+            raise HTTPError(404, f"Model {requested!r} not found: this server runs {self.name!r}.",
+                            code="model_not_found", param="model")
+        return requested
+
+
+def state_of(request: Request) -> State:
+    """The server's :class:`State`, from the app that got ``request``."""
+    return request.app.state.gguf
+
+
+def model_stream(state: State, messages: list[dict[str, Any]], options: dict[str, Any]) -> Stream:
+    """Start answering ``messages`` (on the answer's thread) under the server's media policy."""
+    stream = state.model.chat_completion(messages, stream=True, policy=state.policy, **options)
+    assert isinstance(stream, Stream)
+    return stream
+
+
+def file_mtime(path: str) -> float:
+    """``path``'s modification time; 0 when it cannot be read."""
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
