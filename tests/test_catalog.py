@@ -123,7 +123,7 @@ def test_bundled_facts():
     assert v46.arch.n_kv_layers == 6 < v46.arch.n_layers == 24
     assert v26.arch.kv_bytes_per_token() == 2 * 28 * 4 * 128 * 2
     assert v45.thinking and not v45.thinking_default
-    assert think.thinking and think.thinking_default and not v46.thinking
+    assert think.thinking and think.thinking_default and v46.thinking and not v46.thinking_default
     assert v26.quants["Q4_K_M"].size == 4_681_089_344 and v26.quants["Q4_K_M"].exact
     assert v26.mmproj.size == 1_044_425_152 and v46.quants["Q4_K_M"].size == 529_101_504
 
