@@ -57,6 +57,8 @@ class ProjectorHeader:
     vision_width: int
     vision_blocks: int
     query_num: int | None
+    vision_heads: int = 0
+    n_positions: int | None = None  #: rows of the vision position embedding
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,9 @@ def read_fields(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tupl
 def read_text_header(path: str | os.PathLike) -> TextHeader:
     """Read a text model's header; raise if it is not a usable text model file."""
     fields, shapes = read_fields(path)
-    return text_header(fields, shapes, os.fspath(path), os.path.getsize(path))
+    header = text_header(fields, shapes, os.fspath(path), os.path.getsize(path))
+    _check_text_values(header, fields)
+    return header
 
 
 def text_header(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: str,
@@ -281,7 +285,7 @@ def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
         )
     proj = shapes.get("resampler.proj.weight")
     version = fields.get("clip.minicpmv_version")
-    return ProjectorHeader(
+    header = ProjectorHeader(
         path=os.fspath(path),
         size=os.path.getsize(path),
         projector_type=str(fields.get("clip.projector_type", fields.get("clip.vision.projector_type", ""))),
@@ -293,7 +297,57 @@ def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
         vision_width=int(fields.get("clip.vision.embedding_length", 0)),
         vision_blocks=int(fields.get("clip.vision.block_count", 0)),
         query_num=_maybe_int(fields.get("clip.minicpmv_query_num")),
+        vision_heads=int(fields.get("clip.vision.attention.head_count", 0)),
+        n_positions=(shapes.get("v.position_embd.weight") or (None,))[0],
     )
+    _check_projector_values(header, fields)
+    return header
+
+
+# llama.cpp stops the whole process (GGML_ASSERT) on values like these instead of
+# returning an error, so they are refused here, before it sees the file.
+LLAMA_MAX_LAYERS = 512
+
+
+def _check_text_values(h: TextHeader, fields: dict[str, Any]) -> None:
+    eps = fields.get(f"{h.architecture}.attention.layer_norm_rms_epsilon", 0.0)
+    problems = [
+        (not 1 <= h.n_layers <= LLAMA_MAX_LAYERS, f"block_count {h.n_layers}"),
+        (h.n_embd <= 0 or h.n_head <= 0, f"embedding_length {h.n_embd} / head_count {h.n_head}"),
+        (h.n_head_kv <= 0 or h.n_head % h.n_head_kv, f"head_count_kv {h.n_head_kv} for {h.n_head} heads"),
+        (h.n_vocab <= 0, f"a vocabulary of {h.n_vocab} tokens"),
+        (not (isinstance(eps, (int, float)) and 0 <= eps < 1), f"layer_norm_rms_epsilon {eps}"),
+    ]
+    _refuse(h.path, problems)
+
+
+def _check_projector_values(h: ProjectorHeader, fields: dict[str, Any]) -> None:
+    eps = fields.get("clip.vision.attention.layer_norm_epsilon", 0.0)
+    grid = h.image_size // h.patch_size if h.patch_size > 0 else 0
+    problems = [
+        (h.image_size <= 0 or h.patch_size <= 0 or h.image_size % h.patch_size,
+         f"image_size {h.image_size} with patch_size {h.patch_size}"),
+        (h.n_positions is not None and grid * grid > h.n_positions,
+         f"{grid * grid} patches per slice but {h.n_positions} position embeddings"),
+        (h.vision_width <= 0 or h.vision_heads <= 0 or h.vision_width % h.vision_heads,
+         f"vision width {h.vision_width} with {h.vision_heads} attention heads"),
+        (not 1 <= h.vision_blocks <= LLAMA_MAX_LAYERS, f"{h.vision_blocks} vision blocks"),
+        (not (isinstance(eps, (int, float)) and 0 <= eps < 1), f"layer_norm_epsilon {eps}"),
+    ]
+    _refuse(h.path, problems)
+
+
+def _refuse(path: str, problems: list[tuple[Any, str]]) -> None:
+    bad = [what for wrong, what in problems if wrong]
+    if bad:
+        raise CorruptModelError(
+            f"{path} has impossible header values ({'; '.join(bad)}): it is damaged or was not "
+            "written for llama.cpp. Download it again or use another file."
+        )
+
+
+#: the text architecture each MiniCPM-V projector generation was trained with
+_TEXT_ARCH = {2: "llama", 3: "qwen2", 4: "qwen2", 6: "qwen3"}
 
 
 def check_pair(
@@ -316,6 +370,13 @@ def check_pair(
         raise IncompatibleProjectorError(
             f"The projector is for {_release(projector.minicpmv_version)} but the model is "
             f"{_release(minicpmv_version)} ({names}). Use the mmproj from the model's repository."
+        )
+    expected_arch = _TEXT_ARCH.get(projector.minicpmv_version or -1)
+    if expected_arch is not None and text.architecture != expected_arch:
+        raise IncompatibleProjectorError(
+            f"The projector is for {_release(projector.minicpmv_version)}, whose text model is "
+            f"'{expected_arch}', but this text model is '{text.architecture}' ({names}). Use the "
+            "mmproj from the model's repository."
         )
 
 

@@ -126,7 +126,7 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
         text = urllib.request.url2pathname(urllib.parse.urlsplit(text).path)
     elif scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
         raise MediaError(f"Unsupported image URL scheme {scheme!r} in {text}.")
-    path = Path(text).expanduser()
+    path = local_path(text, "Image")
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise MediaError(f"Image file {path} {what}: check the path.")
@@ -135,6 +135,22 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
     except OSError as exc:
         raise MediaError(f"Cannot read image file {path}: {exc.strerror or exc}.") from exc
     return _decode(data, str(path))
+
+
+def local_path(text: str | os.PathLike, what: str) -> Path:
+    """``text`` as a local path (``~`` expanded); MediaError for a name no file can have.
+
+    Checked by asking the file system, so a too-long name (raw base64 passed without its
+    ``data:`` prefix), a NUL byte or an unknown ``~user`` becomes a clear MediaError.
+    """
+    text = os.fspath(text)
+    try:
+        path = Path(text).expanduser()
+        path.exists()
+    except (OSError, RuntimeError, ValueError) as exc:
+        shown = text if len(text) <= 80 else text[:77] + "…"
+        raise MediaError(f"{what} {shown!r} is not a usable file name ({exc}).") from exc
+    return path
 
 
 def data_uri_bytes(uri: str) -> bytes:
@@ -170,7 +186,8 @@ def _decode(data: bytes, source: str) -> Image:
             warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
             pil = PIL.Image.open(io.BytesIO(data))
             _check_size(pil.size, source)
-            pil.seek(0)
+            if getattr(pil, "is_animated", False):
+                pil.seek(0)  # the first frame (some single-image plugins refuse any seek)
             return Image(_to_rgb(pil, source), source)
     except MediaError:
         raise
@@ -178,7 +195,12 @@ def _decode(data: bytes, source: str) -> Image:
         raise MediaError(
             f"Image {source} is too large to decode safely ({exc}); scale it down before asking about it."
         ) from exc
-    except (PIL.UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+    except MemoryError as exc:
+        raise MediaError(f"Image {source} needs more memory to decode than is available.") from exc
+    except Exception as exc:  # noqa: BLE001
+        # Pillow's format plugins raise many kinds of exception on malformed data
+        # (OSError, SyntaxError, IndexError, TypeError, NotImplementedError, struct.error...):
+        # for untrusted bytes every one of them means "not a decodable image".
         raise MediaError(
             f"Image {source} could not be decoded ({type(exc).__name__}: {exc}). "
             "Is it a complete JPEG/PNG/WebP/GIF/BMP/TIFF file?"
@@ -201,7 +223,7 @@ def _to_rgb(pil: PIL.Image.Image, source: str) -> np.ndarray:
     pil = PIL.ImageOps.exif_transpose(pil)  # also forces the pixels to load
     mode = pil.mode
     if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        arr = np.asarray(pil, dtype=np.float64)
+        arr = np.nan_to_num(np.asarray(pil, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
         top = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
         gray = np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
         return np.ascontiguousarray(np.repeat(gray[:, :, None], 3, axis=2))

@@ -61,7 +61,7 @@ import numpy as np
 import PIL.Image
 
 from .errors import ConfigError, MediaError
-from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image
+from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image, local_path
 
 if TYPE_CHECKING:
     from .hardware import Hardware
@@ -201,11 +201,11 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
         frames = _from_bytes(video, opts)
     elif isinstance(video, str) and video.lower().startswith("file://"):
         local = urllib.request.url2pathname(urllib.parse.urlsplit(video).path)
-        frames = _from_file(Path(local), video, opts)
+        frames = _from_file(local_path(local, "Video"), video, opts)
     elif isinstance(video, np.ndarray):
         frames = _from_array(video, frame_rate or 1.0, opts)
     elif isinstance(video, (str, os.PathLike)):
-        path = Path(video).expanduser()
+        path = local_path(video, "Video")
         if path.is_dir():
             frames = _from_stills(_folder_images(path), str(video), frame_rate or 1.0, opts)
         else:
@@ -365,7 +365,9 @@ def _from_image_file(path: Path, name: str, opts: _Opts) -> Frames:
                 frames.append(_frame(i, starts[i], rgb, name, opts.max_side))
     except MediaError:
         raise
-    except (OSError, ValueError, EOFError, SyntaxError, PIL.Image.DecompressionBombError) as exc:
+    except Exception as exc:  # noqa: BLE001
+        # Pillow's plugins raise many exception types on malformed frames (IndexError,
+        # TypeError, OSError...): for untrusted files each means "not decodable".
         raise MediaError(
             f"Video {name} could not be decoded ({type(exc).__name__}: {exc})."
         ) from exc
