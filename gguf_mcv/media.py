@@ -186,8 +186,8 @@ def _decode(data: bytes, source: str) -> Image:
             warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
             pil = PIL.Image.open(io.BytesIO(data))
             _check_size(pil.size, source)
-            if getattr(pil, "is_animated", False):
-                pil.seek(0)  # the first frame (some single-image plugins refuse any seek)
+            # an animated image opens on its first frame; asking for the frame count would
+            # walk every frame and fail on a file cut short after the first
             return Image(_to_rgb(pil, source), source)
     except MediaError:
         raise
