@@ -122,3 +122,38 @@ def test_python_dash_m_and_console_script_agree() -> None:
     assert script is not None
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "selftest" in done.stdout
+
+
+def test_serve_answers_health_and_stops_on_sigint(tiny) -> None:
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]),
+                             "--port", str(port), "--api-key", "sekret"], env=os.environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        health = None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    health = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert health is not None and health["status"] == "ok", proc.stderr.read() if proc.poll() else ""
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+        try:
+            urllib.request.urlopen(request, timeout=5)
+            raise AssertionError("the API key was not checked")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
