@@ -14,7 +14,7 @@ from pathlib import Path
 from . import constants, native
 from .embed_cache import EmbeddingCache
 from .engine import Engine, Sampling
-from .errors import ConfigError, EngineError, ModelNotFoundError
+from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError
 from .headers import check_pair, read_projector_header, read_text_header
 from .model import Model, ModelInfo
 from .templates import FAMILIES, ChatTemplate, choose_template
@@ -170,9 +170,15 @@ def _open_llama(model_path, n_ctx, n_threads, n_threads_batch, n_gpu_layers, fla
             verbose=verbose,
         )
     except ValueError as exc:
-        raise EngineError(
-            f"llama.cpp could not load {model_path}: {native.recent_errors() or exc}. If the "
-            "file is damaged, delete it and download it again."
+        details = native.recent_errors() or str(exc)
+        if n_gpu_layers != 0:  # offloading can fail for reasons that have nothing to do with the file
+            raise EngineError(
+                f"llama.cpp could not load {model_path} with {n_gpu_layers} GPU layers: {details}. "
+                "Try fewer GPU layers (n_gpu_layers)."
+            ) from exc
+        raise CorruptModelError(
+            f"llama.cpp could not load {model_path}: {details}. The file is damaged: delete it "
+            "and download it again."
         ) from exc
 
 

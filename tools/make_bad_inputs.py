@@ -522,10 +522,10 @@ _add("model_flip_tensor_count_high", "flip_tensor_count_high.gguf", "model",
      _derived(lambda ctx: _flip(ctx.model_bytes, 15)), CORRUPT)
 _add("model_flip_tensor_count_low", "flip_tensor_count_low.gguf", "model",
      "the tiny text model, lowest bit of the tensor count flipped (27 → 26: one tensor unlisted)",
-     "error", _derived(lambda ctx: _flip(ctx.model_bytes, 8, 0x01)))
+     "error", _derived(lambda ctx: _flip(ctx.model_bytes, 8, 0x01)), CORRUPT)
 _add("model_flip_kv_count", "flip_kv_count.gguf", "model",
      "the tiny text model, lowest bit of the key/value count flipped (23 → 22)", "error",
-     _derived(lambda ctx: _flip(ctx.model_bytes, 16, 0x01)))
+     _derived(lambda ctx: _flip(ctx.model_bytes, 16, 0x01)), CORRUPT)
 _add("model_flip_key_length", "flip_key_length.gguf", "model",
      "the tiny text model, first key's length byte inverted (20 → 235)", "error",
      _derived(lambda ctx: _flip(ctx.model_bytes, 24)), CORRUPT)
@@ -534,14 +534,14 @@ _add("model_flip_tensor_type", "flip_tensor_type.gguf", "model",
      _derived(lambda ctx: _set_first_tensor_field(ctx, "type", 200)), CORRUPT)
 _add("model_flip_tensor_dim", "flip_tensor_dim.gguf", "model",
      "the tiny text model, first tensor's first dimension halved (shape no longer matches)",
-     "error", _derived(lambda ctx: _set_first_tensor_field(ctx, "dim0_half", 0)))
+     "error", _derived(lambda ctx: _set_first_tensor_field(ctx, "dim0_half", 0)), CORRUPT)
 _add("model_flip_weight_byte", "flip_weight.gguf", "model",
      "the tiny text model, one byte of tensor data inverted (weights are random anyway)", "answer",
      _derived(lambda ctx: _flip(ctx.model_bytes,
                                 (ctx.model_layout["data_start"] + ctx.model_layout["size"]) // 2)))
 _add("model_block_count_99", "block_count_99.gguf", "model",
      "the tiny text model with qwen2.block_count patched from 2 to 99 (tensors missing)", "error",
-     lambda ctx, path: _patch_field(ctx.tiny_model, path, "qwen2.block_count", 99))
+     lambda ctx, path: _patch_field(ctx.tiny_model, path, "qwen2.block_count", 99), CORRUPT)
 _add("model_block_count_0", "block_count_0.gguf", "model",
      "the tiny text model with qwen2.block_count patched to 0 (llama.cpp asserts 0 < n_layer <= 512)",
      "error", lambda ctx, path: _patch_field(ctx.tiny_model, path, "qwen2.block_count", 0), CORRUPT)
