@@ -1,0 +1,629 @@
+"""Predict the peak memory of a loaded MiniCPM-V model answering one image question.
+
+:func:`estimate` works from what is known before anything is downloaded: the text
+GGUF's size, the text model's shape, the mmproj's size, the vision tower's shape,
+``n_ctx``, the KV cache type and where layers run. It predicts the process's peak
+resident set (what ``getrusage().ru_maxrss`` reports) term by term; each term's
+comment says where in llama.cpp (llama-cpp-python 0.3.36) it comes from, and the
+constants were measured with ``tools/bench_memory.py`` (x86_64, Python 3.11, CPU build).
+
+Two quantities matter and they differ:
+
+* ``total`` -- the peak RSS on a machine with memory to spare. llama.cpp maps the
+  text GGUF with ``MAP_POPULATE`` (llama-mmap.cpp), so the *whole file* is resident
+  after loading, including tensors it then copies elsewhere (repacked for the CPU,
+  offloaded to a GPU) and never reads again.
+* ``needed`` -- what the process cannot do without: ``total`` minus those clean,
+  never-read-again file pages (the kernel drops them under pressure, cgroup limits
+  included), plus what a long text prompt can add to the compute buffer. The
+  planner fits ``needed`` to the budget. Checked under cgroup v1 memory limits with
+  the benchmark's Q4_0 (peak RSS 1.6 GiB, ``needed`` less the long-prompt term
+  1.43 GiB): it ran at 1.43 GiB and at 1.23 GiB without slowing down (file pages are
+  re-read on demand) and was OOM-killed at 1.10 GiB, just under its anonymous memory.
+
+``needed`` is deliberately conservative about file pages: token_embd rows a prompt
+never uses and the libraries' code stay counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from .errors import ConfigError
+
+_MiB = 2**20
+
+# --- calibrated constants (tools/bench_memory.py) --------------------------------------
+
+#: Process after ``import gguf_mcv`` plus llama.cpp's libraries, a llama context and a
+#: libmtmd context with every size-dependent term below removed: Python, numpy, PIL,
+#: OpenCV (imported by ``gguf_mcv``: ~18 MiB of it), gguf, libllama/libggml/libmtmd
+#: code pages, OpenMP threads, small C++ structures. Recalibrate when imports change.
+RUNTIME_BASE = 90 * _MiB
+#: llama.cpp's vocabulary per token (llama-vocab.cpp: ``id_to_token`` entries with their
+#: text, ``token_to_id`` hash map, token-to-piece cache), plus the context's logits
+#: output buffer (n_vocab floats, llama-context.cpp ``output_reserve``) and
+#: llama-cpp-python's candidate array (12 bytes per token); less the ~20 bytes per token
+#: of the file's header, which llama.cpp unmaps after loading. Measured: 151424 more
+#: tokens cost 28.0 MiB of anonymous memory and 3.2 MiB less of the mapped file.
+VOCAB_BYTES_PER_TOKEN = 175
+#: One BPE merge in llama.cpp's ``bpe_ranks`` map (pair of strings -> rank), less its
+#: unmapped header bytes. Measured: 151387 merges cost 15.8 MiB.
+MERGE_BYTES = 92
+#: Decoded input image: gguf_mcv keeps its RGB array, PIL's decode buffer and libmtmd's
+#: bitmap copy live during tokenizing; measured ~3.2 copies of W*H*3 bytes.
+IMAGE_COPIES = 3.2
+#: Where the vision encoder's compute graph peaks, in f32 activations of one slice
+#: (clip.cpp, graph for 1024 patches): in a ViT block the FFN hidden state
+#: (patches x ff) plus ~3.5 residual-width tensors; in the resampler ~3.75 tensors of
+#: patches x text width. Fitted to clip's "compute buffer size" log across widths.
+VIT_WIDTH_TENSORS = 3.5
+RESAMPLER_TENSORS = 3.75
+#: Text compute graph (llama-graph.cpp, one ubatch of T tokens against K cached cells):
+#: in the attention phase ~6 tensors of T x n_embd (residual, norm, Q/K/V, output) live
+#: beside the scores; the FFN phase holds 3 tensors of T x n_ff (gate, up, product).
+#: Checked against llama.cpp's "compute buffer size" log for T=512 (within 2 %).
+TEXT_EMBD_TENSORS = 6
+TEXT_FF_TENSORS = 3
+#: n_ff when the caller does not know it: Qwen2 (7B: 18944/3584, 0.5B: 4864/896) ~5.4x.
+FF_RATIO = 5.4
+#: Text positions of a typical image question besides image tokens (system prompt,
+#: markers, question, answer) -- sizes the KV view the attention reads.
+PROMPT_TEXT_TOKENS = 96
+
+# --- assumptions that could not be measured here (no GPU on the calibration machine) ---
+
+#: VRAM a CUDA context, cuBLAS workspace and llama.cpp's pools take before any tensor.
+CUDA_CONTEXT_VRAM = 350 * _MiB
+#: Host RAM the CUDA runtime libraries add to the process (code, kernels, pinned staging).
+CUDA_HOST_OVERHEAD = 300 * _MiB
+#: Metal's command buffers and library on Apple Silicon (shared memory).
+METAL_OVERHEAD = 150 * _MiB
+
+#: Bytes per KV element including block overhead: f16 2; q8_0 34 bytes per 32 values;
+#: q4_0 18 bytes per 32 (ggml-common.h block_q8_0 / block_q4_0).
+KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+#: One image at full detail on 2.6-style models: overview + 3x3 slices, 64 tokens each.
+DEFAULT_IMAGE_TOKENS = 640
+#: Marker tokens around those slices (<image>, </image>, <slice>, </slice>, newlines).
+IMAGE_MARKER_TOKENS = 22
+#: The decoded image the planner assumes: a 12-megapixel phone photo.
+DEFAULT_IMAGE_PIXELS = 4000 * 3000
+
+# --- CPU repacking ----------------------------------------------------------------------
+
+#: ggml types the CPU backend rewrites into an interleaved copy at load time, per CPU
+#: family (ggml-cpu/repack.cpp, ``ggml_repack_get_optimal_repack_type``). The copy is
+#: anonymous memory; the mmap'd original stays mapped, so peak RSS counts both. Only
+#: layer and output matrices qualify: token_embd is read with get_rows, which the
+#: repacked layout does not support.
+REPACKED_TYPES: dict[str, frozenset[str]] = {
+    "x86-avx2": frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"}),
+    "x86-avx512": frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4", "Q2_K"}),
+    "arm-dotprod": frozenset({"Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "MXFP4"}),
+    "none": frozenset(),
+}
+
+#: Share of the repeating layers' bytes in each ggml type, per quant, as llama-quant.cpp
+#: mixes them (e.g. Q4_K_M keeps attn_v and ffn_down of some layers in Q6_K). Measured
+#: on a 28-layer, 8:1 GQA Qwen2 shape whose rows are multiples of 256 (as in every real
+#: MiniCPM-V); narrower rows fall back to other types. Used only when the file's tensor
+#: list is unknown; it sizes ``repacked`` (so ``total``), never ``needed``.
+QUANT_TYPE_MIX: dict[str, dict[str, float]] = {
+    "Q2_K": {"Q2_K": 0.58, "Q3_K": 0.41, "Q4_K": 0.01},
+    "Q3_K_S": {"Q3_K": 1.0},
+    "Q3_K_M": {"Q3_K": 0.58, "Q4_K": 0.40, "Q5_K": 0.02},
+    "Q3_K_L": {"Q3_K": 0.53, "Q5_K": 0.47},
+    "Q4_K_S": {"Q4_K": 0.96, "Q5_K": 0.04},
+    "Q4_K_M": {"Q4_K": 0.80, "Q6_K": 0.20},
+    "Q5_K_S": {"Q5_K": 1.0},
+    "Q5_K_M": {"Q5_K": 0.83, "Q6_K": 0.17},
+    "IQ4_XS": {"IQ4_XS": 1.0},
+}  # other quants: every layer matrix in the quant's own type (Q4_0, Q5_1, Q6_K, Q8_0...)
+
+#: Bits per weight of each ggml block type (ggml-common.h block sizes).
+GGML_TYPE_BITS: dict[str, float] = {
+    "F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6,
+    "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5, "Q4_0": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
+    "Q3_K": 3.4375, "Q2_K": 2.625,
+}  # fmt: skip
+#: token_embd's type in llama.cpp's quant mixes (llama-quant.cpp); the output matrix
+#: is Q6_K for everything below Q8_0.
+_EMBD_TYPE = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
+              "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
+              "IQ4_XS": "IQ4_XS"}  # fmt: skip
+
+
+# --- shapes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The text model's numbers the estimate needs (catalog ``Arch`` and ``TextHeader`` fit)."""
+
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_kv_layers: int | None = None  #: layers with a KV cache (hybrid models); None = all
+    n_ff: int | None = None  #: FFN width; None = FF_RATIO x n_embd
+    n_merges: int | None = None  #: BPE merges; None = n_vocab (BPE tokenizers have ~as many)
+    tied_embeddings: bool = False  #: no separate output matrix (it reuses token_embd)
+
+    @classmethod
+    def of(cls, obj: Any) -> "TextShape":
+        """A TextShape from a catalog ``Arch``, a ``TextHeader`` or anything with those fields."""
+        if isinstance(obj, TextShape):
+            return obj
+        names = ("n_layers", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab")
+        values = {n: int(getattr(obj, n)) for n in names}
+        extra = {n: getattr(obj, n, None) for n in ("n_kv_layers", "n_ff", "n_merges")}
+        return cls(**values, **extra, tied_embeddings=bool(getattr(obj, "tied_embeddings", False)))
+
+    @property
+    def kv_layers(self) -> int:
+        return self.n_kv_layers if self.n_kv_layers is not None else self.n_layers
+
+    @property
+    def ff(self) -> int:
+        return self.n_ff if self.n_ff else round(FF_RATIO * self.n_embd)
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision tower (SigLIP-400M in every MiniCPM-V since 2.5) and its slicing."""
+
+    width: int = 1152
+    blocks: int = 27
+    heads: int = 16
+    ff: int = 4304
+    patch_size: int = 14
+    image_size: int = 448
+    query_tokens: int = 64
+
+    @classmethod
+    def of(cls, obj: Any | None) -> "VisionShape":
+        """From a catalog ``Vision``, a ``ProjectorHeader`` or None (SigLIP-400M defaults)."""
+        if obj is None or isinstance(obj, VisionShape):
+            return obj or cls()
+        d = cls()
+        def pick(*names: str) -> int | None:
+            return next((int(v) for n in names if (v := getattr(obj, n, None))), None)
+
+        return cls(
+            width=pick("width", "vision_width") or d.width,
+            blocks=pick("blocks", "vision_blocks") or d.blocks,
+            heads=pick("heads", "vision_heads") or d.heads,
+            ff=pick("ff", "vision_ff") or d.ff,
+            patch_size=pick("patch_size") or d.patch_size,
+            image_size=pick("image_size") or d.image_size,
+            query_tokens=pick("query_tokens", "query_num") or d.query_tokens,
+        )
+
+    @property
+    def patches(self) -> int:
+        """Patches per slice: (448 / 14)^2 = 1024."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+# --- the estimate -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Device memory (VRAM, or the shared pool on unified memory) in bytes."""
+
+    weights: int
+    kv_cache: int
+    compute: int
+    vision_weights: int
+    vision_compute: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.kv_cache + self.compute + self.vision_weights
+                + self.vision_compute + self.overhead)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted host memory in bytes, term by term; see the module docstring."""
+
+    weights: int  #: text GGUF pages mapped in RAM (file-backed)
+    repacked: int  #: anonymous copies the CPU backend makes of some weight types
+    kv_cache: int
+    compute: int  #: text compute buffer pages one image question touches
+    vision_weights: int
+    vision_compute: int  #: one slice's encoder graph plus the matmul work buffer
+    images: int  #: decoded image and its f32 slices while the prompt is tokenized
+    vocab: int  #: llama.cpp's tokenizer tables
+    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, + GPU runtime)
+    reclaimable: int  #: file pages in ``weights`` never read after loading
+    long_prompt: int  #: extra compute pages a full 512-token batch at full context touches
+    gpu: GpuMemory | None = None
+    #: the GPU shares RAM (Jetson, Apple): ``gpu.total`` is counted in ``needed`` too
+    unified: bool = False
+
+    @property
+    def runtime(self) -> int:
+        """Peak RSS while answering: every resident term together."""
+        return (self.weights + self.repacked + self.kv_cache + self.compute + self.vision_weights
+                + self.vision_compute + self.images + self.vocab + self.overhead)
+
+    @property
+    def total(self) -> int:
+        """Predicted peak RSS (``ru_maxrss``) of load + one image question."""
+        return self.runtime
+
+    @property
+    def needed(self) -> int:
+        """RAM the process needs: ``total`` less reclaimable pages, plus a long prompt's
+        compute, plus the GPU's allocations when they come out of the same RAM."""
+        ram = self.runtime - self.reclaimable + self.long_prompt
+        if self.unified and self.gpu is not None:
+            ram += self.gpu.total
+        return ram
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(total=self.total, needed=self.needed, runtime=self.runtime)
+        if self.gpu is not None:
+            d["gpu"]["total"] = self.gpu.total
+        return d
+
+
+def kv_cache_bytes(text: TextShape | Any, n_ctx: int, kv_cache_type: str = "f16",
+                   layers: int | None = None) -> int:
+    """K and V for ``layers`` (default: every KV layer) at ``n_ctx`` cells.
+
+    llama-kv-cache.cpp: per layer a K and a V tensor of n_head_kv*head_dim x kv_size,
+    kv_size = n_ctx rounded up to 256 (llama-context.cpp), zeroed at creation
+    (``ggml_backend_buffer_clear``) so every page is resident from the start.
+    """
+    if kv_cache_type not in KV_BYTES_PER_ELEMENT:
+        raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_BYTES_PER_ELEMENT)}, "
+                          f"not {kv_cache_type!r}.")
+    t = TextShape.of(text)
+    layers = t.kv_layers if layers is None else layers
+    cells = _pad(n_ctx, 256)
+    return int(2 * layers * t.n_head_kv * t.head_dim * cells * KV_BYTES_PER_ELEMENT[kv_cache_type])
+
+
+def text_compute_bytes(text: TextShape | Any, n_tokens: int, n_kv: int, *, flash_attn: bool,
+                       n_outputs: int = 1) -> int:
+    """Peak of llama.cpp's text graph for one ubatch of ``n_tokens`` against ``n_kv`` cells.
+
+    ggml's allocator reuses memory between ops, so the buffer is the largest of three
+    phases: attention (the scores n_head x T x K f32 plus the T x K f32 mask without
+    flash attention, an f16 mask with it, beside ~6 T x n_embd tensors), the FFN
+    (gate, up and their product, T x n_ff each) and the output (n_outputs x n_vocab
+    f32 logits).
+    """
+    t = TextShape.of(text)
+    embd = n_tokens * t.n_embd * 4
+    if flash_attn:
+        scores = n_tokens * n_kv * 2
+    else:
+        scores = (t.n_head + 1) * n_tokens * n_kv * 4
+    attention = TEXT_EMBD_TENSORS * embd + scores
+    ffn = 2 * embd + TEXT_FF_TENSORS * n_tokens * t.ff * 4
+    output = n_outputs * t.n_vocab * 4 + 2 * embd
+    return max(attention, ffn, output)
+
+
+def vision_compute_bytes(vision: VisionShape | Any | None, text_width: int, *,
+                         flash_attn: bool = True, mmproj_bytes_per_weight: float = 2.0) -> int:
+    """clip.cpp's compute buffer for one slice plus the CPU matmul work buffer.
+
+    The buffer (``reserve_compute_meta``) is the larger of a ViT block (FFN hidden
+    state + residual-width tensors, plus the 16 x 1024 x 1024 attention scores without
+    flash attention) and the resampler (tensors of patches x text width). The CPU
+    backend also converts each matmul's activations to the weights' type in a work
+    buffer: patches x ff at f16 for an f16 mmproj.
+    """
+    v = VisionShape.of(vision)
+    p = v.patches
+    vit = p * 4 * (v.ff + VIT_WIDTH_TENSORS * v.width)
+    if not flash_attn:
+        vit += v.heads * p * p * 4
+    resampler = p * 4 * RESAMPLER_TENSORS * text_width
+    work = p * v.ff * mmproj_bytes_per_weight
+    return int(max(vit, resampler) + work)
+
+
+def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | Any | None = None) -> int:
+    """The decoded image (IMAGE_COPIES x W*H*3) and libmtmd's f32 slices held by the prompt."""
+    v = VisionShape.of(vision)
+    slices = max(1, -(-image_tokens // v.query_tokens))
+    return int(IMAGE_COPIES * image_pixels * 3 + slices * v.image_size**2 * 3 * 4)
+
+
+def vocab_bytes(text: TextShape | Any) -> int:
+    """llama.cpp's tokenizer tables and per-token buffers."""
+    t = TextShape.of(text)
+    merges = t.n_merges if t.n_merges is not None else t.n_vocab
+    return t.n_vocab * VOCAB_BYTES_PER_TOKEN + merges * MERGE_BYTES
+
+
+# --- weights ----------------------------------------------------------------------------
+
+
+def embedding_bytes(text: TextShape | Any, quant: str | None) -> tuple[int, int]:
+    """(token_embd, output) bytes in a file of ``quant`` (output 0 when tied)."""
+    t = TextShape.of(text)
+    q = _quant(quant)
+    embd_type = _EMBD_TYPE.get(q, q if q in GGML_TYPE_BITS else "Q8_0")
+    n = t.n_vocab * t.n_embd
+    token_embd = int(n * GGML_TYPE_BITS[embd_type] / 8)
+    output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[_output_type(q)] / 8)
+    return token_embd, output
+
+
+def _output_type(quant: str) -> str:
+    """The output matrix's type: Q6_K below Q8_0 (llama-quant.cpp), else the quant's own."""
+    return quant if quant in ("Q8_0", "F16", "BF16", "F32") else "Q6_K"
+
+
+def layer_bytes(model_size: int, text: TextShape | Any, quant: str | None) -> int:
+    """One repeating layer's weights: (file - token_embd - output) / n_layers."""
+    t = TextShape.of(text)
+    token_embd, output = embedding_bytes(t, quant)
+    return max(0, model_size - token_embd - output) // max(1, t.n_layers)
+
+
+def repacked_bytes(model_size: int, text: TextShape | Any, quant: str | None, cpu: str | None = None,
+                   tensors: Iterable[tuple[str, str, int]] | None = None) -> int:
+    """Bytes the CPU backend copies into repacked form at load.
+
+    Exact from ``tensors`` -- (name, ggml type name, bytes) for every tensor in the file,
+    as a GGUF header lists them -- else from :data:`QUANT_TYPE_MIX` for ``quant``.
+    """
+    types = REPACKED_TYPES[cpu or local_cpu_family()]
+    if tensors is not None:
+        return sum(n for name, typ, n in tensors
+                   if typ.upper() in types and name != "token_embd.weight" and not name.endswith(".bias"))
+    t, q = TextShape.of(text), _quant(quant)
+    token_embd, output = embedding_bytes(t, q)
+    mix = QUANT_TYPE_MIX.get(q, {q: 1.0})
+    share = sum(part for typ, part in mix.items() if typ in types)
+    layers = share * max(0, model_size - token_embd - output)
+    return int(layers) + (output if _output_type(q) in types else 0)
+
+
+def cpu_family(machine: str) -> str:
+    """Repack family for an architecture name: x86 assumes AVX2, 64-bit ARM dot products."""
+    m = machine.lower()
+    if m in ("x86_64", "amd64", "x64"):
+        return "x86-avx2"
+    if m in ("aarch64", "arm64"):
+        return "arm-dotprod"
+    return "none"
+
+
+@functools.lru_cache(maxsize=1)
+def local_cpu_family() -> str:
+    """This machine's repack family, from /proc/cpuinfo flags where there are any."""
+    family = cpu_family(platform.machine())
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        return family
+    if family == "x86-avx2":
+        return "x86-avx512" if "avx512f" in flags else "x86-avx2" if "avx2" in flags else "none"
+    if family == "arm-dotprod" and flags and "asimddp" not in flags:
+        return "none"
+    return family
+
+
+# --- putting it together ----------------------------------------------------------------
+
+
+def estimate(
+    *,
+    model_size: int,
+    text: TextShape | Any,
+    mmproj_size: int,
+    vision: VisionShape | Any | None = None,
+    quant: str | None = None,
+    n_ctx: int = 4096,
+    kv_cache_type: str = "f16",
+    n_ubatch: int = 512,
+    image_tokens: int | None = None,
+    image_pixels: int = DEFAULT_IMAGE_PIXELS,
+    n_gpu_layers: int = 0,
+    vision_on_gpu: bool = False,
+    gpu_backend: str | None = None,
+    unified_memory: bool = False,
+    flash_attn: bool | None = None,
+    cpu: str | None = None,
+    tensors: Iterable[tuple[str, str, int]] | None = None,
+) -> MemoryEstimate:
+    """Predict the memory of ``gguf_mcv.load(...)`` followed by one image question.
+
+    ``model_size``/``mmproj_size`` are the GGUF file sizes in bytes; ``text`` a
+    :class:`TextShape` (or catalog ``Arch`` / ``TextHeader``); ``vision`` a
+    :class:`VisionShape` (default SigLIP-400M). ``n_gpu_layers`` counts like llama.cpp:
+    the output matrix first, then repeating layers from the last; -1 = everything.
+    ``gpu_backend`` is ``"cuda"`` or ``"metal"`` when anything is offloaded;
+    ``unified_memory`` says the GPU allocates from the same RAM. ``cpu`` is a key of
+    :data:`REPACKED_TYPES` (default: this machine); ``tensors`` the file's tensor list
+    (name, type, bytes) when its header is at hand, for exact repacking.
+    """
+    t, v = TextShape.of(text), VisionShape.of(vision)
+    image_tokens = DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens
+    if (n_gpu_layers or vision_on_gpu) and gpu_backend is None:
+        raise ConfigError("n_gpu_layers and vision_on_gpu need gpu_backend ('cuda' or 'metal').")
+    # llama.cpp offloads the output matrix first, then repeating layers from the last
+    n_gpu = t.n_layers + 1 if n_gpu_layers < 0 else min(n_gpu_layers, t.n_layers + 1)
+    gpu_layers = max(0, n_gpu - 1)
+    gpu_kv_layers = round(t.kv_layers * gpu_layers / max(1, t.n_layers))
+    # llama.cpp's flash attention for the text model: gguf_mcv's loader turns it on only
+    # for a quantized KV cache (which needs it); libmtmd's "auto" turns it on for clip.
+    fa_text = flash_attn if flash_attn is not None else kv_cache_type != "f16"
+    fa_vision = flash_attn if flash_attn is not None else True
+    gpu = None
+    if n_gpu or vision_on_gpu:
+        gpu = _gpu_memory(model_size, t, v, quant, n_gpu, gpu_kv_layers, mmproj_size if vision_on_gpu else 0,
+                          n_ctx, kv_cache_type, n_ubatch, fa_text, fa_vision, gpu_backend)
+    # Offloaded weights were faulted in by MAP_POPULATE, copied to the device and never
+    # read again: reclaimable. Metal wraps the mapping itself: nothing copied.
+    offloaded = gpu.weights if gpu is not None and gpu_backend == "cuda" else 0
+    # Only layers left on the CPU are repacked (the extra buffer types are CPU ones).
+    repacked = int(repacked_bytes(model_size, t, quant, cpu, tensors) * (1 - gpu_layers / max(1, t.n_layers)))
+    # One image question runs ubatches of at most one slice (64 embeddings) or a short
+    # text run, against the cells filled so far (KV view padded to 256), 1 output row.
+    prompt = image_tokens + IMAGE_MARKER_TOKENS + PROMPT_TEXT_TOKENS
+    compute = text_compute_bytes(t, v.query_tokens, min(_pad(prompt, 256), _pad(n_ctx, 256)),
+                                 flash_attn=fa_text)
+    # A long text prompt: a full ubatch against a full cache (still 1 output row: the
+    # engine asks logits for the last token only; the 512-row reserve stays untouched).
+    worst = text_compute_bytes(t, n_ubatch, _pad(n_ctx, 256), flash_attn=fa_text)
+    return MemoryEstimate(
+        # MAP_POPULATE faults the whole file in at load (llama-mmap.cpp), token_embd rows
+        # never used included; llama.cpp then unmaps only the header and the ranges
+        # before/after the first/last tensor kept on the CPU (llama-model-loader.cpp).
+        weights=model_size,
+        repacked=repacked,
+        kv_cache=kv_cache_bytes(t, n_ctx, kv_cache_type, t.kv_layers - gpu_kv_layers),
+        compute=compute,
+        # clip.cpp reads every mmproj tensor into its own buffer (no mmap): ~ file size.
+        vision_weights=0 if vision_on_gpu else mmproj_size,
+        vision_compute=0 if vision_on_gpu else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision),
+        images=image_bytes(image_pixels, image_tokens, v),
+        vocab=vocab_bytes(t),
+        overhead=RUNTIME_BASE + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
+        reclaimable=repacked + offloaded,
+        long_prompt=max(0, worst - compute),
+        gpu=gpu,
+        unified=unified_memory,
+    )
+
+
+def _gpu_memory(model_size: int, t: TextShape, v: VisionShape, quant: str | None, n_gpu: int,
+                kv_layers: int, mmproj_size: int, n_ctx: int, kv_cache_type: str, n_ubatch: int,
+                fa_text: bool, fa_vision: bool, backend: str) -> GpuMemory:
+    """Device memory for ``n_gpu`` offloaded layers (output first) and an optional tower."""
+    _, output = embedding_bytes(t, quant)
+    weights = (output + (n_gpu - 1) * layer_bytes(model_size, t, quant)) if n_gpu else 0
+    return GpuMemory(
+        # Metal wraps the mmap'd file (shared memory): the weights are already in RAM
+        weights=weights if backend == "cuda" else 0,
+        kv_cache=kv_cache_bytes(t, n_ctx, kv_cache_type, kv_layers),
+        # device buffers are allocated whole (cudaMalloc): the full 512-row reserve
+        compute=reserved_compute_bytes(t, n_ctx, n_ubatch, fa_text) if n_gpu else 0,
+        vision_weights=mmproj_size,
+        vision_compute=vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision) if mmproj_size else 0,
+        overhead=CUDA_CONTEXT_VRAM if backend == "cuda" else METAL_OVERHEAD,
+    )
+
+
+def reserved_compute_bytes(text: TextShape | Any, n_ctx: int, n_ubatch: int = 512,
+                           flash_attn: bool = False) -> int:
+    """The text compute buffer llama.cpp allocates (``sched_reserve``): a full ubatch of
+    ``n_ubatch`` tokens with ``n_ubatch`` output rows against the whole cache."""
+    t = TextShape.of(text)
+    return text_compute_bytes(t, n_ubatch, _pad(n_ctx, 256), flash_attn=flash_attn,
+                              n_outputs=n_ubatch)
+
+
+def fit_gpu_layers(free_vram: int, *, model_size: int, text: TextShape | Any, quant: str | None,
+                   n_ctx: int, kv_cache_type: str = "f16", mmproj_size: int = 0,
+                   vision: VisionShape | Any | None = None, vision_on_gpu: bool = False,
+                   gpu_backend: str = "cuda", headroom: float = 0.05) -> int:
+    """The largest ``n_gpu_layers`` (llama.cpp's count, output first) whose device memory
+    fits ``free_vram`` less ``headroom``; ``t.n_layers + 1`` means everything."""
+    t = TextShape.of(text)
+    usable = int(free_vram * (1 - headroom))
+    best = 0
+    for n in range(1, t.n_layers + 2):
+        est = estimate(model_size=model_size, text=t, mmproj_size=mmproj_size, vision=vision,
+                       quant=quant, n_ctx=n_ctx, kv_cache_type=kv_cache_type, n_gpu_layers=n,
+                       vision_on_gpu=vision_on_gpu, gpu_backend=gpu_backend, cpu="none")
+        if est.gpu is None or est.gpu.total > usable:
+            break
+        best = n
+    return best
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _quant(quant: str | None) -> str:
+    if quant is None:
+        return "Q8_0"
+    try:
+        from .quants import normalize_quant
+
+        return normalize_quant(quant)
+    except (ImportError, ConfigError):
+        return str(quant).upper()
+
+
+def estimate_files(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
+                   **kwargs: Any) -> MemoryEstimate:
+    """:func:`estimate` for local files: sizes, shapes and the tensor list from their headers."""
+    from .headers import parse_header
+
+    with open(model_path, "rb") as f:
+        fields, tensors = parse_header(io.BufferedReader(f, buffer_size=2**20))
+    with open(mmproj_path, "rb") as f:
+        proj, _ = parse_header(io.BufferedReader(f, buffer_size=2**20), tensors=False)
+    kwargs.setdefault("tensors", tensor_list(tensors))
+    return estimate(model_size=os.path.getsize(model_path), text=text_shape_from_header(fields, tensors),
+                    mmproj_size=os.path.getsize(mmproj_path), vision=vision_shape_from_header(proj),
+                    **kwargs)
+
+
+def text_shape_from_header(fields: dict[str, Any], tensors: Iterable[Any]) -> TextShape:
+    """A TextShape from a text GGUF's header (:func:`gguf_mcv.headers.parse_header` output)."""
+    arch = fields["general.architecture"]
+    get = lambda key, default=None: _scalar(fields.get(f"{arch}.{key}", default))  # noqa: E731
+    shapes = {t.name: t.shape for t in tensors}
+    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    merges = fields.get("tokenizer.ggml.merges")
+    return TextShape(
+        n_layers=int(get("block_count")), n_embd=n_embd, n_head=n_head,
+        n_head_kv=int(get("attention.head_count_kv", n_head)),
+        head_dim=int(get("attention.key_length", n_embd // n_head)),
+        n_vocab=shapes["token_embd.weight"][0], n_ff=int(get("feed_forward_length", 0)) or None,
+        n_merges=len(merges) if isinstance(merges, list) else getattr(merges, "count", 0),
+        tied_embeddings="output.weight" not in shapes,
+    )  # fmt: skip
+
+
+def vision_shape_from_header(fields: dict[str, Any]) -> VisionShape:
+    """A VisionShape from an mmproj's header."""
+    d = VisionShape()
+    get = lambda key, default: int(_scalar(fields.get(key, default)))  # noqa: E731
+    return VisionShape(
+        width=get("clip.vision.embedding_length", d.width),
+        blocks=get("clip.vision.block_count", d.blocks),
+        heads=get("clip.vision.attention.head_count", d.heads),
+        ff=get("clip.vision.feed_forward_length", d.ff),
+        patch_size=get("clip.vision.patch_size", d.patch_size),
+        image_size=get("clip.vision.image_size", d.image_size),
+        query_tokens=get("clip.minicpmv_query_num", d.query_tokens),
+    )
+
+
+def tensor_list(tensors: Iterable[Any]) -> list[tuple[str, str, int]]:
+    """(name, ggml type name, bytes) per tensor, for :func:`repacked_bytes`."""
+    from gguf import GGMLQuantizationType
+
+    return [(t.name, GGMLQuantizationType(t.ggml_type).name, t.n_bytes) for t in tensors]
+
+
+def _scalar(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value

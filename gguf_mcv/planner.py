@@ -1,0 +1,421 @@
+"""Choose the quantization, context and GPU split that fit a machine: pure logic, no I/O.
+
+:func:`choose` takes the quant files a model offers (name, file, size), the model's
+shape and a :class:`~gguf_mcv.hardware.Hardware`, predicts each quant's memory with
+:func:`gguf_mcv.memory.estimate` and returns a :class:`Plan`: the best quant that
+fits, the settings to load it with, and one row per quant saying why it was or was
+not chosen. Listing a repository's files and probing the machine happen elsewhere.
+
+Rules, in order:
+
+* **Budget**: ``ram_budget`` when given (bytes or ``"6GB"``), taken as is; else the
+  machine's available RAM less a safety reserve of max(10 %, 300 MB) -- the OS, page
+  cache and whatever else starts later need room, and predictions are within ~5 %.
+* **Fit**: a quant fits when the memory model's ``needed`` (peak RSS less page cache
+  the kernel can drop, plus a long prompt's compute) is at most the budget, and its
+  GPU share fits the GPU.
+* **Pick**: ``prefer="quality"`` takes the best quality that fits
+  (:data:`gguf_mcv.quants.QUANT_ORDER`); ``"size"`` and ``"speed"`` the smallest file
+  that fits (token generation is memory-bound: fewer bytes per token, faster tokens).
+* **GPU** (discrete, llama.cpp built with offload): the vision tower goes to the GPU
+  first when it fits -- on a CPU it takes ~9 s per 448-pixel slice, ~90 s for one
+  full-detail image -- then as many text layers as fit with 5 % headroom
+  (:func:`gguf_mcv.memory.fit_gpu_layers`). When some quants fit the GPU entirely,
+  the pick is made among those only: layers left on the CPU cost far more speed than
+  one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
+  offloaded and the GPU's allocations count against the one RAM budget; if no quant
+  fits that way (device copies cost RAM there), the plan is for the CPU alone.
+* **Explicit quant**: honoured even when it does not fit; the plan then has
+  ``fits=False`` and a warning instead of raising, since the caller asked for it.
+* **Nothing fits**: :class:`~gguf_mcv.errors.NoQuantFitsError` naming the smallest
+  need, the budget, the ``n_ctx`` that would fit, what a q8_0 KV cache saves, and
+  smaller models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from . import memory
+from .errors import ConfigError, NoQuantFitsError
+from .hardware import Hardware, format_size, parse_size
+from .quants import normalize_quant, quality_rank
+
+PREFERENCES = ("quality", "speed", "size")
+#: Share of available RAM kept free when no budget is given, and its floor in bytes.
+RESERVE_FRACTION = 0.10
+RESERVE_MIN = 300_000_000
+#: Share of free VRAM left unused (fragmentation, the display, other processes).
+GPU_HEADROOM = 0.05
+#: The smallest context worth suggesting: one full-detail image plus a short exchange.
+MIN_SUGGESTED_CTX = 1024
+#: Models to suggest when nothing fits (catalog names, smallest first).
+SMALLER_MODELS = ("minicpm-v-4.6",)
+DEFAULT_MMPROJ_FILE = "mmproj-model-f16.gguf"
+
+
+@dataclass(frozen=True)
+class QuantCandidate:
+    """One quant file a model offers."""
+
+    quant: str
+    file: str
+    size: int  #: bytes
+    exact: bool = True  #: False when ``size`` is an estimate (a catalog figure, not the Hub's)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """What the planner concluded about one quant."""
+
+    quant: str
+    file: str
+    size: int
+    needed: int | None  #: predicted RAM need (None: not evaluated)
+    peak_rss: int | None  #: predicted peak RSS on a machine with RAM to spare
+    fits: bool
+    note: str
+    n_gpu_layers: int = 0
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen quant and how to load it, with the reasoning for every quant."""
+
+    quant: str
+    files: tuple[str, str]  #: (model file, mmproj file)
+    predicted_bytes: int  #: RAM the chosen setup needs (``MemoryEstimate.needed``)
+    budget: int
+    n_ctx: int
+    n_threads: int
+    n_gpu_layers: int  #: llama.cpp's count (output matrix first); -1 = everything
+    vision_on_gpu: bool
+    kv_cache_type: str
+    rows: tuple[PlanRow, ...]
+    estimate: memory.MemoryEstimate
+    gpu_budget: int | None = None
+    fits: bool = True  #: False only for an explicit quant that does not fit
+    warnings: tuple[str, ...] = ()
+    budget_note: str = ""
+
+    def table(self) -> str:
+        """An aligned, readable table of the rows, with the budget above it."""
+        head = ("", "quant", "file size", "needs", "peak RSS", "verdict")
+        body = [("->" if r.chosen else "", r.quant, _size(r.size), _size(r.needed),
+                 _size(r.peak_rss), r.note) for r in self.rows]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        fmt = lambda row: "  ".join(  # noqa: E731
+            c.rjust(w) if i in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        lines = [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
+        lines += [fmt(row) for row in body]
+        gpu = "no GPU offload"
+        if self.n_gpu_layers or self.vision_on_gpu:
+            layers = "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers)
+            gpu = f"n_gpu_layers={layers}, vision on {'GPU' if self.vision_on_gpu else 'CPU'}"
+        lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
+                     f"n_threads={self.n_threads}, {gpu}.")
+        lines += [f"Warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        return {
+            "quant": self.quant, "files": list(self.files), "predicted_bytes": self.predicted_bytes,
+            "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
+            "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
+            "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
+            "fits": self.fits, "warnings": list(self.warnings),
+            "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Where things run, for one quant."""
+
+    n_gpu_layers: int = 0  # llama.cpp's count; -1 = everything
+    vision_on_gpu: bool = False
+    backend: str | None = None
+    unified: bool = False
+
+
+_Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
+
+
+@dataclass
+class _Context:
+    """Everything about the request that is the same for every quant."""
+
+    arch: Any
+    vision: Any
+    mmproj_size: int
+    hardware: Hardware
+    n_ctx: int
+    kv_cache_type: str
+    image_tokens: int
+    budget: int
+    gpu_free: int | None = None
+    backend: str | None = None
+    unified: bool = False
+    cpu_only: bool = False  #: unified memory too small for a full offload: CPU alone
+
+
+def choose(
+    candidates: Iterable[QuantCandidate],
+    *,
+    arch: Any,
+    vision: Any = None,
+    mmproj_size: int,
+    hardware: Hardware,
+    ram_budget: int | str | None = None,
+    n_ctx: int = 4096,
+    kv_cache_type: str = "f16",
+    quant: str | None = None,
+    prefer: str = "quality",
+    image_tokens: int | None = None,
+    mmproj_file: str = DEFAULT_MMPROJ_FILE,
+) -> Plan:
+    """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
+
+    ``arch`` is the text model's shape (catalog ``Arch``, ``TextHeader`` or
+    :class:`gguf_mcv.memory.TextShape`), ``vision`` the tower's (default SigLIP-400M).
+    """
+    if prefer not in PREFERENCES:
+        raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
+    cands = _dedupe(candidates)
+    if not cands:
+        raise ConfigError("No quant files to choose from.")
+    budget, budget_note = resolve_budget(hardware, ram_budget)
+    ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
+    evaluated = _evaluate_all(cands, ctx)
+    if quant is not None:
+        return _forced(quant, evaluated, ctx, mmproj_file, budget_note)
+    best = _pick(evaluated, ctx, prefer)
+    rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
+    return _plan(best, rows, ctx, mmproj_file, budget_note)
+
+
+def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
+    """Candidates from ``{quant: file}`` such as ``CatalogEntry.quants`` (objects with
+    ``file``, ``size`` and optionally ``exact``)."""
+    return [QuantCandidate(q, f.file, int(f.size), bool(getattr(f, "exact", True)))
+            for q, f in quants.items()]
+
+
+def resolve_budget(hardware: Hardware, ram_budget: int | str | None) -> tuple[int, str]:
+    """(budget in bytes, a sentence saying where it came from)."""
+    if ram_budget is not None:
+        budget = parse_size(ram_budget)
+        return budget, f"RAM budget {format_size(budget)} (given)."
+    reserve = max(int(hardware.available_ram * RESERVE_FRACTION), RESERVE_MIN)
+    budget = max(0, hardware.available_ram - reserve)
+    return budget, (f"RAM budget {format_size(budget)}: {format_size(hardware.available_ram)} available "
+                    f"less a {format_size(reserve)} safety reserve.")
+
+
+def default_image_tokens(vision: Any = None) -> int:
+    """Tokens of one full-detail image: overview + 9 slices of ``query_tokens`` (640 for 2.6)."""
+    return 10 * memory.VisionShape.of(vision).query_tokens
+
+
+# --- evaluation -----------------------------------------------------------------------
+
+
+def _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget) -> _Context:
+    if kv_cache_type not in memory.KV_BYTES_PER_ELEMENT:
+        raise ConfigError(f"kv_cache_type must be one of {', '.join(memory.KV_BYTES_PER_ELEMENT)}.")
+    ctx = _Context(arch=memory.TextShape.of(arch), vision=memory.VisionShape.of(vision),
+                   mmproj_size=mmproj_size, hardware=hardware, n_ctx=n_ctx,
+                   kv_cache_type=kv_cache_type,
+                   image_tokens=image_tokens if image_tokens is not None else default_image_tokens(vision),
+                   budget=budget)
+    gpu = hardware.gpu
+    if hardware.gpu_offload and gpu is not None:
+        ctx.backend, ctx.unified = gpu.backend, gpu.unified
+        if not gpu.unified and gpu.free_memory > 0:
+            ctx.gpu_free = gpu.free_memory
+    return ctx
+
+
+def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None = None,
+              kv_cache_type: str | None = None) -> memory.MemoryEstimate:
+    return memory.estimate(
+        model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size, vision=ctx.vision,
+        quant=c.quant, n_ctx=n_ctx or ctx.n_ctx, kv_cache_type=kv_cache_type or ctx.kv_cache_type,
+        image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
+        vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
+        unified_memory=setup.unified, cpu=memory.cpu_family(ctx.hardware.machine),
+    )
+
+
+def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated]:
+    """Each quant with its estimate and GPU split on this machine."""
+    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_setup(c, ctx)]]
+    if ctx.unified and not any(_fits(e, s, ctx) for _, e, s in evaluated):
+        # a full offload costs RAM here (device copies, CUDA context, device compute
+        # buffer); when no quant fits that way, plan for the CPU alone
+        ctx.cpu_only = True
+        cpu = _Setup(backend=ctx.backend)
+        evaluated = [(c, _estimate(c, ctx, cpu), cpu) for c in cands]
+    return evaluated
+
+
+def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated:
+    fitting = [(c, e, s) for c, e, s in evaluated if _fits(e, s, ctx)]
+    if not fitting:
+        raise NoQuantFitsError(_nothing_fits_message(evaluated, ctx))
+    whole = [x for x in fitting if _on_gpu_whole(x[2])]
+    if whole:
+        # with a GPU, "quality" means the best quant the GPU holds entirely: layers left
+        # on the CPU (or a vision tower at ~9 s a slice) cost far more speed than one
+        # quant step costs quality
+        fitting = whole
+    if prefer == "quality":
+        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
+    return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
+
+
+def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
+    if ctx.backend is None:
+        return _Setup()
+    if ctx.unified:  # one pool for both: offload everything, it is what makes these fast
+        return _Setup(-1, True, ctx.backend, True)
+    if ctx.gpu_free is None:
+        return _Setup(backend=ctx.backend)
+    usable = int(ctx.gpu_free * (1 - GPU_HEADROOM))
+    vision = memory.estimate(model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size,
+                             vision=ctx.vision, quant=c.quant, n_ctx=ctx.n_ctx,
+                             kv_cache_type=ctx.kv_cache_type, vision_on_gpu=True,
+                             gpu_backend=ctx.backend, cpu="none")
+    vision_on_gpu = vision.gpu is not None and vision.gpu.total <= usable
+    n = memory.fit_gpu_layers(ctx.gpu_free, model_size=c.size, text=ctx.arch, quant=c.quant,
+                              n_ctx=ctx.n_ctx, kv_cache_type=ctx.kv_cache_type,
+                              mmproj_size=ctx.mmproj_size, vision=ctx.vision,
+                              vision_on_gpu=vision_on_gpu, gpu_backend=ctx.backend,
+                              headroom=GPU_HEADROOM)
+    return _Setup(-1 if n > ctx.arch.n_layers else n, vision_on_gpu, ctx.backend)
+
+
+def _on_gpu_whole(s: _Setup) -> bool:
+    return s.n_gpu_layers < 0 and s.vision_on_gpu
+
+
+def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
+    if e.needed > ctx.budget:
+        return False
+    if e.gpu is not None and not s.unified and ctx.gpu_free is not None:
+        return e.gpu.total <= ctx.gpu_free * (1 - GPU_HEADROOM)
+    return True
+
+
+# --- outcomes -------------------------------------------------------------------------
+
+
+def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) -> tuple[PlanRow, ...]:
+    rows = []
+    chosen_whole = any(_on_gpu_whole(s) for c, _, s in evaluated if c is chosen)
+    for c, e, s in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)):
+        fits = _fits(e, s, ctx)
+        if c is chosen:
+            note = "chosen: " + _spare(e, ctx)
+        elif fits and not _on_gpu_whole(s) and chosen_whole:
+            note = f"fits ({_spare(e, ctx)}) but not wholly on the GPU; a quant that is was preferred"
+        elif fits:
+            note = f"fits ({_spare(e, ctx)}); {passed_over}"
+        elif e.needed > ctx.budget:
+            note = f"needs {format_size(e.needed)}, budget {format_size(ctx.budget)}"
+        else:
+            note = f"GPU share {format_size(e.gpu.total)} exceeds free VRAM"
+        if s.n_gpu_layers:
+            total = ctx.arch.n_layers + 1  # llama.cpp counts the output matrix as a layer
+            note += f"; {total if s.n_gpu_layers < 0 else s.n_gpu_layers}/{total} layers on GPU"
+        if not c.exact:
+            note += "; size estimated"
+        rows.append(PlanRow(c.quant, c.file, c.size, e.needed, e.total, fits, note,
+                            s.n_gpu_layers, c is chosen))
+    return tuple(rows)
+
+
+def _spare(e: memory.MemoryEstimate, ctx: _Context) -> str:
+    return f"{format_size(ctx.budget - e.needed)} to spare"
+
+
+def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits: bool = True,
+          warnings: Sequence[str] = ()) -> Plan:
+    c, e, s = best
+    if ctx.cpu_only:
+        warnings = [*warnings, "no quant fits with everything offloaded to the GPU, which on "
+                    "unified memory copies the weights; planned for the CPU alone"]
+    return Plan(
+        quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
+        n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
+        vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
+        gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
+    )
+
+
+def _forced(quant: str, evaluated, ctx: _Context, mmproj_file: str, budget_note: str) -> Plan:
+    want = normalize_quant(quant)
+    match = next((x for x in evaluated if x[0].quant == want), None)
+    if match is None:
+        have = ", ".join(c.quant for c, _, _ in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)))
+        raise ConfigError(f"Quant {want} is not available for this model; available: {have}.")
+    c, e, s = match
+    fits = _fits(e, s, ctx)
+    warnings = [] if fits else [
+        f"{c.quant} needs about {format_size(e.needed)} but the budget is "
+        f"{format_size(ctx.budget)}: expect swapping, or the process being killed."
+    ]
+    rows = tuple(PlanRow(r.quant, r.file, r.size, r.needed, r.peak_rss, r.fits,
+                         "chosen: asked for" + ("" if r.fits else " (does not fit)") if r.chosen else r.note,
+                         r.n_gpu_layers, r.chosen)
+                 for r in _rows(evaluated, c, ctx, "not asked for"))
+    return _plan(match, rows, ctx, mmproj_file, budget_note, fits=fits, warnings=warnings)
+
+
+def _nothing_fits_message(evaluated, ctx: _Context) -> str:
+    c, e, s = min(evaluated, key=lambda x: x[1].needed)
+    lines = [
+        f"No quantization fits: the smallest, {c.quant} ({format_size(c.size)} file), needs about "
+        f"{format_size(e.needed)} of RAM with n_ctx={ctx.n_ctx}, but the budget is "
+        f"{format_size(ctx.budget)}.",
+        "Ways out:",
+    ]
+    fitting_ctx = _largest_fitting_ctx(c, ctx, s)
+    if fitting_ctx is not None:
+        lines.append(f"- a smaller context: n_ctx={fitting_ctx} fits with {c.quant}.")
+    if ctx.kv_cache_type == "f16":
+        q8 = _estimate(c, ctx, s, kv_cache_type="q8_0")
+        verdict = "fits" if q8.needed <= ctx.budget else "still does not fit"
+        lines.append(f"- kv_cache_type='q8_0' halves the KV cache: {c.quant} then needs "
+                     f"{format_size(q8.needed)} ({verdict}).")
+    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)} (about 0.5 GB in Q4_K_M).")
+    lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
+    return "\n".join(lines)
+
+
+def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup) -> int | None:
+    """The largest n_ctx (a multiple of 256 below the asked one) with which ``c`` fits."""
+    for n in range((ctx.n_ctx - 1) // 256 * 256, MIN_SUGGESTED_CTX - 1, -256):
+        if _estimate(c, ctx, s, n_ctx=n).needed <= ctx.budget:
+            return n
+    return None
+
+
+def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
+    """Candidates with canonical quant names, one per quant (the first), unknown ones dropped."""
+    seen: dict[str, QuantCandidate] = {}
+    for c in candidates:
+        try:
+            q = normalize_quant(c.quant)
+        except ConfigError:
+            continue
+        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact))
+    return list(seen.values())
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else format_size(n)

@@ -1,0 +1,235 @@
+"""Tests of the memory model: each term's behaviour, and one real load of the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from gguf_mcv import memory
+from gguf_mcv.errors import ConfigError
+from gguf_mcv.memory import TextShape, VisionShape
+
+GB = 10**9
+MiB = 2**20
+
+#: Qwen2-7B, the text model of MiniCPM-V 2.6.
+QWEN2_7B = TextShape(n_layers=28, n_embd=3584, n_head=28, n_head_kv=4, head_dim=128,
+                     n_vocab=151666, n_ff=18944)
+Q4_K_M_SIZE = 4_681_089_344
+MMPROJ_SIZE = 1_044_425_152
+
+
+def est(**kw) -> memory.MemoryEstimate:
+    args = dict(model_size=Q4_K_M_SIZE, text=QWEN2_7B, mmproj_size=MMPROJ_SIZE, quant="Q4_K_M",
+                cpu="x86-avx2")
+    return memory.estimate(**{**args, **kw})
+
+
+# --- terms ----------------------------------------------------------------------------
+
+
+def test_kv_cache_is_layers_times_heads_times_cells() -> None:
+    # 2 (K and V) x 28 layers x 4 KV heads x 128 x 4096 cells x 2 bytes = 224 MiB
+    assert memory.kv_cache_bytes(QWEN2_7B, 4096) == 224 * MiB
+    assert est(n_ctx=4096).kv_cache == 224 * MiB
+
+
+def test_kv_cache_cells_round_up_to_256() -> None:
+    assert memory.kv_cache_bytes(QWEN2_7B, 4000) == memory.kv_cache_bytes(QWEN2_7B, 4096)
+    assert memory.kv_cache_bytes(QWEN2_7B, 4097) == memory.kv_cache_bytes(QWEN2_7B, 4352)
+
+
+def test_estimate_grows_with_n_ctx() -> None:
+    sizes = [est(n_ctx=n) for n in (1024, 2048, 4096, 8192, 16384)]
+    for small, big in zip(sizes, sizes[1:]):
+        assert small.kv_cache < big.kv_cache
+        assert small.total < big.total
+        assert small.needed < big.needed
+
+
+def test_quantized_kv_cache_halves_or_quarters_the_kv_term() -> None:
+    f16 = est(kv_cache_type="f16").kv_cache
+    assert est(kv_cache_type="q8_0").kv_cache == pytest.approx(f16 * 34 / 64)  # ~1/2
+    assert est(kv_cache_type="q4_0").kv_cache == pytest.approx(f16 * 18 / 64)  # ~1/4
+
+
+def test_unknown_kv_type_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv_cache_type"):
+        est(kv_cache_type="q5_1")
+
+
+def test_hybrid_models_keep_kv_only_for_attention_layers() -> None:
+    hybrid = TextShape(n_layers=24, n_kv_layers=6, n_embd=1024, n_head=8, n_head_kv=2,
+                       head_dim=256, n_vocab=248320)
+    full = TextShape(n_layers=24, n_embd=1024, n_head=8, n_head_kv=2, head_dim=256, n_vocab=248320)
+    assert memory.kv_cache_bytes(hybrid, 8192) * 4 == memory.kv_cache_bytes(full, 8192)
+
+
+def test_weights_and_projector_count_at_file_size() -> None:
+    e = est()
+    assert e.weights == Q4_K_M_SIZE  # MAP_POPULATE: the whole file is resident
+    assert e.vision_weights == MMPROJ_SIZE  # clip reads the mmproj into its own buffer
+
+
+def test_repacking_adds_to_peak_but_not_to_need() -> None:
+    x86, none = est(cpu="x86-avx2"), est(cpu="none")
+    assert x86.repacked > 0.6 * (Q4_K_M_SIZE - 600 * MiB)  # Q4_K layers are repacked on AVX2
+    assert none.repacked == 0
+    assert x86.total - none.total == x86.repacked
+    assert x86.needed == none.needed
+
+
+def test_repacked_bytes_from_a_tensor_list_is_exact() -> None:
+    tensors = [("token_embd.weight", "Q4_0", 1000), ("blk.0.attn_q.weight", "Q4_0", 300),
+               ("blk.0.attn_q.bias", "F32", 7), ("blk.0.ffn_down.weight", "Q6_K", 500),
+               ("output.weight", "Q8_0", 800)]
+    assert memory.repacked_bytes(0, QWEN2_7B, "Q4_0", "x86-avx2", tensors) == 300
+    assert memory.repacked_bytes(0, QWEN2_7B, "Q4_0", "arm-dotprod", tensors) == 1600
+    assert memory.repacked_bytes(0, QWEN2_7B, "Q4_0", "none", tensors) == 0
+
+
+def test_more_image_tokens_and_pixels_cost_more() -> None:
+    one_slice = est(image_tokens=64, image_pixels=448 * 448)
+    full = est(image_tokens=640, image_pixels=1344 * 1344)
+    assert one_slice.images < full.images < est(image_tokens=640, image_pixels=12_000_000).images
+
+
+def test_vision_compute_without_flash_attention_adds_the_scores() -> None:
+    v = VisionShape()
+    with_fa = memory.vision_compute_bytes(v, 3584, flash_attn=True)
+    without = memory.vision_compute_bytes(v, 3584, flash_attn=False)
+    assert without - with_fa >= 16 * 1024 * 1024 * 4 - 32 * MiB  # 16 heads x 1024^2 f32, less reuse
+
+
+def test_offloaded_layers_leave_ram() -> None:
+    cpu = est(gpu_backend="cuda")
+    half = est(n_gpu_layers=15, gpu_backend="cuda")
+    full = est(n_gpu_layers=-1, vision_on_gpu=True, gpu_backend="cuda")
+    assert cpu.gpu is None
+    assert cpu.needed > half.needed > full.needed
+    assert full.needed < 2 * GB  # token_embd, the runtime and the images stay in RAM
+    assert half.gpu.weights < full.gpu.weights
+    assert full.gpu.weights == pytest.approx(Q4_K_M_SIZE, rel=0.1)  # all but token_embd
+    assert full.gpu.vision_weights == MMPROJ_SIZE and full.vision_weights == 0
+    assert full.gpu.kv_cache == memory.kv_cache_bytes(QWEN2_7B, 4096) and full.kv_cache == 0
+
+
+def test_unified_memory_offload_frees_no_ram() -> None:
+    cpu = est(gpu_backend="cuda", unified_memory=True)
+    full = est(n_gpu_layers=-1, vision_on_gpu=True, gpu_backend="cuda", unified_memory=True)
+    assert full.needed >= cpu.needed  # device copies come out of the same RAM
+
+
+def test_metal_wraps_the_mapping_instead_of_copying() -> None:
+    full = est(n_gpu_layers=-1, vision_on_gpu=True, gpu_backend="metal", unified_memory=True)
+    assert full.gpu.weights == 0
+    assert full.needed >= Q4_K_M_SIZE + MMPROJ_SIZE
+
+
+def test_n_gpu_layers_counts_the_output_first() -> None:
+    one = est(n_gpu_layers=1, gpu_backend="cuda")
+    token_embd, output = memory.embedding_bytes(QWEN2_7B, "Q4_K_M")
+    assert one.gpu.weights == output
+    assert est(n_gpu_layers=2, gpu_backend="cuda").gpu.weights == output + memory.layer_bytes(
+        Q4_K_M_SIZE, QWEN2_7B, "Q4_K_M")
+
+
+def test_gpu_layers_need_a_backend() -> None:
+    with pytest.raises(ConfigError, match="gpu_backend"):
+        est(n_gpu_layers=4)
+
+
+def test_layer_bytes_excludes_embeddings() -> None:
+    per_layer = memory.layer_bytes(Q4_K_M_SIZE, QWEN2_7B, "Q4_K_M")
+    token_embd, output = memory.embedding_bytes(QWEN2_7B, "Q4_K_M")
+    assert per_layer * 28 + token_embd + output == pytest.approx(Q4_K_M_SIZE, abs=28)
+    assert 130e6 < per_layer < 160e6
+
+
+def test_fit_gpu_layers_fills_free_vram() -> None:
+    kw = dict(model_size=Q4_K_M_SIZE, text=QWEN2_7B, quant="Q4_K_M", n_ctx=4096)
+    assert memory.fit_gpu_layers(24 * GB, **kw) == 29  # everything, output included
+    partial = memory.fit_gpu_layers(4 * GB, **kw)
+    assert 10 < partial < 29
+    assert memory.fit_gpu_layers(200 * MiB, **kw) == 0
+    with_vision = memory.fit_gpu_layers(4 * GB, **kw, mmproj_size=MMPROJ_SIZE, vision_on_gpu=True)
+    assert with_vision < partial
+
+
+def test_long_prompt_headroom_is_part_of_need() -> None:
+    e = est()
+    assert e.long_prompt > 0
+    assert e.needed == e.runtime - e.reclaimable + e.long_prompt
+    # the 512-row logits reserve is never touched by the engine (1 output row per batch)
+    assert e.long_prompt < memory.reserved_compute_bytes(QWEN2_7B, 4096)
+
+
+def test_estimate_files_reads_shapes_from_headers(tiny) -> None:
+    e = memory.estimate_files(tiny.quants["Q4_0"], tiny.mmproj, n_ctx=4096, cpu="x86-avx2")
+    spec = tiny.spec
+    assert e.kv_cache == memory.kv_cache_bytes(
+        TextShape(spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv,
+                  spec.n_embd // spec.n_head, spec.n_vocab), 4096)
+    assert e.weights == tiny.quants["Q4_0"].stat().st_size
+    assert e.vision_weights == tiny.mmproj.stat().st_size
+    assert 0 < e.repacked < e.weights  # the Q4_0 layer matrices, not token_embd
+    tokens = spec.n_vocab * memory.VOCAB_BYTES_PER_TOKEN  # merges counted from the header:
+    assert tokens < e.vocab <= tokens + spec.n_merges * memory.MERGE_BYTES
+
+
+def test_shapes_come_from_catalog_like_objects() -> None:
+    class Arch:  # the fields gguf_mcv.catalog.Arch has
+        llm_arch, n_layers, n_embd, n_head, n_head_kv, head_dim = "qwen2", 28, 3584, 28, 4, 128
+        n_vocab, n_ctx_train, n_kv_layers = 151666, 32768, 28
+
+    class Vision:
+        width, blocks, patch_size, image_size, query_tokens = 1152, 27, 14, 448, 64
+
+    shape = TextShape.of(Arch())
+    assert (shape.n_layers, shape.kv_layers, shape.ff) == (28, 28, round(3584 * memory.FF_RATIO))
+    assert VisionShape.of(Vision()).patches == 1024
+    assert VisionShape.of(None) == VisionShape()
+
+
+def test_to_dict_has_totals() -> None:
+    d = est(n_gpu_layers=-1, gpu_backend="cuda").to_dict()
+    assert d["total"] >= d["needed"] - d["long_prompt"]
+    assert d["gpu"]["total"] > d["gpu"]["weights"]
+
+
+def test_local_cpu_family_is_known() -> None:
+    assert memory.local_cpu_family() in memory.REPACKED_TYPES
+    assert memory.cpu_family("aarch64") == "arm-dotprod"
+    assert memory.cpu_family("riscv64") == "none"
+
+
+# --- one real measurement ---------------------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import gguf_mcv
+    model = gguf_mcv.load(model_path=sys.argv[1], mmproj_path=sys.argv[2], n_ctx=4096)
+    model.ask("What is in this picture?", sys.argv[3], max_tokens=4, detail="high")
+    # VmHWM, not ru_maxrss: ru_maxrss inherits the (big) pytest parent's high-water mark
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    print(json.dumps({"peak": int(status["VmHWM"].split()[0]) * 1024}))
+""")
+
+
+def test_prediction_matches_a_real_load_of_the_tiny_model(tiny, tmp_path) -> None:
+    image = tmp_path / "photo.png"
+    rng = np.random.default_rng(0)
+    PIL.Image.fromarray(rng.integers(0, 255, (1344, 1344, 3), dtype=np.uint8)).save(image)
+    model = tiny.quants["Q4_K_M"]
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(tiny.mmproj), str(image)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    predicted = memory.estimate_files(model, tiny.mmproj, n_ctx=4096, image_tokens=640,
+                                      image_pixels=1344 * 1344).total
+    assert predicted == pytest.approx(measured, rel=0.15), (predicted / MiB, measured / MiB)

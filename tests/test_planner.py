@@ -1,0 +1,299 @@
+"""Tests of the quant planner on fake machines: Raspberry Pi, Jetson, containers, GPU laptops."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gguf_mcv import hardware, memory, planner
+from gguf_mcv.errors import ConfigError, NoQuantFitsError
+from gguf_mcv.hardware import Gpu, Hardware
+from gguf_mcv.memory import TextShape
+from gguf_mcv.planner import QuantCandidate, choose
+
+GB = 10**9
+GiB = 2**30
+
+# MiniCPM-V 2.6: Qwen2-7B text model, SigLIP-400M + resampler mmproj (catalog numbers).
+QWEN2_7B = TextShape(n_layers=28, n_embd=3584, n_head=28, n_head_kv=4, head_dim=128, n_vocab=151666)
+MMPROJ_26 = 1_044_425_152
+SIZES_26 = {"Q2_K": 3_010_000_000, "Q3_K_M": 3_810_000_000, "Q4_0": 4_430_000_000,
+            "Q4_K_M": 4_681_089_344, "Q5_K_M": 5_440_000_000, "Q6_K": 6_250_000_000,
+            "Q8_0": 8_100_000_000}
+# MiniCPM-V 4.6: Qwen3.5-0.8B, hybrid (6 of 24 layers keep a KV cache), exact file sizes.
+QWEN35_08B = TextShape(n_layers=24, n_kv_layers=6, n_embd=1024, n_head=8, n_head_kv=2,
+                       head_dim=256, n_vocab=248320)
+MMPROJ_46 = 1_108_746_944
+SIZES_46 = {"Q4_0": 501_256_896, "Q4_K_M": 529_101_504, "Q8_0": 811_591_616}
+# MiniCPM-V 4.0: MiniCPM4 3.6B.
+MINICPM4 = TextShape(n_layers=32, n_embd=2560, n_head=32, n_head_kv=2, head_dim=80, n_vocab=73448)
+MMPROJ_40 = 959_000_000
+SIZES_40 = {"Q4_0": 2_080_000_000, "Q4_K_M": 2_190_000_000, "Q8_0": 3_834_000_000}
+# The benchmark ladder (synthetic.BENCH): file sizes are not monotonic (Q3_K_M > Q4_0).
+BENCH = TextShape(n_layers=24, n_embd=896, n_head=14, n_head_kv=2, head_dim=64, n_vocab=151936,
+                  n_ff=4864, n_merges=1000)
+MMPROJ_BENCH = 864_329_248
+SIZES_BENCH = {"Q2_K": 412_642_528, "Q3_K_M": 429_501_664, "Q4_0": 426_190_048,
+               "Q4_K_M": 488_859_872, "Q5_K_M": 519_646_432, "Q6_K": 647_838_944,
+               "Q8_0": 673_170_656}
+
+
+def candidates(sizes: dict[str, int]) -> list[QuantCandidate]:
+    return [QuantCandidate(q, f"model-{q}.gguf", n) for q, n in sizes.items()]
+
+
+def machine(total: int, available: int, *, arch: str = "aarch64", cores: int = 4,
+            gpus: tuple[Gpu, ...] = (), offload: bool = False, **kw) -> Hardware:
+    values = dict(system="Linux", machine=arch, total_ram=total, available_ram=available,
+                  memory_limit_source=None, physical_cores=cores, performance_cores=None,
+                  cpu_quota=None, allowed_cpus=None, board=None, board_kind=None, gpus=gpus,
+                  gpu_offload=offload, gpu_offload_note=None, cache_dir=Path("/tmp"), free_disk=None)
+    return Hardware(**{**values, **kw})
+
+
+PI5_4GB = machine(4 * GB, int(3.4 * GB), board="Raspberry Pi 5 Model B Rev 1.0", board_kind="raspberry-pi")
+PI5_8GB = machine(8 * GB, int(7.4 * GB), board="Raspberry Pi 5 Model B Rev 1.0", board_kind="raspberry-pi")
+JETSON_ORIN_NANO = machine(
+    8 * GB, int(6.8 * GB), cores=6, board="NVIDIA Jetson Orin Nano Developer Kit", board_kind="jetson",
+    gpus=(Gpu("NVIDIA Jetson Orin Nano Developer Kit", "cuda", 8 * GB, int(6.8 * GB), True),),
+    offload=True)
+RTX_4060 = Gpu("NVIDIA GeForce RTX 4060 Laptop GPU", "cuda", 8 * GiB, int(7.5 * GiB), False)
+LAPTOP_RTX_8GB = machine(16 * GB, 12 * GB, arch="x86_64", cores=8, gpus=(RTX_4060,), offload=True)
+
+
+def plan_26(hw: Hardware, **kw) -> planner.Plan:
+    return choose(candidates(SIZES_26), arch=QWEN2_7B, mmproj_size=MMPROJ_26, hardware=hw, **kw)
+
+
+def plan_46(hw: Hardware, **kw) -> planner.Plan:
+    return choose(candidates(SIZES_46), arch=QWEN35_08B, mmproj_size=MMPROJ_46, hardware=hw, **kw)
+
+
+def plan_bench(budget: int | str, **kw) -> planner.Plan:
+    return choose(candidates(SIZES_BENCH), arch=BENCH, mmproj_size=MMPROJ_BENCH,
+                  hardware=machine(64 * GB, 60 * GB, arch="x86_64"), ram_budget=budget, **kw)
+
+
+# --- machines ---------------------------------------------------------------------------
+
+
+def test_raspberry_pi_4gb_cannot_run_minicpm_v_26() -> None:
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(PI5_4GB)
+    message = str(info.value)
+    assert "Q2_K" in message and "budget is 3.1 GB" in message  # 3.4 GB less 10 %
+    assert "kv_cache_type='q8_0'" in message and "minicpm-v-4.6" in message
+    assert isinstance(info.value, MemoryError)
+
+
+def test_raspberry_pi_4gb_runs_minicpm_v_46_at_q8() -> None:
+    plan = plan_46(PI5_4GB)
+    assert plan.quant == "Q8_0"
+    assert plan.predicted_bytes <= plan.budget
+    assert plan.files == ("model-Q8_0.gguf", "mmproj-model-f16.gguf")
+    assert (plan.n_gpu_layers, plan.vision_on_gpu, plan.n_threads) == (0, False, 4)
+
+
+def test_raspberry_pi_8gb_takes_a_4bit_26() -> None:
+    plan = plan_26(PI5_8GB)
+    assert plan.quant in ("Q4_0", "Q4_K_M")
+    assert [r.fits for r in plan.rows] == [True, True, True, True, False, False, False]
+
+
+def test_jetson_orin_nano_offloads_everything_on_unified_memory() -> None:
+    plan = choose(candidates(SIZES_40), arch=MINICPM4, mmproj_size=MMPROJ_40, hardware=JETSON_ORIN_NANO)
+    assert plan.quant == "Q4_K_M"  # Q8_0's device copies do not fit the shared 6.8 GB
+    assert plan.n_gpu_layers == -1 and plan.vision_on_gpu
+    # on unified memory the GPU's allocations are part of the RAM need
+    assert plan.predicted_bytes > SIZES_40["Q4_K_M"] + MMPROJ_40
+    assert plan.estimate.unified and plan.estimate.gpu is not None
+
+
+def test_unified_memory_too_small_for_offload_falls_back_to_cpu() -> None:
+    small = machine(8 * GB, 6 * GB, gpus=(Gpu("Orin", "cuda", 8 * GB, 6 * GB, True),),
+                    offload=True)
+    plan = choose(candidates(SIZES_26), arch=QWEN2_7B, mmproj_size=MMPROJ_26, hardware=small)
+    assert plan.n_gpu_layers == 0 and not plan.vision_on_gpu
+    assert any("CPU alone" in w for w in plan.warnings)
+
+
+def test_container_limit_on_a_big_host_is_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware, "_llama_gpu_offload", lambda: (False, "CPU-only build"))
+    files = {
+        "proc/meminfo": f"MemTotal: {64 * GB // 1024} kB\nMemAvailable: {60 * GB // 1024} kB\n",
+        "proc/cpuinfo": "".join(f"processor\t: {n}\ncore id\t\t: {n}\n\n" for n in range(16)),
+        "proc/self/cgroup": "0::/docker/abc\n",
+        "sys/fs/cgroup/docker/abc/memory.max": f"{3 * GB}\n",
+        "sys/fs/cgroup/docker/abc/memory.current": f"{100 * 2**20}\n",
+        "_fake/platform": "Linux x86_64",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    hw = hardware.probe(tmp_path)
+    assert hw.total_ram == 3 * GB
+    plan = plan_46(hw)
+    assert plan.budget == hw.available_ram - planner.RESERVE_MIN  # 10 % < 300 MB
+    assert plan.quant == "Q8_0"
+    with pytest.raises(NoQuantFitsError, match="budget is 2.6 GB"):
+        plan_26(hw)
+
+
+def test_laptop_gpu_holds_a_whole_quant() -> None:
+    plan = plan_26(LAPTOP_RTX_8GB)
+    assert plan.quant == "Q5_K_M"  # the best quant the 7.5 GiB of free VRAM holds entirely
+    assert plan.n_gpu_layers == -1 and plan.vision_on_gpu
+    assert plan.predicted_bytes < 2 * GB  # offloaded weights leave RAM
+    assert plan.estimate.gpu.total <= 7.5 * GiB * (1 - planner.GPU_HEADROOM)
+    rows = {r.quant: r for r in plan.rows}
+    assert rows["Q8_0"].fits and 0 < rows["Q8_0"].n_gpu_layers < 29
+    assert "not wholly on the GPU" in rows["Q8_0"].note
+
+
+def test_laptop_gpu_partial_offload_when_asked_for_a_big_quant() -> None:
+    plan = plan_26(LAPTOP_RTX_8GB, quant="Q8_0")
+    assert plan.quant == "Q8_0" and plan.fits
+    assert 0 < plan.n_gpu_layers < QWEN2_7B.n_layers + 1
+    usable = 7.5 * GiB * (1 - planner.GPU_HEADROOM)
+    assert plan.estimate.gpu.total <= usable
+    one_more = memory.estimate(model_size=SIZES_26["Q8_0"], text=QWEN2_7B, mmproj_size=MMPROJ_26,
+                               quant="Q8_0", n_gpu_layers=plan.n_gpu_layers + 1, vision_on_gpu=True,
+                               gpu_backend="cuda")
+    assert one_more.gpu.total > usable
+    assert plan.predicted_bytes > plan_26(LAPTOP_RTX_8GB).predicted_bytes  # CPU layers stay in RAM
+
+
+def test_small_gpu_keeps_vision_on_the_cpu() -> None:
+    tiny_gpu = machine(32 * GB, 24 * GB, arch="x86_64",
+                       gpus=(Gpu("GT 1030", "cuda", 2 * GiB, int(0.9 * GiB), False),), offload=True)
+    plan = plan_26(tiny_gpu)
+    assert not plan.vision_on_gpu
+    assert plan.n_gpu_layers >= 0
+
+
+def test_gpu_ignored_when_llama_cpp_cannot_offload() -> None:
+    hw = machine(16 * GB, 12 * GB, arch="x86_64", gpus=LAPTOP_RTX_8GB.gpus, offload=False)
+    plan = plan_26(hw)
+    assert plan.n_gpu_layers == 0 and not plan.vision_on_gpu and plan.estimate.gpu is None
+
+
+# --- budgets ----------------------------------------------------------------------------
+
+
+def test_default_budget_keeps_a_reserve() -> None:
+    assert planner.resolve_budget(machine(64 * GB, 40 * GB), None)[0] == 36 * GB  # 10 %
+    assert planner.resolve_budget(machine(4 * GB, 2 * GB), None)[0] == 2 * GB - 300_000_000
+
+
+@pytest.mark.parametrize("text, value", [("6GB", 6 * GB), ("6 GB", 6 * GB), ("512MiB", 512 * 2**20),
+                                         ("3.5G", 3_500_000_000), ("2.5 GiB", int(2.5 * GiB)), (1234, 1234)])
+def test_budget_strings_parse(text, value) -> None:
+    budget, note = planner.resolve_budget(PI5_4GB, text)
+    assert budget == value and "(given)" in note
+
+
+def test_a_given_budget_replaces_the_default() -> None:
+    plan = plan_bench("6GB")
+    assert plan.budget == 6 * GB and plan.quant == "Q8_0"
+    assert plan.table().startswith("RAM budget 6.0 GB (given).")
+
+
+def test_bad_budget_string_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        plan_bench("lots")
+
+
+def _needs() -> dict[str, int]:
+    return {r.quant: r.needed for r in plan_bench(10**12).rows}
+
+
+@pytest.mark.parametrize("quant", list(SIZES_BENCH))
+def test_budget_at_each_step_picks_the_best_quant_that_fits(quant: str) -> None:
+    needs = _needs()
+    order = list(SIZES_BENCH)  # worst to best quality
+    at = plan_bench(needs[quant])
+    expected = max((q for q in order if needs[q] <= needs[quant]), key=order.index)
+    assert at.quant == expected
+    assert at.predicted_bytes == needs[expected] <= at.budget
+    below = [q for q in order if needs[q] <= needs[quant] - 1]
+    if below:
+        assert plan_bench(needs[quant] - 1).quant == max(below, key=order.index)
+    else:
+        with pytest.raises(NoQuantFitsError):
+            plan_bench(needs[quant] - 1)
+
+
+def test_non_monotonic_sizes_prefer_quality_not_size() -> None:
+    needs = _needs()
+    assert needs["Q4_0"] < needs["Q3_K_M"]  # Q3_K_M's file is the bigger one at this width
+    assert plan_bench(needs["Q3_K_M"]).quant == "Q4_0"
+
+
+def test_prefer_size_and_speed_take_the_smallest_that_fits() -> None:
+    assert plan_bench(10**12, prefer="size").quant == "Q2_K"
+    assert plan_bench(10**12, prefer="speed").quant == "Q2_K"
+    assert plan_bench(10**12).quant == "Q8_0"
+    with pytest.raises(ConfigError, match="prefer"):
+        plan_bench(10**12, prefer="fast")
+
+
+# --- explicit quants, failures, output --------------------------------------------------
+
+
+def test_explicit_quant_that_does_not_fit_is_planned_with_a_warning() -> None:
+    plan = plan_46(PI5_4GB, quant="q8_0")
+    assert plan.quant == "Q8_0" and plan.fits and not plan.warnings
+    big = plan_26(PI5_8GB, quant="Q8_0")
+    assert big.quant == "Q8_0" and not big.fits
+    assert "budget" in big.warnings[0]
+    assert "does not fit" in next(r.note for r in big.rows if r.chosen)
+
+
+def test_explicit_quant_must_exist() -> None:
+    with pytest.raises(ConfigError, match="Q2_K, Q3_K_M"):
+        plan_26(PI5_8GB, quant="Q5_0")
+
+
+def test_nothing_fits_names_the_context_that_would() -> None:
+    needs = _needs()
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=8192)
+    message = str(info.value)
+    assert "n_ctx=8192" in message and "a smaller context: n_ctx=" in message
+    suggested = int(message.split("a smaller context: n_ctx=")[1].split()[0])
+    assert 1024 <= suggested < 8192
+    assert plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=suggested).quant == "Q2_K"
+
+
+def test_unknown_quant_names_are_dropped_and_empty_lists_refused() -> None:
+    plan = choose([*candidates(SIZES_46), QuantCandidate("Q9_X", "weird.gguf", 1)], arch=QWEN35_08B,
+                  mmproj_size=MMPROJ_46, hardware=PI5_8GB)
+    assert [r.quant for r in plan.rows] == ["Q4_0", "Q4_K_M", "Q8_0"]
+    with pytest.raises(ConfigError):
+        choose([], arch=QWEN35_08B, mmproj_size=MMPROJ_46, hardware=PI5_8GB)
+
+
+def test_default_image_tokens_is_one_full_detail_image() -> None:
+    assert planner.default_image_tokens() == 640
+    low = plan_46(PI5_4GB, image_tokens=64)
+    assert low.predicted_bytes < plan_46(PI5_4GB).predicted_bytes
+
+
+def test_table_lists_every_quant_aligned() -> None:
+    plan = plan_26(PI5_8GB)
+    lines = plan.table().splitlines()
+    assert lines[0].startswith("RAM budget 6.7 GB")
+    rows = lines[2:9]
+    assert [line.split()[0] for line in rows if not line.startswith("->")] == [
+        r.quant for r in plan.rows if not r.chosen]
+    assert len({line.index(" GB  ") for line in rows}) == 1  # the size column lines up
+    assert any(line.startswith("->") and plan.quant in line for line in rows)
+    assert "needs" in lines[1] and "Chosen" in lines[-1]
+
+
+def test_to_dict_is_json() -> None:
+    d = json.loads(json.dumps(plan_26(LAPTOP_RTX_8GB).to_dict()))
+    assert d["quant"] == "Q5_K_M" and d["n_gpu_layers"] == -1 and len(d["rows"]) == 7
+    assert d["estimate"]["gpu"]["total"] > 0

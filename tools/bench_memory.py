@@ -1,0 +1,273 @@
+"""Calibrate and check the memory model: predicted vs measured peak RSS.
+
+For each quant of a ladder (``synthetic.build`` output: ``ggml-model-<QUANT>.gguf`` +
+``mmproj-model-f16.gguf``) and each ``n_ctx``, a fresh Python process loads the pair with
+:func:`gguf_mcv.load`, asks one question about a 1344x1344 image at full detail
+(10 slices: 9 + overview = 640 image tokens) and reports its peak RSS: ``VmHWM``, the
+same high-water mark as ``getrusage().ru_maxrss`` (file-backed pages included, so
+llama.cpp's memory-mapped weights count) but without the parent's own peak, which Linux
+carries into a child's ``ru_maxrss`` across fork+exec. The parent prints predicted vs
+measured as Markdown::
+
+    python tools/bench_memory.py                        # /tmp/bench (built if missing) + tiny
+    python tools/bench_memory.py --ladder /tmp/bench --ctx 2048 8192 --quants Q4_0 Q8_0
+    python tools/bench_memory.py --json out.json        # every measurement, for --reuse
+    python tools/bench_memory.py --reuse out.json       # re-predict without re-measuring
+
+One bench-size run takes 2-7 minutes on 2 cores (10 slices of SigLIP-400M on the CPU);
+``--detail low`` (one slice) is for iterating, not for the record.
+
+Target: every prediction within 10 % of the measurement, none under by more than 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+IMAGE_SIDE = 1344  # 3x3 slices of 448 + overview at full detail
+QUESTION = "Describe this image in detail."
+
+# llama.cpp log lines worth keeping (buffer sizes in MiB), parsed in the child
+_LOG_SIZES = {
+    "mapped": re.compile(r"CPU_Mapped model buffer size =\s*([\d.]+) MiB"),
+    "repack": re.compile(r"CPU_REPACK model buffer size =\s*([\d.]+) MiB"),
+    "kv": re.compile(r"CPU KV buffer size =\s*([\d.]+) MiB"),
+    "text_compute": re.compile(r"sched_reserve:\s+CPU compute buffer size =\s*([\d.]+) MiB"),
+    "vision_compute": re.compile(r"reserve_compute_meta:\s+CPU compute buffer size =\s*([\d.]+) MiB"),
+}
+
+
+# --- child: one measurement in a fresh process -----------------------------------------
+
+
+def _status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile of this process in bytes (Linux)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """Load, ask one question, print one JSON line with the peak RSS and what llama.cpp logged."""
+    import logging
+    import resource
+
+    log_lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log_lines.append(record.getMessage())
+
+    native_log = logging.getLogger("gguf_mcv.native")
+    native_log.setLevel(logging.DEBUG)
+    native_log.addHandler(Keep())
+    native_log.propagate = False
+
+    import gguf_mcv
+
+    stages = {"import": _status()}
+    start = time.perf_counter()
+    model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, n_ctx=args.n_ctx,
+                          kv_cache_type=args.kv_type)
+    stages["load"] = _status()
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    reply = model.ask(QUESTION, args.image, max_tokens=args.max_tokens, detail=args.detail)
+    ask_s = time.perf_counter() - start
+    stages["ask"] = _status()
+    sizes: dict[str, float] = {}
+    for line in log_lines:
+        for key, pattern in _LOG_SIZES.items():
+            if m := pattern.search(line):
+                sizes[key] = max(sizes.get(key, 0.0), float(m.group(1)) * 2**20)
+    print(json.dumps({
+        # VmHWM, not ru_maxrss: Linux carries the parent's RSS high-water mark across
+        # fork+exec into the child's ru_maxrss (exec_mmap -> setmax_mm_hiwater_rss), so a
+        # big parent (pytest, this script after reading headers) would show up as the peak.
+        "peak_rss": _status()["VmHWM"],
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "stages": stages,
+        "llama_buffers": sizes,
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "image_tokens": reply.usage.image_tokens,
+        "slices": reply.timings.slices_encoded,
+        "load_s": round(load_s, 1),
+        "ask_s": round(ask_s, 1),
+    }))
+
+
+def _child_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--mmproj", required=True)
+    p.add_argument("--image", required=True)
+    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--kv-type", default="f16")
+    p.add_argument("--detail", default="high")
+    p.add_argument("--max-tokens", type=int, default=4)
+    return p.parse_args(argv)
+
+
+# --- parent: the matrix ------------------------------------------------------------------
+
+
+def make_image(path: Path, side: int = IMAGE_SIDE) -> Path:
+    """A deterministic photo-like PNG (gradients plus noise, so it compresses like a photo)."""
+    import numpy as np
+    import PIL.Image
+
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    rgb = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, ramp[::-1]) / 2,
+                    np.broadcast_to(ramp, (side, side))], axis=-1)
+    rgb = (rgb * 0.5 + rng.integers(0, 128, rgb.shape)).clip(0, 255).astype(np.uint8)
+    PIL.Image.fromarray(rgb).save(path)
+    return path
+
+
+def ensure_ladder(path: Path | None, preset: str, quants: list[str]) -> Path:
+    """The ladder in ``path`` (built there if files are missing), or a fresh temp one."""
+    from gguf_mcv import synthetic
+
+    folder = path or Path(tempfile.gettempdir()) / f"gguf_mcv_bench_{preset}"
+    missing = [q for q in quants if not (folder / synthetic.quant_filename(q)).is_file()]
+    if missing or not (folder / synthetic.MMPROJ_NAME).is_file():
+        print(f"building the {preset} ladder in {folder} ...", file=sys.stderr, flush=True)
+        synthetic.build(folder, synthetic.PRESETS[preset], quants)
+    return folder
+
+
+def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, timeout: float) -> dict:
+    """Run one child process; its JSON report."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
+           "--mmproj", str(mmproj), "--image", str(image), "--n-ctx", str(n_ctx), "--detail", detail]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int) -> dict:
+    """The memory model's prediction for one run (headers read from the files)."""
+    from gguf_mcv import memory
+
+    est = memory.estimate_files(model, mmproj, n_ctx=n_ctx, image_tokens=image_tokens,
+                                image_pixels=IMAGE_SIDE * IMAGE_SIDE)
+    return est.to_dict()
+
+
+def run_matrix(args: argparse.Namespace, image: Path) -> list[dict]:
+    from gguf_mcv import synthetic
+
+    ladders = [("tiny", args.tiny)] if not args.no_tiny else []
+    ladders += [("bench", args.ladder)] if not args.no_bench else []
+    image_tokens = 640 if args.detail == "high" else 64
+    results = []
+    for preset, folder in ladders:
+        folder = ensure_ladder(folder, preset, args.quants)
+        mmproj = folder / synthetic.MMPROJ_NAME
+        for n_ctx in args.ctx:
+            for quant in args.quants:
+                model = folder / synthetic.quant_filename(quant)
+                start = time.perf_counter()
+                got = measure(model, mmproj, image, n_ctx, args.detail, args.timeout)
+                row = {"ladder": preset, "quant": quant, "model": str(model), "mmproj": str(mmproj),
+                       "file_size": model.stat().st_size,
+                       "n_ctx": n_ctx, "measured": got["peak_rss"], "run": got,
+                       "predicted": predict(model, mmproj, n_ctx, image_tokens)}
+                results.append(row)
+                print(_line(row, time.perf_counter() - start), file=sys.stderr, flush=True)
+    return results
+
+
+def _error(row: dict) -> float:
+    return (row["predicted"]["total"] - row["measured"]) / row["measured"] * 100
+
+
+def _line(row: dict, seconds: float) -> str:
+    return (f"{row['ladder']:5s} {row['quant']:7s} n_ctx {row['n_ctx']:5d}: predicted "
+            f"{row['predicted']['total'] / 2**20:8.1f} MiB, measured {row['measured'] / 2**20:8.1f} MiB "
+            f"({_error(row):+.1f} %), {seconds:.0f} s")
+
+
+def markdown(results: list[dict]) -> str:
+    """The predicted-vs-measured table, as Markdown."""
+    lines = ["| model | quant | file | n_ctx | predicted peak | measured peak | error |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['ladder']} | {r['quant']} | {r['file_size'] / 1e6:.0f} MB | {r['n_ctx']} | "
+                     f"{r['predicted']['total'] / 2**20:.1f} MiB | {r['measured'] / 2**20:.1f} MiB | "
+                     f"{_error(r):+.1f} % |")
+    return "\n".join(lines)
+
+
+def verdict(results: list[dict]) -> tuple[bool, str]:
+    """Within 10 % everywhere and never under by more than 5 %?"""
+    errors = [_error(r) for r in results]
+    ok = all(abs(e) <= 10 for e in errors) and all(e >= -5 for e in errors)
+    return ok, (f"{len(errors)} runs; error from {min(errors):+.1f} % to {max(errors):+.1f} % "
+                f"(target: within +-10 %, never below -5 %): {'PASS' if ok else 'FAIL'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gguf_mcv import synthetic
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ladder", type=Path, default=Path("/tmp/bench"),
+                   help="benchmark-size ladder (synthetic.BENCH); built there if missing")
+    p.add_argument("--tiny", type=Path, default=None,
+                   help="tiny ladder (default: $TMPDIR/gguf_mcv_bench_tiny, built if missing)")
+    p.add_argument("--no-tiny", action="store_true")
+    p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--quants", nargs="+", default=list(synthetic.LADDER))
+    p.add_argument("--detail", default="high", choices=("high", "low"),
+                   help="high: 10 slices, 640 image tokens (the real check); low: 1 slice, to iterate")
+    p.add_argument("--image", type=Path, default=None,
+                   help=f"default: a generated {IMAGE_SIDE}x{IMAGE_SIDE} PNG")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", type=Path, help="write every measurement and prediction here")
+    p.add_argument("--reuse", type=Path, help="re-predict the measurements of an earlier --json")
+    args = p.parse_args(argv)
+    print("$ python tools/bench_memory.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.reuse:
+        results = json.loads(args.reuse.read_text())["results"]
+        for r in results:
+            folder = args.ladder if r["ladder"] == "bench" else args.tiny
+            model = Path(r.get("model") or folder / synthetic.quant_filename(r["quant"]))
+            mmproj = Path(r.get("mmproj") or folder / synthetic.MMPROJ_NAME)
+            r["predicted"] = predict(model, mmproj, r["n_ctx"], r["run"]["image_tokens"])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            image = args.image or make_image(Path(tmp) / "image.png")
+            results = run_matrix(args, image)
+    ok, summary = verdict(results)
+    print(markdown(results))
+    print(summary)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "summary": summary}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(_child_args(sys.argv[2:]))
+    else:
+        sys.exit(main())
