@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from . import constants
 from .catalog import CatalogEntry, load_catalog
@@ -40,6 +40,9 @@ from .errors import (
 )
 from .headers import TextHeader, parse_header, text_header
 from .quants import GgufFileInfo, classify_gguf, normalize_quant, quality_rank
+
+if TYPE_CHECKING:
+    from .planner import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,7 @@ class ModelFiles:
     repo: str | None = None
     revision: str | None = None
     entry: CatalogEntry | None = None
+    plan: "Plan | None" = None  #: how the quant was chosen, when it was planned
 
 
 def resolve(model: str) -> tuple[str, CatalogEntry | None]:
@@ -240,14 +244,18 @@ def pull(
     """
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
+    planned = None
     if quant is None:
-        quant = _planned_quant(model, listing, entry, ram_budget, n_ctx)
+        from .planner import plan_listing
+
+        planned = plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx)
+        quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None
     model_file = listing.model_file(quant, preferred)
     mmproj_file = listing.mmproj_for(model_file)
     paths = fetch(listing, [model_file, mmproj_file], progress=progress)
-    return ModelFiles(paths[0], paths[1], quant, listing.repo, listing.revision, entry)
+    return ModelFiles(paths[0], paths[1], quant, listing.repo, listing.revision, entry, planned)
 
 
 def fetch(listing: RepoFiles, files: list[RemoteFile], *, progress: bool | None = None) -> list[Path]:
@@ -497,13 +505,6 @@ def remote_text_header(listing: RepoFiles, f: RemoteFile) -> TextHeader:
             except CorruptModelError as exc:
                 raise CorruptModelError(f"Could not read the header of {f.path} in {listing.repo}: {exc}") from exc
         want *= 2
-
-
-def _planned_quant(model: str, listing: RepoFiles, entry: CatalogEntry | None,
-                   ram_budget: int | str | None, n_ctx: int) -> str:
-    available = listing.text_models()
-    default = entry.default_quant if entry is not None else constants.DEFAULT_QUANT
-    return default if default in available else next(iter(available), default)
 
 
 def _missing_offline(listing: RepoFiles, missing: list[RemoteFile]) -> str:

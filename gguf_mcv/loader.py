@@ -33,7 +33,7 @@ def load(
     n_threads: int | None = None,
     n_threads_batch: int | None = None,
     n_gpu_layers: int | str = 0,
-    vision_gpu: bool = False,
+    vision_gpu: bool | None = None,
     flash_attn: bool | None = None,
     kv_cache_type: str = "f16",
     revision: str | None = None,
@@ -44,10 +44,13 @@ def load(
 ) -> Model:
     """Load a MiniCPM-V model and its vision projector; return a :class:`Model`.
 
-    ``model`` is a catalog name (``"minicpm-v-2.6"``) or a Hub repo id
-    (``"openbmb/MiniCPM-V-2_6-gguf"``); or leave it out and pass local
-    ``model_path`` and ``mmproj_path``. Without ``quant`` the quantization is
-    planned from ``ram_budget`` (default: what the machine has free).
+    ``model`` is a catalog name (``"minicpm-v-2.6"``), a Hub repo id
+    (``"openbmb/MiniCPM-V-2_6-gguf"``) or ``"auto"`` (the most capable catalog model
+    that fits); or leave it out and pass local ``model_path`` and ``mmproj_path``.
+    Without ``quant`` the quantization is planned from ``ram_budget`` (default: what
+    the machine has free). ``n_gpu_layers="auto"`` offloads what the plan says fits
+    (nothing on a CPU-only build); ``vision_gpu=None`` follows the plan when one was
+    made for GPU offload, else keeps the vision encoder on the CPU.
     ``n_threads`` defaults to the machine's performance (or physical) cores.
     ``flash_attn=None`` lets llama.cpp decide for the vision encoder and turns it on
     for the text model only when a quantized KV cache needs it. ``chat_template``
@@ -56,9 +59,10 @@ def load(
     the catalog family's. ``embed_cache`` shares an :class:`EmbeddingCache` (e.g.
     one with a disk tier) between models.
     """
-    _check_options(n_ctx, kv_cache_type, flash_attn, n_gpu_layers, vision_gpu)
+    _check_options(n_ctx, kv_cache_type, flash_attn, n_gpu_layers, bool(vision_gpu))
     entry = None
     repo = None
+    planned = None
     if model_path is not None or mmproj_path is not None:
         if model_path is None or mmproj_path is None:
             raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
@@ -69,16 +73,29 @@ def load(
             raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
         from .hub import pull
 
+        if model == "auto":
+            from .planner import plan
+
+            planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
+                           kv_cache_type=kv_cache_type)
+            model, quant = planned.model, planned.quant
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx, revision=revision)
         model_path, mmproj_path, quant, repo = files.model, files.mmproj, files.quant, files.repo
-        entry = files.entry
+        entry, planned = files.entry, files.plan or planned
         name = entry.display_name if entry is not None else files.repo
     text = read_text_header(model_path)
     projector = read_projector_header(mmproj_path)
     check_pair(text, projector, minicpmv_version=getattr(entry, "minicpmv_version", None))
 
     n_threads = n_threads or _default_threads()
-    n_gpu = _gpu_layers(n_gpu_layers, text.n_layers)
+    if n_gpu_layers == "auto" and planned is None:
+        from .planner import plan_local
+
+        planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
+                             kv_cache_type=kv_cache_type)
+    n_gpu = planned.n_gpu_layers if n_gpu_layers == "auto" else _gpu_layers(n_gpu_layers)
+    if vision_gpu is None:
+        vision_gpu = bool(planned and n_gpu_layers == "auto" and planned.vision_on_gpu)
     llama = _open_llama(model_path, n_ctx, n_threads, n_threads_batch or n_threads, n_gpu,
                         flash_attn, kv_cache_type, verbose)
     try:
@@ -125,7 +142,8 @@ def _check_options(n_ctx: int, kv_cache_type: str, flash_attn: bool | None,
             f"A {kv_cache_type} KV cache needs flash attention in llama.cpp: "
             "drop flash_attn=False or use kv_cache_type='f16'."
         )
-    wants_gpu = vision_gpu or n_gpu_layers == "auto" or (isinstance(n_gpu_layers, int) and n_gpu_layers != 0)
+    # "auto" is allowed anywhere: the plan offloads nothing where nothing can be offloaded
+    wants_gpu = vision_gpu or (isinstance(n_gpu_layers, int) and n_gpu_layers != 0)
     if wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
@@ -140,9 +158,7 @@ def _gpu_offload_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def _gpu_layers(n_gpu_layers: int | str, n_layers: int) -> int:
-    if n_gpu_layers == "auto":
-        return -1  # every layer; the planner lowers this when they do not fit
+def _gpu_layers(n_gpu_layers: int | str) -> int:
     if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
         raise ConfigError("n_gpu_layers must be an int >= -1 (-1 = all layers) or 'auto'.")
     return n_gpu_layers

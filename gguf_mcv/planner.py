@@ -1,10 +1,13 @@
-"""Choose the quantization, context and GPU split that fit a machine: pure logic, no I/O.
+"""Choose the quantization, context and GPU split that fit a machine.
 
-:func:`choose` takes the quant files a model offers (name, file, size), the model's
-shape and a :class:`~gguf_mcv.hardware.Hardware`, predicts each quant's memory with
-:func:`gguf_mcv.memory.estimate` and returns a :class:`Plan`: the best quant that
-fits, the settings to load it with, and one row per quant saying why it was or was
-not chosen. Listing a repository's files and probing the machine happen elsewhere.
+:func:`choose` is pure: it takes the quant files a model offers (name, file, size),
+the model's shape and a :class:`~gguf_mcv.hardware.Hardware`, predicts each quant's
+memory with :func:`gguf_mcv.memory.estimate` and returns a :class:`Plan`: the best
+quant that fits, the settings to load it with, and one row per quant saying why it
+was or was not chosen. :func:`plan` gathers those inputs for a model name — the
+machine from :func:`~gguf_mcv.hardware.probe`, the files from the Hub (or the local
+cache, or the catalog when offline), the shape from the catalog or from the model's
+header — and ``model="auto"`` walks the catalog from the most capable model down.
 
 Rules, in order:
 
@@ -34,7 +37,7 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import memory
@@ -99,6 +102,7 @@ class Plan:
     fits: bool = True  #: False only for an explicit quant that does not fit
     warnings: tuple[str, ...] = ()
     budget_note: str = ""
+    model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
@@ -109,7 +113,8 @@ class Plan:
         fmt = lambda row: "  ".join(  # noqa: E731
             c.rjust(w) if i in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
         ).rstrip()
-        lines = [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
+        lines = [f"Model: {self.model}"] if self.model else []
+        lines += [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
         lines += [fmt(row) for row in body]
         gpu = "no GPU offload"
         if self.n_gpu_layers or self.vision_on_gpu:
@@ -123,7 +128,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
         return {
-            "quant": self.quant, "files": list(self.files), "predicted_bytes": self.predicted_bytes,
+            "model": self.model, "quant": self.quant, "files": list(self.files), "predicted_bytes": self.predicted_bytes,
             "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
             "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
             "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
@@ -196,6 +201,117 @@ def choose(
     best = _pick(evaluated, ctx, prefer)
     rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
     return _plan(best, rows, ctx, mmproj_file, budget_note)
+
+
+def plan(
+    model: str,
+    *,
+    ram_budget: int | str | None = None,
+    n_ctx: int = 4096,
+    quant: str | None = None,
+    prefer: str = "quality",
+    kv_cache_type: str = "f16",
+    revision: str | None = None,
+    hardware: Hardware | None = None,
+) -> Plan:
+    """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
+
+    The quant files and their sizes come from the Hub (from the local cache when
+    offline; from the catalog when the Hub cannot be reached at all); the text model's
+    shape from the catalog, or for a repo the catalog does not know, from a ranged read
+    of the model's header. ``ram_budget`` defaults to the available RAM less a reserve.
+    ``model="auto"`` picks the most capable catalog model that fits.
+    """
+    from .errors import OfflineError
+    from .hardware import probe
+    from .hub import list_files, resolve
+
+    hardware = hardware or probe()
+    options = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
+                   kv_cache_type=kv_cache_type, hardware=hardware)
+    if model == "auto":
+        return _plan_auto(**options)
+    repo, entry = resolve(model)
+    try:
+        listing = list_files(repo, revision)
+    except OfflineError:
+        if entry is None:
+            raise
+        listing = None  # plan from the catalog's own file list
+    return plan_listing(model, listing, entry, **options)
+
+
+def plan_listing(model: str, listing: Any, entry: Any, *, hardware: Hardware | None = None,
+                 **options: Any) -> Plan:
+    """:func:`choose` for a repo's files (a :class:`~gguf_mcv.hub.RepoFiles`, or None to use
+    the catalog ``entry``'s file list)."""
+    from .hardware import probe
+
+    hardware = hardware or probe()
+    notes: list[str] = []
+    if listing is None:
+        candidates = candidates_from(entry.quants)
+        mmproj_file, mmproj_size = entry.mmproj.file, entry.mmproj.size
+        notes.append("the Hub could not be reached and nothing is cached: files and sizes are the "
+                     "catalog's")
+    else:
+        candidates = []
+        for q in listing.text_models():
+            preferred = entry.quants[q].file if entry is not None and q in entry.quants else None
+            f = listing.model_file(q, preferred)
+            candidates.append(QuantCandidate(q, f.path, int(f.size or 0), f.size is not None))
+        if not candidates:
+            raise ConfigError(f"{listing.repo} has no text model .gguf files to plan with.")
+        projector = listing.mmproj_for(listing.model_file(candidates[0].quant))
+        mmproj_file, mmproj_size = projector.path, int(projector.size or 0)
+    if entry is not None:
+        arch, vision = entry.arch, entry.vision
+    else:
+        from .hub import remote_text_header
+
+        smallest = min(candidates, key=lambda c: c.size)
+        arch = remote_text_header(listing, listing.model_file(smallest.quant))
+        vision = None  # MiniCPM-V's SigLIP-400M tower
+    result = choose(candidates, arch=arch, vision=vision, mmproj_size=mmproj_size,
+                    mmproj_file=mmproj_file, hardware=hardware, **options)
+    return replace(result, model=model, warnings=(*result.warnings, *notes))
+
+
+def plan_local(model_path: str, mmproj_path: str, *, hardware: Hardware | None = None,
+               **options: Any) -> Plan:
+    """:func:`choose` for one local model file and its projector (shapes from their headers)."""
+    import os
+
+    from .hardware import probe
+    from .headers import read_projector_header, read_text_header
+    from .quants import classify_gguf
+
+    text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
+    info = classify_gguf(os.path.basename(os.fspath(model_path)))
+    quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
+    candidate = QuantCandidate(quant, os.fspath(model_path), text.size)
+    vision = memory.VisionShape.of(projector)
+    result = choose([candidate], arch=text, vision=vision, mmproj_size=projector.size,
+                    mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
+                    **{**options, "quant": quant})
+    return replace(result, model=os.fspath(model_path))
+
+
+def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
+    """The most capable catalog model (by rank) with a quant that fits; catalog sizes, no network."""
+    from .catalog import load_catalog
+
+    needs = []
+    for entry in load_catalog().entries():
+        try:
+            result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                            mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
+                            hardware=hardware, **{**options, "quant": None})
+        except NoQuantFitsError as exc:
+            needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
+            continue
+        return replace(result, model=entry.name)
+    raise NoQuantFitsError("No catalog model fits this machine.\n" + "\n".join(needs))
 
 
 def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:

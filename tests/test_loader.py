@@ -20,7 +20,7 @@ def load_tiny(tiny, **kw):
     ({"n_ctx": 64}, "too small"),
     ({"n_gpu_layers": 10}, "CPU-only"),
     ({"vision_gpu": True}, "CPU-only"),
-    ({"n_gpu_layers": "auto"}, "CPU-only"),
+    ({"n_gpu_layers": "many"}, "n_gpu_layers must be"),
 ])
 def test_impossible_combinations_are_refused(tiny, kw, match) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -77,3 +77,9 @@ def test_catalog_name_with_local_files_takes_the_catalog_traits(tiny) -> None:
     with load_tiny(tiny, model="minicpm-v-2.6") as model:
         assert model.info.name == "MiniCPM-V 2.6"
         assert (model.sampling.temperature, model.sampling.top_p, model.sampling.top_k) == (0.7, 0.8, 100)
+
+
+def test_auto_gpu_layers_follow_the_plan_on_a_cpu_build(tiny) -> None:
+    with load_tiny(tiny, n_gpu_layers="auto") as model:
+        assert model.info.vision_gpu is False
+        assert model.ask("?", max_tokens=1).usage.completion_tokens == 1

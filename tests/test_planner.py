@@ -297,3 +297,100 @@ def test_to_dict_is_json() -> None:
     d = json.loads(json.dumps(plan_26(LAPTOP_RTX_8GB).to_dict()))
     assert d["quant"] == "Q5_K_M" and d["n_gpu_layers"] == -1 and len(d["rows"]) == 7
     assert d["estimate"]["gpu"]["total"] > 0
+
+
+# --- planning with real files: the local Hub stand-in and a real memory limit -----------------
+
+import os as _os
+import subprocess as _subprocess
+import sys as _sys
+import uuid as _uuid
+
+from gguf_mcv.planner import plan as _plan
+
+_REPO = "acme/planned-gguf"
+
+
+def _publish(hub, tiny) -> None:
+    files = {f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()}
+    hub.add_repo(_REPO, {**files, "mmproj-model-f16.gguf": tiny.mmproj})
+
+
+def test_load_picks_the_quant_the_plan_predicts_around_each_step(hub, tiny) -> None:
+    import gguf_mcv
+
+    _publish(hub, tiny)
+    generous = _plan(_REPO, ram_budget="64GB", n_ctx=1024)
+    needs = {row.quant: row.needed for row in generous.rows}
+    ladder = sorted(needs, key=lambda q: needs[q])
+    for lower, upper in zip(ladder, ladder[1:]):
+        if needs[lower] == needs[upper]:
+            continue
+        at = _plan(_REPO, ram_budget=needs[upper], n_ctx=1024)
+        below = _plan(_REPO, ram_budget=needs[upper] - 1, n_ctx=1024)
+        assert needs[at.quant] <= needs[upper] and needs[below.quant] < needs[upper]
+    budget = needs[ladder[len(ladder) // 2]]
+    expected = _plan(_REPO, ram_budget=budget, n_ctx=1024)
+    with gguf_mcv.load(_REPO, ram_budget=budget, n_ctx=1024) as model:
+        assert model.info.quant == expected.quant
+        assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
+    with pytest.raises(gguf_mcv.NoQuantFitsError, match="budget"):
+        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024)
+
+
+def test_plan_for_a_repo_the_catalog_does_not_know_reads_the_header(hub, tiny) -> None:
+    _publish(hub, tiny)
+    result = _plan(_REPO, ram_budget="64GB", n_ctx=1024)
+    assert result.model == _REPO and result.quant == "Q8_0"
+    ranged = [r for r in hub.requests(method="GET", path="*/resolve/*") if r.range]
+    assert len(ranged) == 1 and ranged[0].range.startswith("bytes=0-")
+
+
+def _memory_cgroup(limit: int) -> tuple[str, str] | None:
+    """(folder, procs file) of a new memory cgroup limited to ``limit`` bytes, or None."""
+    name = f"gguf_mcv_test_{_uuid.uuid4().hex[:8]}"
+    for root, limit_file in (("/sys/fs/cgroup", "memory.max"),
+                             ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        if not _os.path.exists(_os.path.join(root, limit_file if root.endswith("memory") else
+                                             "cgroup.controllers")):
+            continue
+        folder = _os.path.join(root, name)
+        try:
+            _os.mkdir(folder)
+            with open(_os.path.join(folder, limit_file), "w") as f:
+                f.write(str(limit))
+            return folder, _os.path.join(folder, "cgroup.procs")
+        except OSError:
+            if _os.path.isdir(folder):
+                _os.rmdir(folder)
+    return None
+
+
+def test_planned_load_runs_inside_a_real_memory_limit(hub, tiny) -> None:
+    _publish(hub, tiny)
+    limit = 2**30  # the planner keeps a 300 MB reserve below it
+    made = _memory_cgroup(limit)
+    if made is None:
+        pytest.skip("cannot create a memory-limited cgroup here (needs root and a writable "
+                    "cgroup v1 or v2 memory controller)")
+    folder, procs = made
+    script = (
+        "import os, sys, numpy as np\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "import gguf_mcv\n"
+        "hw = gguf_mcv.probe()\n"
+        "print(hw.memory_limit_source, hw.available_ram, sep='|')\n"
+        "with gguf_mcv.load(sys.argv[2], n_ctx=2048) as m:\n"
+        "    r = m.ask('?', np.zeros((900, 900, 3), np.uint8), max_tokens=4)\n"
+        "    print(m.info.quant, r.usage.image_tokens)\n"
+    )
+    try:
+        done = _subprocess.run([_sys.executable, "-c", script, procs, _REPO], env=_os.environ,
+                               capture_output=True, text=True, timeout=180)
+    finally:
+        _os.rmdir(folder)
+    assert done.returncode == 0, f"killed or failed ({done.returncode}): {done.stderr[-2000:]}"
+    source, available = done.stdout.splitlines()[0].split("|")
+    assert source.startswith("cgroup") and int(available) <= limit
+    quant, image_tokens = done.stdout.splitlines()[1].split()
+    assert quant in tiny.quants and int(image_tokens) > 0
