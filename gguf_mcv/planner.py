@@ -56,6 +56,8 @@ MIN_SUGGESTED_CTX = 1024
 #: Models to suggest when nothing fits (catalog names, smallest first).
 SMALLER_MODELS = ("minicpm-v-4.6",)
 DEFAULT_MMPROJ_FILE = "mmproj-model-f16.gguf"
+#: Types the planner does not pick on its own (see :func:`_pick`).
+UNQUANTIZED = ("F16", "BF16", "F32")
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,11 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
         # on the CPU (or a vision tower at ~9 s a slice) cost far more speed than one
         # quant step costs quality
         fitting = whole
+    quantized = [x for x in fitting if x[0].quant not in UNQUANTIZED]
+    if quantized:
+        # F16/BF16/F32 double the bytes read per token for no visible gain over Q8_0: they
+        # are planned only when asked for, or when a repo offers nothing else
+        fitting = quantized
     if prefer == "quality":
         return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
@@ -439,6 +446,8 @@ def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) ->
             note = "chosen: " + _spare(e, ctx)
         elif fits and not _on_gpu_whole(s) and chosen_whole:
             note = f"fits ({_spare(e, ctx)}) but not wholly on the GPU; a quant that is was preferred"
+        elif fits and c.quant in UNQUANTIZED and chosen.quant not in UNQUANTIZED:
+            note = f"fits ({_spare(e, ctx)}); unquantized: only when asked for (quant=)"
         elif fits:
             note = f"fits ({_spare(e, ctx)}); {passed_over}"
         elif e.needed > ctx.budget:
