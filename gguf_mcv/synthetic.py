@@ -105,6 +105,10 @@ class SyntheticSpec:
     query_num: int = 64
     minicpmv_version: int = 3
     seed: int = 0
+    #: padding tokens as visible text ("pad123") instead of unused "[PAD123]": random
+    #: weights put most probability on padding, which then detokenizes to nothing and
+    #: leaves a streaming benchmark nothing to count
+    visible_padding: bool = False
 
     def validate(self) -> None:
         """Raise ConfigError for shapes llama.cpp or libmtmd would refuse."""
@@ -208,8 +212,12 @@ def vocabulary(spec: SyntheticSpec) -> tuple[list[str], list[int], list[str]]:
     tokens += SPECIAL_TOKENS
     types += [int(gguf.TokenType.CONTROL)] * len(SPECIAL_TOKENS)
     pad = range(len(tokens), spec.n_vocab)
-    tokens += [f"[PAD{i}]" for i in pad]
-    types += [int(gguf.TokenType.UNUSED)] * len(pad)
+    if spec.visible_padding:
+        tokens += [f"\u0120pad{i}" for i in pad]  # "Ġ" is the byte-level BPE space
+        types += [int(gguf.TokenType.NORMAL)] * len(pad)
+    else:
+        tokens += [f"[PAD{i}]" for i in pad]
+        types += [int(gguf.TokenType.UNUSED)] * len(pad)
     return tokens, types, [f"{a} {b}" for a, b in merges]
 
 

@@ -8,7 +8,7 @@ sampling. Measured: time to first token of a first question, of a follow-up abou
 the same image, and of the same image in a new conversation; decode speed; and
 gguf_mcv's detail="low" first question. Ratios are gguf_mcv / peer.
 
-    python tools/bench_chat.py --ladder /tmp/bench --quant Q4_K_M --threads 2
+    python tools/bench_chat.py --ladder /tmp/bench-visible --quant Q4_K_M --threads 2
 """
 
 from __future__ import annotations
@@ -55,23 +55,32 @@ def user(text: str, uri: str | None = None) -> dict:
     return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
 
 
-def timed_stream(chunks) -> tuple[float, int, float, str]:
-    """(ttft s, content chunks, decode tokens/s, text) of an OpenAI-style chunk stream."""
+def timed_pieces(start_call) -> tuple[float, int, float, str]:
+    """(ttft s, pieces, pieces per second after the first, text) of a streamed answer.
+
+    ``start_call()`` starts the request and returns an iterator of text pieces; the clock
+    starts before it, because a chat handler may evaluate the prompt before returning.
+    Both engines are measured this way (one piece per generated token).
+    """
     start = time.perf_counter()
     first = last = None
     n, text = 0, []
-    for chunk in chunks:
-        delta = chunk["choices"][0].get("delta", {})
-        if delta.get("content"):
+    for piece in start_call():
+        if piece:
             now = time.perf_counter()
             first = first or now
             last = now
             n += 1
-            text.append(delta["content"])
+            text.append(piece)
     end = time.perf_counter()
     ttft = (first or end) - start
     tps = (n - 1) / (last - first) if n > 1 and last > first else 0.0
     return ttft, n, tps, "".join(text)
+
+
+def openai_pieces(chunks):
+    for chunk in chunks:
+        yield chunk["choices"][0].get("delta", {}).get("content") or ""
 
 
 def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
@@ -82,14 +91,17 @@ def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
                 n_threads_batch=args.threads, verbose=False,
                 chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
     opts = dict(max_tokens=args.max_tokens, temperature=0.0, stream=True)
+
+    def ask(messages):
+        return timed_pieces(lambda: openai_pieces(llm.create_chat_completion(messages=messages, **opts)))
+
     messages = [user("Describe this picture.", uri)]
-    ttft1, _, tps, text = timed_stream(llm.create_chat_completion(messages=messages, **opts))
-    print(f"  peer first question: {ttft1:.1f} s, {tps:.1f} tok/s", flush=True)
+    ttft1, n, tps, text = ask(messages)
+    print(f"  peer first question: {ttft1:.1f} s, {n} pieces at {tps:.1f}/s", flush=True)
     messages += [{"role": "assistant", "content": text}, user("What colours are there?")]
-    ttft2, *_ = timed_stream(llm.create_chat_completion(messages=messages, **opts))
+    ttft2, *_ = ask(messages)
     print(f"  peer follow-up: {ttft2:.1f} s", flush=True)
-    ttft3, *_ = timed_stream(llm.create_chat_completion(
-        messages=[user("How many circles?", uri)], **opts))
+    ttft3, *_ = ask([user("How many circles?", uri)])
     print(f"  peer same image, new conversation: {ttft3:.1f} s", flush=True)
     llm.close()
     return {"first": ttft1, "follow": ttft2, "new": ttft3, "tps": tps}
@@ -99,22 +111,19 @@ def run_ours(model: Path, mmproj: Path, png: bytes, args) -> dict[str, float]:
     import gguf_mcv
 
     m = gguf_mcv.load(model_path=model, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=args.threads)
-    opts = dict(max_tokens=args.max_tokens, temperature=0.0)
+    opts = dict(max_tokens=args.max_tokens, temperature=0.0, stream=True)
     chat = m.chat()
-    first = chat.send("Describe this picture.", png, detail="high", **opts)
-    print(f"  gguf_mcv first question: {first.timings.ttft_ms / 1000:.1f} s, "
-          f"{first.timings.decode_tokens_per_s:.1f} tok/s", flush=True)
-    follow = chat.send("What colours are there?", **opts)
-    print(f"  gguf_mcv follow-up: {follow.timings.ttft_ms / 1000:.2f} s", flush=True)
-    new = m.chat().send("How many circles?", png, detail="high", **opts)
-    print(f"  gguf_mcv same image, new conversation: {new.timings.ttft_ms / 1000:.2f} s", flush=True)
+    ttft1, n, tps, _ = timed_pieces(lambda: chat.send("Describe this picture.", png, detail="high", **opts))
+    print(f"  gguf_mcv first question: {ttft1:.1f} s, {n} pieces at {tps:.1f}/s", flush=True)
+    ttft2, *_ = timed_pieces(lambda: chat.send("What colours are there?", **opts))
+    print(f"  gguf_mcv follow-up: {ttft2:.2f} s", flush=True)
+    ttft3, *_ = timed_pieces(lambda: m.chat().send("How many circles?", png, detail="high", **opts))
+    print(f"  gguf_mcv same image, new conversation: {ttft3:.2f} s", flush=True)
     m.engine.embed_cache.clear()
-    low = m.chat().send("Describe this picture.", png, detail="low", **opts)
-    print(f"  gguf_mcv detail=low first question: {low.timings.ttft_ms / 1000:.1f} s", flush=True)
+    ttft4, *_ = timed_pieces(lambda: m.chat().send("Describe this picture.", png, detail="low", **opts))
+    print(f"  gguf_mcv detail=low first question: {ttft4:.1f} s", flush=True)
     m.close()
-    return {"first": first.timings.ttft_ms / 1000, "follow": follow.timings.ttft_ms / 1000,
-            "new": new.timings.ttft_ms / 1000, "tps": first.timings.decode_tokens_per_s,
-            "low": low.timings.ttft_ms / 1000}
+    return {"first": ttft1, "follow": ttft2, "new": ttft3, "tps": tps, "low": ttft4}
 
 
 def table(peer: dict[str, float], ours: dict[str, float]) -> tuple[str, bool]:
@@ -140,7 +149,7 @@ def table(peer: dict[str, float], ours: dict[str, float]) -> tuple[str, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench"),
+    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench-visible"),
                         help="folder of the bench model (built there if missing)")
     parser.add_argument("--quant", default="Q4_K_M")
     parser.add_argument("--threads", type=int, default=2)
@@ -150,9 +159,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
 
+    from dataclasses import replace
+
     from gguf_mcv import synthetic
 
-    built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
+    # visible padding tokens: random weights mostly emit padding, which must show as text
+    # for the streamed pieces to be counted (see SyntheticSpec.visible_padding)
+    spec = replace(synthetic.BENCH, visible_padding=True)
+    built = synthetic.build(args.ladder, spec, quants=[args.quant])
     model, mmproj = built.quants[args.quant], built.mmproj
     png = test_image(args.image_size)
     uri = "data:image/png;base64," + base64.b64encode(png).decode()

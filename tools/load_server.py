@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Load the server with hostile traffic and report what held.
+
+Starts ``gguf-mcv serve`` on a free port (the tiny generated model unless told
+otherwise), then N client threads hammer it for a fixed time with a mix of valid
+OpenAI and Ollama image questions, streaming requests whose clients hang up after
+the first chunk, bad base64 images, corrupt PNGs and oversize bodies. Reports every
+outcome by kind and status, the server's resident memory over time, and /health at
+the end.
+
+    python tools/load_server.py --clients 16 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import io
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import psutil
+import requests
+
+KINDS = ("openai", "ollama", "stream_hangup", "bad_base64", "corrupt_png", "oversize")
+
+
+def png_b64(seed: int, size: int = 96) -> str:
+    arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def request(kind: str, base: str, rng: random.Random, session: requests.Session) -> str:
+    """Send one request of ``kind``; return an outcome label like '200' or 'error:...'."""
+    image = png_b64(rng.randrange(20))  # a pool of 20: the embedding cache gets hits too
+    chat = {"model": "served", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},
+        {"type": "text", "text": "What is it?"}]}]}
+    try:
+        if kind == "openai":
+            r = session.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
+        elif kind == "ollama":
+            r = session.post(f"{base}/api/generate", json={
+                "model": "served", "prompt": "What is it?", "images": [image], "stream": False,
+                "options": {"num_predict": 8}}, timeout=120)
+        elif kind == "stream_hangup":
+            with session.post(f"{base}/v1/chat/completions", json={**chat, "stream": True,
+                              "max_tokens": 200}, stream=True, timeout=120) as r:
+                if r.status_code == 200:
+                    next(r.iter_lines(), None)  # one chunk, then hang up
+            return f"{r.status_code}"
+        elif kind == "bad_base64":
+            bad = {**chat, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}}]}]}
+            r = session.post(f"{base}/v1/chat/completions", json=bad, timeout=120)
+        elif kind == "corrupt_png":
+            r = session.post(f"{base}/api/generate", json={
+                "model": "served", "prompt": "?", "images": [image[: len(image) // 2 // 4 * 4]],
+                "stream": False}, timeout=120)
+        else:  # oversize
+            r = session.post(f"{base}/v1/chat/completions", data=b"x" * (21 * 2**20),
+                             headers={"Content-Type": "application/json"}, timeout=120)
+        return str(r.status_code)
+    except requests.RequestException as exc:
+        return f"error:{type(exc).__name__}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    if args.model:
+        model = [args.model] + (["--mmproj", args.mmproj] if args.mmproj else [])
+    else:
+        from gguf_mcv import synthetic
+
+        built = synthetic.build(Path(tempfile.gettempdir()) / "gguf_mcv_load_model",
+                                quants=["Q4_K_M"])
+        model = [str(built.quants["Q4_K_M"])]
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", *model, "--port", str(port),
+                             "--ctx", "4096", "--max-queue", str(args.max_queue)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--max-queue", type=int, default=8)
+    parser.add_argument("--model", help="a local .gguf (default: the tiny generated model)")
+    parser.add_argument("--mmproj")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(args, port)
+    proc = psutil.Process(server.pid)
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    lock = threading.Lock()
+    stop_at = time.time() + args.seconds
+
+    def client(n: int) -> None:
+        rng = random.Random(n)
+        with requests.Session() as session:
+            while time.time() < stop_at:
+                kind = rng.choice(KINDS)
+                outcome = request(kind, base, rng, session)
+                with lock:
+                    counts[(kind, outcome)] += 1
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(args.clients)]
+    rss = [(0.0, proc.memory_info().rss)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        time.sleep(5)
+        rss.append((time.time() - start, proc.memory_info().rss))
+    for t in threads:
+        t.join()
+    health = requests.get(f"{base}/health", timeout=10).json()
+    metrics = requests.get(f"{base}/metrics", timeout=10).json()
+    server.terminate()
+    server.wait(timeout=30)
+
+    print(f"{args.clients} clients for {args.seconds:.0f} s against {base}")
+    print("| request kind | outcome | count |\n| --- | --- | ---: |")
+    for (kind, outcome), n in sorted(counts.items()):
+        print(f"| {kind} | {outcome} | {n} |")
+    total = sum(counts.values())
+    failures = sum(n for (k, o), n in counts.items() if o.startswith("error") or o == "500")
+    mb = [r / 2**20 for _, r in rss]
+    print(f"\nrequests: {total}; transport errors or 500s: {failures}")
+    print(f"server RSS: start {mb[0]:.0f} MB, after 10 s {mb[min(2, len(mb) - 1)]:.0f} MB, "
+          f"end {mb[-1]:.0f} MB, max {max(mb):.0f} MB")
+    print(f"/health at the end: {health}")
+    if args.json:
+        args.json.write_text(json.dumps({"counts": {f"{k}|{o}": n for (k, o), n in counts.items()},
+                                         "rss": rss, "health": health, "metrics": metrics}, indent=2))
+    return 0 if health.get("status") == "ok" and failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
