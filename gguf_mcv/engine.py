@@ -29,6 +29,8 @@ from .media import Image
 
 #: input_ids value marking positions filled from image embeddings
 IMAGE_SENTINEL = -1
+#: how many recent tokens the repeat penalty looks at
+PENALTY_LAST_N = 64
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,13 @@ class Prompt:
     @property
     def n_pos(self) -> int:
         return _n_pos(self.units)
+
+    def replace_units(self, start: int, end: int, replacement: Sequence[Unit]) -> None:
+        """Put ``replacement`` (text tokens) in place of ``units[start:end]``."""
+        shift = len(replacement) - (end - start)
+        self.units[start:end] = list(replacement)
+        self._image_chunks = {(k + shift if k >= end else k): chunk
+                              for k, chunk in self._image_chunks.items()}
 
     def close(self) -> None:
         if self._chunks is not None:
@@ -144,6 +153,7 @@ class Engine:
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self._units: list[Unit] = []
+        self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
@@ -178,8 +188,8 @@ class Engine:
 
     @property
     def n_past(self) -> int:
-        """Positions currently held in the KV cache."""
-        return _n_pos(self._units)
+        """Positions currently held in the KV cache (kept equal to the ``Llama``'s count)."""
+        return int(self.llama.n_tokens)
 
     @property
     def units(self) -> tuple[Unit, ...]:
@@ -192,6 +202,7 @@ class Engine:
 
     def close(self) -> None:
         """Free the vision context (the ``Llama`` belongs to the caller)."""
+        self._pieces.clear()
         if getattr(self, "_ctx", None):
             self._mt.mtmd_free(self._ctx)
             self._ctx = None
@@ -305,7 +316,11 @@ class Engine:
             )
         start = time.perf_counter()
         self._sync_with_llama()
-        common = _common_prefix(self._units, units)
+        common = self._realign(prompt, _common_prefix(self._units, units))
+        if prompt.n_pos + reserve > self.n_ctx:  # realigning can change the count a little
+            raise ContextOverflowError(
+                f"The prompt needs {prompt.n_pos} positions but n_ctx is {self.n_ctx}."
+            )
         if common == len(units):
             common -= 1  # re-evaluate the last token: sampling needs fresh logits
         self._truncate(common)
@@ -329,6 +344,53 @@ class Engine:
         stats.evaluated_tokens = prompt.n_pos - stats.reused_tokens
         stats.prefill_ms = (time.perf_counter() - start) * 1000.0
         return stats
+
+    def _realign(self, prompt: Prompt, common: int) -> int:
+        """Reuse cached tokens where the prompt spells the same text with other tokens.
+
+        The model's own answer comes back in the next turn's prompt as text, and
+        re-tokenizing it need not give the tokens that were generated. Where the cache and
+        the prompt diverge but their text agrees again a little later, the prompt takes the
+        cached tokens for that stretch, so the answer is not evaluated a second time.
+        Returns the new length of the common prefix.
+        """
+        kv, new = self._units, prompt.units
+        while common < min(len(kv), len(new)):
+            span = self._same_text(kv, new, common)
+            if span is None:
+                break
+            i, j = span
+            prompt.replace_units(common, j, kv[common:i])
+            common = i + _common_prefix(kv[i:], new[i:])
+        return common
+
+    def _same_text(self, kv: Sequence[Unit], new: Sequence[Unit], start: int,
+                   limit: int = 4096) -> tuple[int, int] | None:
+        """The first (i, j) past ``start`` where ``kv[start:i]`` and ``new[start:j]`` are the same bytes."""
+        a = b = start
+        text_a = text_b = b""
+        while a - start < limit:
+            if a > start and b > start and text_a == text_b:
+                return a, b
+            if len(text_a) <= len(text_b):
+                if a >= len(kv) or not isinstance(kv[a], int):
+                    return None
+                text_a += self._piece(kv[a])
+                a += 1
+            else:
+                if b >= len(new) or not isinstance(new[b], int):
+                    return None
+                text_b += self._piece(new[b])
+                b += 1
+            if not (text_a.startswith(text_b) or text_b.startswith(text_a)):
+                return None
+        return None
+
+    def _piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.llama.detokenize([token], special=True)
+        return piece
 
     def _eval_tokens(self, tokens: Sequence[int]) -> None:
         if self.n_past + len(tokens) > self.n_ctx:
@@ -440,7 +502,15 @@ class Engine:
         lc = self._lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
-        add(lc.llama_sampler_init_penalties(self.llama.n_vocab(), 64, s.repeat_penalty, 0.0, 0.0))
+        keep = 1 if s.temperature <= 0 else s.top_k
+        if s.repeat_penalty != 1.0:
+            if s.repeat_penalty > 1.0 and keep > 0:
+                # the penalty only lowers the last PENALTY_LAST_N tokens, so the final top
+                # `keep` lies within the first `keep + PENALTY_LAST_N`: same result, without
+                # a pass over the whole vocabulary (150k entries) for every token
+                add(lc.llama_sampler_init_top_k(keep + PENALTY_LAST_N))
+            add(lc.llama_sampler_init_penalties(self.llama.n_vocab(), PENALTY_LAST_N,
+                                                s.repeat_penalty, 0.0, 0.0))
         if s.temperature <= 0:
             add(lc.llama_sampler_init_greedy())
             return chain

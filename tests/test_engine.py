@@ -111,3 +111,57 @@ def test_greedy_sampling_is_deterministic(model) -> None:
     b = model.ask("Name it.", image, max_tokens=6, temperature=0)
     assert str(a) == str(b)
     assert Sampling().temperature == 0.7
+
+
+def test_reused_answer_is_not_evaluated_again_even_when_retokenized_differently(tiny) -> None:
+    # the tiny vocabulary's padding tokens (" padN") are never produced by the tokenizer, so
+    # an answer made of them comes back in the next prompt as other tokens
+    from dataclasses import replace
+
+    from gguf_mcv import synthetic
+
+    spec = replace(synthetic.TINY, visible_padding=True, n_vocab=4096)
+    built = synthetic.build(tiny.out_dir.parent / "tiny_visible", spec, quants=["Q4_0"])
+    with gguf_mcv.load(model_path=built.quants["Q4_0"], mmproj_path=built.mmproj, n_ctx=4096) as m:
+        chat = m.chat()
+        first = chat.send("Say something long.", picture(20), max_tokens=24, seed=3)
+        assert " pad" in str(first)  # the answer really is padding text
+        second = chat.send("Go on.", max_tokens=2)
+        # without realigning, reuse would stop at the answer's first token; a random model may
+        # also cut a character in half (shown as U+FFFD), after which the text cannot agree
+        assert second.usage.cached_tokens > first.usage.prompt_tokens + first.usage.completion_tokens // 2
+
+
+def test_penalty_shortcut_samples_exactly_like_the_full_vocabulary(model) -> None:
+    import llama_cpp as lc
+
+    from gguf_mcv.engine import PENALTY_LAST_N
+
+    engine, llama = model.engine, model.engine.llama
+
+    def full_vocabulary_chain(s: Sampling):
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        add(lc.llama_sampler_init_penalties(llama.n_vocab(), PENALTY_LAST_N, s.repeat_penalty, 0, 0))
+        if s.temperature <= 0:
+            add(lc.llama_sampler_init_greedy())
+            return chain
+        add(lc.llama_sampler_init_top_k(s.top_k))
+        add(lc.llama_sampler_init_top_p(s.top_p, 1))
+        add(lc.llama_sampler_init_temp(s.temperature))
+        add(lc.llama_sampler_init_dist(s.seed))
+        return chain
+
+    for sampling in (Sampling(temperature=0, repeat_penalty=1.5),
+                     Sampling(temperature=1.0, top_k=20, top_p=0.95, repeat_penalty=1.5, seed=7)):
+        model.ask("Start.", max_tokens=1)  # a fresh prompt in the context
+        fast, slow = engine._sampler(sampling), full_vocabulary_chain(sampling)
+        try:
+            for _ in range(40):
+                a = lc.llama_sampler_sample(fast, llama.ctx, -1)
+                b = lc.llama_sampler_sample(slow, llama.ctx, -1)
+                assert a == b
+                engine._eval_tokens([a])
+        finally:
+            lc.llama_sampler_free(fast)
+            lc.llama_sampler_free(slow)
