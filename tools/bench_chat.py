@@ -3,8 +3,9 @@
 
 Both answer the same questions about the same 1344×1344 image on the same
 benchmark-size model (real SigLIP-400M vision shape, Qwen2-0.5B-size text model;
-made by tools/make_test_model.py --preset bench), with the same threads and greedy
-sampling. Measured: time to first token of a first question, of a follow-up about
+made by tools/make_test_model.py --preset bench), with the same threads and the same
+sampling: MiniCPM-V's published settings (temperature 0.7, top_p 0.8, top_k 100,
+repeat_penalty 1.05) and a fixed seed. Measured: time to first token of a first question, of a follow-up about
 the same image, and of the same image in a new conversation; decode speed; and
 gguf_mcv's detail="low" first question. Ratios are gguf_mcv / peer.
 
@@ -26,6 +27,7 @@ import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 
+SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=100, repeat_penalty=1.05, seed=1)
 TARGETS = {  # measure: (target ratio, True when the ratio must be at most the target)
     "follow-up TTFT": (0.02, True),
     "same image, new conversation TTFT": (0.05, True),
@@ -90,7 +92,7 @@ def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
     llm = Llama(model_path=str(model), n_ctx=args.ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False,
                 chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
-    opts = dict(max_tokens=args.max_tokens, temperature=0.0, stream=True)
+    opts = dict(max_tokens=args.max_tokens, stream=True, min_p=0.0, **SAMPLING)
 
     def ask(messages):
         return timed_pieces(lambda: openai_pieces(llm.create_chat_completion(messages=messages, **opts)))
@@ -111,7 +113,7 @@ def run_ours(model: Path, mmproj: Path, png: bytes, args) -> dict[str, float]:
     import gguf_mcv
 
     m = gguf_mcv.load(model_path=model, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=args.threads)
-    opts = dict(max_tokens=args.max_tokens, temperature=0.0, stream=True)
+    opts = dict(max_tokens=args.max_tokens, stream=True, **SAMPLING)
     chat = m.chat()
     ttft1, n, tps, _ = timed_pieces(lambda: chat.send("Describe this picture.", png, detail="high", **opts))
     print(f"  gguf_mcv first question: {ttft1:.1f} s, {n} pieces at {tps:.1f}/s", flush=True)

@@ -43,10 +43,10 @@ def png_b64(seed: int, size: int = 96) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def request(kind: str, base: str, rng: random.Random, session: requests.Session) -> str:
-    """Send one request of ``kind``; return an outcome label like '200' or 'error:...'."""
+def request(kind: str, base: str, name: str, rng: random.Random, session: requests.Session) -> str:
+    """Send one request of ``kind`` for model ``name``; return an outcome like '200' or 'error:...'."""
     image = png_b64(rng.randrange(20))  # a pool of 20: the embedding cache gets hits too
-    chat = {"model": "served", "max_tokens": 8, "messages": [{"role": "user", "content": [
+    chat = {"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},
         {"type": "text", "text": "What is it?"}]}]}
     try:
@@ -54,7 +54,7 @@ def request(kind: str, base: str, rng: random.Random, session: requests.Session)
             r = session.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
         elif kind == "ollama":
             r = session.post(f"{base}/api/generate", json={
-                "model": "served", "prompt": "What is it?", "images": [image], "stream": False,
+                "model": name, "prompt": "What is it?", "images": [image], "stream": False,
                 "options": {"num_predict": 8}}, timeout=120)
         elif kind == "stream_hangup":
             with session.post(f"{base}/v1/chat/completions", json={**chat, "stream": True,
@@ -68,7 +68,7 @@ def request(kind: str, base: str, rng: random.Random, session: requests.Session)
             r = session.post(f"{base}/v1/chat/completions", json=bad, timeout=120)
         elif kind == "corrupt_png":
             r = session.post(f"{base}/api/generate", json={
-                "model": "served", "prompt": "?", "images": [image[: len(image) // 2 // 4 * 4]],
+                "model": name, "prompt": "?", "images": [image[: len(image) // 2 // 4 * 4]],
                 "stream": False}, timeout=120)
         else:  # oversize
             r = session.post(f"{base}/v1/chat/completions", data=b"x" * (21 * 2**20),
@@ -121,6 +121,7 @@ def main() -> int:
     base = f"http://127.0.0.1:{port}"
     server = start_server(args, port)
     proc = psutil.Process(server.pid)
+    name = requests.get(f"{base}/health", timeout=10).json()["model"]
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     lock = threading.Lock()
     stop_at = time.time() + args.seconds
@@ -130,7 +131,7 @@ def main() -> int:
         with requests.Session() as session:
             while time.time() < stop_at:
                 kind = rng.choice(KINDS)
-                outcome = request(kind, base, rng, session)
+                outcome = request(kind, base, name, rng, session)
                 with lock:
                     counts[(kind, outcome)] += 1
 
