@@ -157,3 +157,16 @@ def test_serve_answers_health_and_stops_on_sigint(tiny) -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_plan_table_json_and_nothing_fits(hub, tiny) -> None:
+    hub.add_repo("acme/plan-gguf", {**{f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()},
+                                    "mmproj-model-f16.gguf": tiny.mmproj})
+    table = run("plan", "acme/plan-gguf", "--ram", "8GB", "--ctx", "2048")
+    assert table.returncode == 0, table.stderr
+    assert "Chosen Q8_0" in table.stdout and "->  Q8_0" in table.stdout
+    data = json.loads(run("plan", "acme/plan-gguf", "--ram", "8GB", "--json").stdout)
+    assert data["quant"] == "Q8_0" and len(data["rows"]) == len(tiny.quants)
+    refused = run("plan", "acme/plan-gguf", "--ram", "10MB")
+    assert refused.returncode == 1 and "No quantization fits" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

@@ -394,3 +394,23 @@ def test_planned_load_runs_inside_a_real_memory_limit(hub, tiny) -> None:
     assert source.startswith("cgroup") and int(available) <= limit
     quant, image_tokens = done.stdout.splitlines()[1].split()
     assert quant in tiny.quants and int(image_tokens) > 0
+
+
+def test_auto_picks_the_most_capable_catalog_model_that_fits() -> None:
+    import gguf_mcv
+    from gguf_mcv.catalog import load_catalog
+
+    hardware = _laptop_like()
+    ranked = load_catalog().entries()
+    roomy = _plan("auto", ram_budget="64GB", hardware=hardware)
+    assert roomy.model == ranked[0].name
+    small = _plan("auto", ram_budget="3GB", hardware=hardware)
+    assert small.model != ranked[0].name and small.quant
+    with pytest.raises(gguf_mcv.NoQuantFitsError, match="No catalog model fits"):
+        _plan("auto", ram_budget="100MB", hardware=hardware)
+
+
+def _laptop_like():
+    import gguf_mcv.hardware as hw
+
+    return hw.probe()  # this machine; budgets are given explicitly
