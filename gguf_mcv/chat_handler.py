@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from .embed_cache import EmbeddingCache
 from .engine import Engine, Sampling
-from .errors import ConfigError
+from .errors import ConfigError, ModelNotFoundError
 from .generation import Stream, respond
 from .media import load_image
 from .messages import MediaPolicy, convert
@@ -45,7 +45,7 @@ class MiniCPMVChatHandler:
     ) -> None:
         self.clip_model_path = os.fspath(clip_model_path)
         if not os.path.isfile(self.clip_model_path):
-            raise FileNotFoundError(f"mmproj file {self.clip_model_path} does not exist.")
+            raise ModelNotFoundError(f"mmproj file {self.clip_model_path} does not exist: check the path.")
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self.vision_gpu = vision_gpu
         self.template_family = template_family

@@ -81,3 +81,10 @@ def test_unsupported_features_are_refused(llm) -> None:
     with pytest.raises(ConfigError, match="tools"):
         llama.create_chat_completion(messages=[user("?")], tools=[{"type": "function",
                                      "function": {"name": "f", "parameters": {}}}])
+
+
+def test_missing_mmproj_is_model_not_found(tmp_path) -> None:
+    from gguf_mcv.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        MiniCPMVChatHandler(tmp_path / "nope.gguf")
