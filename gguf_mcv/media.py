@@ -99,18 +99,6 @@ def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
     )
 
 
-def describe(src: object) -> str:
-    """A short name for an image input, for messages."""
-    if isinstance(src, Image):
-        return src.source
-    if isinstance(src, (str, os.PathLike)):
-        text = os.fspath(src)
-        return text[:40] + "…" if text.startswith("data:") else text
-    if isinstance(src, (bytes, bytearray)):
-        return f"<{len(src)} bytes>"
-    return f"<{type(src).__name__}>"
-
-
 def _from_locator(text: str, allow_remote: bool) -> Image:
     if text.startswith("data:"):
         return _decode(data_uri_bytes(text), text[:40] + "…")

@@ -13,7 +13,7 @@ import PIL.Image
 import pytest
 
 from gguf_mcv.errors import MediaError
-from gguf_mcv.media import MAX_PIXELS, Image, describe, load_image
+from gguf_mcv.media import MAX_PIXELS, Image, load_image
 
 
 def encode(img: PIL.Image.Image, fmt: str, **kw) -> bytes:
@@ -156,8 +156,3 @@ def test_resizing_helpers_keep_aspect() -> None:
     assert image.resized_to_fit(4000) is image
     assert image.resized_to(20, 10).rgb.shape == (10, 20, 3)
     assert image.resized_to(2000, 1000) is image
-
-
-def test_describe_is_short() -> None:
-    assert describe("data:image/png;base64," + "A" * 1000).endswith("…")
-    assert describe(b"abc") == "<3 bytes>"
