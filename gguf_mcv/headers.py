@@ -12,10 +12,12 @@ import io
 import os
 import struct
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import CorruptModelError, IncompatibleProjectorError, ModelNotFoundError
+from .shapes import TextShape, VisionShape
 
 GGUF_MAGIC = b"GGUF"
 
@@ -26,38 +28,26 @@ MINICPMV_VERSIONS = {2: "MiniCPM-Llama3-V 2.5", 3: "MiniCPM-V 2.6", 4: "MiniCPM-
 
 @dataclass(frozen=True)
 class TextHeader:
-    """What the planner and the engine need to know about a text model file."""
+    """A text model file: where it is, how big, its shape and its chat template."""
 
     path: str
     size: int
-    architecture: str
-    n_layers: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    n_ctx_train: int
+    shape: TextShape
     file_type: int | None
     chat_template: str | None
 
 
 @dataclass(frozen=True)
 class ProjectorHeader:
-    """What matters about an mmproj (vision projector) file."""
+    """An mmproj (vision projector) file: its kind, MiniCPM-V generation and tower shape."""
 
     path: str
     size: int
     projector_type: str
     has_vision: bool
     minicpmv_version: int | None
-    n_embd_out: int | None
-    image_size: int
-    patch_size: int
-    vision_width: int
-    vision_blocks: int
-    query_num: int | None
-    vision_heads: int = 0
+    n_embd_out: int | None  #: width of the embeddings it feeds the text model
+    shape: VisionShape
     n_positions: int | None = None  #: rows of the vision position embedding
 
 
@@ -169,7 +159,7 @@ def _parse(r: _Stream, fields: dict[str, Any], tensors: bool) -> tuple[dict[str,
         raise ValueError(f"implausible counts: {n_tensors} tensors, {n_kv} metadata keys")
     for _ in range(n_kv):
         key = r.string()
-        r.on_long_array = lambda info, key=key: fields.__setitem__(key, info)  # type: ignore[method-assign]
+        r.on_long_array = partial(fields.__setitem__, key)  # type: ignore[method-assign]
         fields[key] = r.value(r.num("<I"))
     if not tensors:
         return fields, []
@@ -187,7 +177,7 @@ def _parse(r: _Stream, fields: dict[str, Any], tensors: bool) -> tuple[dict[str,
 
 
 def _tensor(name: str, dims: list[int], kind: int, offset: int) -> TensorInfo:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # lazy: gguf takes ~0.2 s to import
 
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
@@ -250,29 +240,9 @@ def text_header(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]], path
         raise IncompatibleProjectorError(
             f"{path} is a vision projector (mmproj), not a text model: pass it as mmproj_path."
         )
-
-    def num(key: str, default: int = 0) -> int:
-        value = fields.get(f"{arch}.{key}", default)
-        return int(value[0] if isinstance(value, list) else value)
-
-    n_embd, n_head = num("embedding_length"), num("attention.head_count")
-    embd = shapes.get("token_embd.weight")
-    tokens = fields.get("tokenizer.ggml.tokens")
-    n_vocab = embd[0] if embd else (tokens.count if isinstance(tokens, ArrayInfo) else 0)
-    return TextHeader(
-        path=path,
-        size=size,
-        architecture=arch,
-        n_layers=num("block_count"),
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=num("attention.head_count_kv", n_head),
-        head_dim=num("attention.key_length", n_embd // n_head if n_head else 0),
-        n_vocab=n_vocab,
-        n_ctx_train=num("context_length"),
-        file_type=fields.get("general.file_type"),
-        chat_template=fields.get("tokenizer.chat_template"),
-    )
+    return TextHeader(path=path, size=size, shape=TextShape.from_gguf(fields, shapes),
+                      file_type=fields.get("general.file_type"),
+                      chat_template=fields.get("tokenizer.chat_template"))
 
 
 def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
@@ -292,12 +262,7 @@ def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
         has_vision=bool(fields.get("clip.has_vision_encoder", False)),
         minicpmv_version=int(version) if version is not None else None,
         n_embd_out=proj[0] if proj else None,
-        image_size=int(fields.get("clip.vision.image_size", 0)),
-        patch_size=int(fields.get("clip.vision.patch_size", 0)),
-        vision_width=int(fields.get("clip.vision.embedding_length", 0)),
-        vision_blocks=int(fields.get("clip.vision.block_count", 0)),
-        query_num=_maybe_int(fields.get("clip.minicpmv_query_num")),
-        vision_heads=int(fields.get("clip.vision.attention.head_count", 0)),
+        shape=VisionShape.from_gguf(fields),
         n_positions=(shapes.get("v.position_embd.weight") or (None,))[0],
     )
     _check_projector_values(header, fields)
@@ -309,7 +274,8 @@ def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
 LLAMA_MAX_LAYERS = 512
 
 
-def _check_text_values(h: TextHeader, fields: dict[str, Any]) -> None:
+def _check_text_values(header: TextHeader, fields: dict[str, Any]) -> None:
+    h = header.shape
     eps = fields.get(f"{h.architecture}.attention.layer_norm_rms_epsilon", 0.0)
     problems = [
         (not 1 <= h.n_layers <= LLAMA_MAX_LAYERS, f"block_count {h.n_layers}"),
@@ -318,23 +284,23 @@ def _check_text_values(h: TextHeader, fields: dict[str, Any]) -> None:
         (h.n_vocab <= 0, f"a vocabulary of {h.n_vocab} tokens"),
         (not (isinstance(eps, (int, float)) and 0 <= eps < 1), f"layer_norm_rms_epsilon {eps}"),
     ]
-    _refuse(h.path, problems)
+    _refuse(header.path, problems)
 
 
-def _check_projector_values(h: ProjectorHeader, fields: dict[str, Any]) -> None:
+def _check_projector_values(header: ProjectorHeader, fields: dict[str, Any]) -> None:
+    h = header.shape
     eps = fields.get("clip.vision.attention.layer_norm_epsilon", 0.0)
-    grid = h.image_size // h.patch_size if h.patch_size > 0 else 0
     problems = [
         (h.image_size <= 0 or h.patch_size <= 0 or h.image_size % h.patch_size,
          f"image_size {h.image_size} with patch_size {h.patch_size}"),
-        (h.n_positions is not None and grid * grid > h.n_positions,
-         f"{grid * grid} patches per slice but {h.n_positions} position embeddings"),
-        (h.vision_width <= 0 or h.vision_heads <= 0 or h.vision_width % h.vision_heads,
-         f"vision width {h.vision_width} with {h.vision_heads} attention heads"),
-        (not 1 <= h.vision_blocks <= LLAMA_MAX_LAYERS, f"{h.vision_blocks} vision blocks"),
+        (header.n_positions is not None and h.patches > header.n_positions,
+         f"{h.patches} patches per slice but {header.n_positions} position embeddings"),
+        (h.width <= 0 or h.heads <= 0 or h.width % h.heads,
+         f"vision width {h.width} with {h.heads} attention heads"),
+        (not 1 <= h.blocks <= LLAMA_MAX_LAYERS, f"{h.blocks} vision blocks"),
         (not (isinstance(eps, (int, float)) and 0 <= eps < 1), f"layer_norm_epsilon {eps}"),
     ]
-    _refuse(h.path, problems)
+    _refuse(header.path, problems)
 
 
 def _refuse(path: str, problems: list[tuple[Any, str]]) -> None:
@@ -360,10 +326,10 @@ def check_pair(
     names = f"text model {text.path} and projector {projector.path}"
     if not projector.has_vision:
         raise IncompatibleProjectorError(f"The projector has no vision encoder ({names}).")
-    if projector.n_embd_out is not None and projector.n_embd_out != text.n_embd:
+    if projector.n_embd_out is not None and projector.n_embd_out != text.shape.n_embd:
         raise IncompatibleProjectorError(
             f"The projector outputs {projector.n_embd_out}-wide embeddings but the text model "
-            f"is {text.n_embd} wide: they are not a pair ({names}). Use the mmproj file from "
+            f"is {text.shape.n_embd} wide: they are not a pair ({names}). Use the mmproj file from "
             "the same repository as the model."
         )
     if minicpmv_version is not None and projector.minicpmv_version not in (None, minicpmv_version):
@@ -372,10 +338,10 @@ def check_pair(
             f"{_release(minicpmv_version)} ({names}). Use the mmproj from the model's repository."
         )
     expected_arch = _TEXT_ARCH.get(projector.minicpmv_version or -1)
-    if expected_arch is not None and text.architecture != expected_arch:
+    if expected_arch is not None and text.shape.architecture != expected_arch:
         raise IncompatibleProjectorError(
             f"The projector is for {_release(projector.minicpmv_version)}, whose text model is "
-            f"'{expected_arch}', but this text model is '{text.architecture}' ({names}). Use the "
+            f"'{expected_arch}', but this text model is '{text.shape.architecture}' ({names}). Use the "
             "mmproj from the model's repository."
         )
 
@@ -383,6 +349,3 @@ def check_pair(
 def _release(version: int | None) -> str:
     return MINICPMV_VERSIONS.get(version or -1, f"minicpmv_version {version}")
 
-
-def _maybe_int(value: Any) -> int | None:
-    return int(value) if value is not None else None

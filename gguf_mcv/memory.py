@@ -35,6 +35,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from .errors import ConfigError
+from .headers import parse_header
+from .quants import normalize_quant
+from .shapes import TextShape, VisionShape
 
 _MiB = 2**20
 
@@ -70,8 +73,6 @@ RESAMPLER_TENSORS = 3.75
 #: Checked against llama.cpp's "compute buffer size" log for T=512 (within 2 %).
 TEXT_EMBD_TENSORS = 6
 TEXT_FF_TENSORS = 3
-#: n_ff when the caller does not know it: Qwen2 (7B: 18944/3584, 0.5B: 4864/896) ~5.4x.
-FF_RATIO = 5.4
 #: Text positions of a typical image question besides image tokens (system prompt,
 #: markers, question, answer) -- sizes the KV view the attention reads.
 PROMPT_TEXT_TOKENS = 96
@@ -138,80 +139,6 @@ GGML_TYPE_BITS: dict[str, float] = {
 _EMBD_TYPE = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
               "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
               "IQ4_XS": "IQ4_XS"}  # fmt: skip
-
-
-# --- shapes -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TextShape:
-    """The text model's numbers the estimate needs (catalog ``Arch`` and ``TextHeader`` fit)."""
-
-    n_layers: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    n_kv_layers: int | None = None  #: layers with a KV cache (hybrid models); None = all
-    n_ff: int | None = None  #: FFN width; None = FF_RATIO x n_embd
-    n_merges: int | None = None  #: BPE merges; None = n_vocab (BPE tokenizers have ~as many)
-    tied_embeddings: bool = False  #: no separate output matrix (it reuses token_embd)
-
-    @classmethod
-    def of(cls, obj: Any) -> "TextShape":
-        """A TextShape from a catalog ``Arch``, a ``TextHeader`` or anything with those fields."""
-        if isinstance(obj, TextShape):
-            return obj
-        names = ("n_layers", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab")
-        values = {n: int(getattr(obj, n)) for n in names}
-        extra = {n: getattr(obj, n, None) for n in ("n_kv_layers", "n_ff", "n_merges")}
-        return cls(**values, **extra, tied_embeddings=bool(getattr(obj, "tied_embeddings", False)))
-
-    @property
-    def kv_layers(self) -> int:
-        return self.n_kv_layers if self.n_kv_layers is not None else self.n_layers
-
-    @property
-    def ff(self) -> int:
-        return self.n_ff if self.n_ff else round(FF_RATIO * self.n_embd)
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """The vision tower (SigLIP-400M in every MiniCPM-V since 2.5) and its slicing."""
-
-    width: int = 1152
-    blocks: int = 27
-    heads: int = 16
-    ff: int = 4304
-    patch_size: int = 14
-    image_size: int = 448
-    query_tokens: int = 64
-
-    @classmethod
-    def of(cls, obj: Any | None) -> "VisionShape":
-        """From a catalog ``Vision``, a ``ProjectorHeader`` or None (SigLIP-400M defaults)."""
-        if obj is None or isinstance(obj, VisionShape):
-            return obj or cls()
-        d = cls()
-        def pick(*names: str) -> int | None:
-            return next((int(v) for n in names if (v := getattr(obj, n, None))), None)
-
-        return cls(
-            width=pick("width", "vision_width") or d.width,
-            blocks=pick("blocks", "vision_blocks") or d.blocks,
-            heads=pick("heads", "vision_heads") or d.heads,
-            ff=pick("ff", "vision_ff") or d.ff,
-            patch_size=pick("patch_size") or d.patch_size,
-            image_size=pick("image_size") or d.image_size,
-            query_tokens=pick("query_tokens", "query_num") or d.query_tokens,
-        )
-
-    @property
-    def patches(self) -> int:
-        """Patches per slice: (448 / 14)^2 = 1024."""
-        return (self.image_size // self.patch_size) ** 2
 
 
 # --- the estimate -----------------------------------------------------------------------
@@ -281,7 +208,7 @@ class MemoryEstimate:
         return d
 
 
-def kv_cache_bytes(text: TextShape | Any, n_ctx: int, kv_cache_type: str = "f16",
+def kv_cache_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16",
                    layers: int | None = None) -> int:
     """K and V for ``layers`` (default: every KV layer) at ``n_ctx`` cells.
 
@@ -292,13 +219,13 @@ def kv_cache_bytes(text: TextShape | Any, n_ctx: int, kv_cache_type: str = "f16"
     if kv_cache_type not in KV_BYTES_PER_ELEMENT:
         raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_BYTES_PER_ELEMENT)}, "
                           f"not {kv_cache_type!r}.")
-    t = TextShape.of(text)
+    t = text
     layers = t.kv_layers if layers is None else layers
     cells = _pad(n_ctx, 256)
     return int(2 * layers * t.n_head_kv * t.head_dim * cells * KV_BYTES_PER_ELEMENT[kv_cache_type])
 
 
-def text_compute_bytes(text: TextShape | Any, n_tokens: int, n_kv: int, *, flash_attn: bool,
+def text_compute_bytes(text: TextShape, n_tokens: int, n_kv: int, *, flash_attn: bool,
                        n_outputs: int = 1) -> int:
     """Peak of llama.cpp's text graph for one ubatch of ``n_tokens`` against ``n_kv`` cells.
 
@@ -308,7 +235,7 @@ def text_compute_bytes(text: TextShape | Any, n_tokens: int, n_kv: int, *, flash
     (gate, up and their product, T x n_ff each) and the output (n_outputs x n_vocab
     f32 logits).
     """
-    t = TextShape.of(text)
+    t = text
     embd = n_tokens * t.n_embd * 4
     if flash_attn:
         scores = n_tokens * n_kv * 2
@@ -320,7 +247,7 @@ def text_compute_bytes(text: TextShape | Any, n_tokens: int, n_kv: int, *, flash
     return max(attention, ffn, output)
 
 
-def vision_compute_bytes(vision: VisionShape | Any | None, text_width: int, *,
+def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
                          flash_attn: bool = True, mmproj_bytes_per_weight: float = 2.0) -> int:
     """clip.cpp's compute buffer for one slice plus the CPU matmul work buffer.
 
@@ -330,7 +257,7 @@ def vision_compute_bytes(vision: VisionShape | Any | None, text_width: int, *,
     backend also converts each matmul's activations to the weights' type in a work
     buffer: patches x ff at f16 for an f16 mmproj.
     """
-    v = VisionShape.of(vision)
+    v = vision or VisionShape()
     p = v.patches
     vit = p * 4 * (v.ff + VIT_WIDTH_TENSORS * v.width)
     if not flash_attn:
@@ -340,16 +267,16 @@ def vision_compute_bytes(vision: VisionShape | Any | None, text_width: int, *,
     return int(max(vit, resampler) + work)
 
 
-def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | Any | None = None) -> int:
+def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | None = None) -> int:
     """The decoded image (IMAGE_COPIES x W*H*3) and libmtmd's f32 slices held by the prompt."""
-    v = VisionShape.of(vision)
+    v = vision or VisionShape()
     slices = max(1, -(-image_tokens // v.query_tokens))
     return int(IMAGE_COPIES * image_pixels * 3 + slices * v.image_size**2 * 3 * 4)
 
 
-def vocab_bytes(text: TextShape | Any) -> int:
+def vocab_bytes(text: TextShape) -> int:
     """llama.cpp's tokenizer tables and per-token buffers."""
-    t = TextShape.of(text)
+    t = text
     merges = t.n_merges if t.n_merges is not None else t.n_vocab
     return t.n_vocab * VOCAB_BYTES_PER_TOKEN + merges * MERGE_BYTES
 
@@ -357,9 +284,9 @@ def vocab_bytes(text: TextShape | Any) -> int:
 # --- weights ----------------------------------------------------------------------------
 
 
-def embedding_bytes(text: TextShape | Any, quant: str | None) -> tuple[int, int]:
+def embedding_bytes(text: TextShape, quant: str | None) -> tuple[int, int]:
     """(token_embd, output) bytes in a file of ``quant`` (output 0 when tied)."""
-    t = TextShape.of(text)
+    t = text
     q = _quant(quant)
     embd_type = _EMBD_TYPE.get(q, q if q in GGML_TYPE_BITS else "Q8_0")
     n = t.n_vocab * t.n_embd
@@ -373,14 +300,14 @@ def _output_type(quant: str) -> str:
     return quant if quant in ("Q8_0", "F16", "BF16", "F32") else "Q6_K"
 
 
-def layer_bytes(model_size: int, text: TextShape | Any, quant: str | None) -> int:
+def layer_bytes(model_size: int, text: TextShape, quant: str | None) -> int:
     """One repeating layer's weights: (file - token_embd - output) / n_layers."""
-    t = TextShape.of(text)
+    t = text
     token_embd, output = embedding_bytes(t, quant)
     return max(0, model_size - token_embd - output) // max(1, t.n_layers)
 
 
-def repacked_bytes(model_size: int, text: TextShape | Any, quant: str | None, cpu: str | None = None,
+def repacked_bytes(model_size: int, text: TextShape, quant: str | None, cpu: str | None = None,
                    tensors: Iterable[tuple[str, str, int]] | None = None) -> int:
     """Bytes the CPU backend copies into repacked form at load.
 
@@ -391,7 +318,7 @@ def repacked_bytes(model_size: int, text: TextShape | Any, quant: str | None, cp
     if tensors is not None:
         return sum(n for name, typ, n in tensors
                    if typ.upper() in types and name != "token_embd.weight" and not name.endswith(".bias"))
-    t, q = TextShape.of(text), _quant(quant)
+    t, q = text, _quant(quant)
     token_embd, output = embedding_bytes(t, q)
     mix = QUANT_TYPE_MIX.get(q, {q: 1.0})
     share = sum(part for typ, part in mix.items() if typ in types)
@@ -432,9 +359,9 @@ def local_cpu_family() -> str:
 def estimate(
     *,
     model_size: int,
-    text: TextShape | Any,
+    text: TextShape,
     mmproj_size: int,
-    vision: VisionShape | Any | None = None,
+    vision: VisionShape | None = None,
     quant: str | None = None,
     n_ctx: int = 4096,
     kv_cache_type: str = "f16",
@@ -460,7 +387,7 @@ def estimate(
     :data:`REPACKED_TYPES` (default: this machine); ``tensors`` the file's tensor list
     (name, type, bytes) when its header is at hand, for exact repacking.
     """
-    t, v = TextShape.of(text), VisionShape.of(vision)
+    t, v = text, vision or VisionShape()
     image_tokens = DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens
     if (n_gpu_layers or vision_on_gpu) and gpu_backend is None:
         raise ConfigError("n_gpu_layers and vision_on_gpu need gpu_backend ('cuda' or 'metal').")
@@ -473,7 +400,7 @@ def estimate(
     fa_text = flash_attn if flash_attn is not None else kv_cache_type != "f16"
     fa_vision = flash_attn if flash_attn is not None else True
     gpu = None
-    if n_gpu or vision_on_gpu:
+    if (n_gpu or vision_on_gpu) and gpu_backend is not None:
         gpu = _gpu_memory(model_size, t, v, quant, n_gpu, gpu_kv_layers, mmproj_size if vision_on_gpu else 0,
                           n_ctx, kv_cache_type, n_ubatch, fa_text, fa_vision, gpu_backend)
     # Offloaded weights were faulted in by MAP_POPULATE, copied to the device and never
@@ -528,22 +455,22 @@ def _gpu_memory(model_size: int, t: TextShape, v: VisionShape, quant: str | None
     )
 
 
-def reserved_compute_bytes(text: TextShape | Any, n_ctx: int, n_ubatch: int = 512,
+def reserved_compute_bytes(text: TextShape, n_ctx: int, n_ubatch: int = 512,
                            flash_attn: bool = False) -> int:
     """The text compute buffer llama.cpp allocates (``sched_reserve``): a full ubatch of
     ``n_ubatch`` tokens with ``n_ubatch`` output rows against the whole cache."""
-    t = TextShape.of(text)
+    t = text
     return text_compute_bytes(t, n_ubatch, _pad(n_ctx, 256), flash_attn=flash_attn,
                               n_outputs=n_ubatch)
 
 
-def fit_gpu_layers(free_vram: int, *, model_size: int, text: TextShape | Any, quant: str | None,
+def fit_gpu_layers(free_vram: int, *, model_size: int, text: TextShape, quant: str | None,
                    n_ctx: int, kv_cache_type: str = "f16", mmproj_size: int = 0,
-                   vision: VisionShape | Any | None = None, vision_on_gpu: bool = False,
+                   vision: VisionShape | None = None, vision_on_gpu: bool = False,
                    gpu_backend: str = "cuda", headroom: float = 0.05) -> int:
     """The largest ``n_gpu_layers`` (llama.cpp's count, output first) whose device memory
     fits ``free_vram`` less ``headroom``; ``t.n_layers + 1`` means everything."""
-    t = TextShape.of(text)
+    t = text
     usable = int(free_vram * (1 - headroom))
     best = 0
     for n in range(1, t.n_layers + 2):
@@ -564,66 +491,27 @@ def _quant(quant: str | None) -> str:
     if quant is None:
         return "Q8_0"
     try:
-        from .quants import normalize_quant
-
         return normalize_quant(quant)
-    except (ImportError, ConfigError):
+    except ConfigError:
         return str(quant).upper()
 
 
 def estimate_files(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
                    **kwargs: Any) -> MemoryEstimate:
     """:func:`estimate` for local files: sizes, shapes and the tensor list from their headers."""
-    from .headers import parse_header
-
     with open(model_path, "rb") as f:
         fields, tensors = parse_header(io.BufferedReader(f, buffer_size=2**20))
     with open(mmproj_path, "rb") as f:
         proj, _ = parse_header(io.BufferedReader(f, buffer_size=2**20), tensors=False)
     kwargs.setdefault("tensors", tensor_list(tensors))
-    return estimate(model_size=os.path.getsize(model_path), text=text_shape_from_header(fields, tensors),
-                    mmproj_size=os.path.getsize(mmproj_path), vision=vision_shape_from_header(proj),
-                    **kwargs)
-
-
-def text_shape_from_header(fields: dict[str, Any], tensors: Iterable[Any]) -> TextShape:
-    """A TextShape from a text GGUF's header (:func:`gguf_mcv.headers.parse_header` output)."""
-    arch = fields["general.architecture"]
-    get = lambda key, default=None: _scalar(fields.get(f"{arch}.{key}", default))  # noqa: E731
-    shapes = {t.name: t.shape for t in tensors}
-    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    merges = fields.get("tokenizer.ggml.merges")
-    return TextShape(
-        n_layers=int(get("block_count")), n_embd=n_embd, n_head=n_head,
-        n_head_kv=int(get("attention.head_count_kv", n_head)),
-        head_dim=int(get("attention.key_length", n_embd // n_head)),
-        n_vocab=shapes["token_embd.weight"][0], n_ff=int(get("feed_forward_length", 0)) or None,
-        n_merges=len(merges) if isinstance(merges, list) else getattr(merges, "count", 0),
-        tied_embeddings="output.weight" not in shapes,
-    )  # fmt: skip
-
-
-def vision_shape_from_header(fields: dict[str, Any]) -> VisionShape:
-    """A VisionShape from an mmproj's header."""
-    d = VisionShape()
-    get = lambda key, default: int(_scalar(fields.get(key, default)))  # noqa: E731
-    return VisionShape(
-        width=get("clip.vision.embedding_length", d.width),
-        blocks=get("clip.vision.block_count", d.blocks),
-        heads=get("clip.vision.attention.head_count", d.heads),
-        ff=get("clip.vision.feed_forward_length", d.ff),
-        patch_size=get("clip.vision.patch_size", d.patch_size),
-        image_size=get("clip.vision.image_size", d.image_size),
-        query_tokens=get("clip.minicpmv_query_num", d.query_tokens),
-    )
+    text = TextShape.from_gguf(fields, {t.name: t.shape for t in tensors})
+    return estimate(model_size=os.path.getsize(model_path), text=text,
+                    mmproj_size=os.path.getsize(mmproj_path), vision=VisionShape.from_gguf(proj), **kwargs)
 
 
 def tensor_list(tensors: Iterable[Any]) -> list[tuple[str, str, int]]:
     """(name, ggml type name, bytes) per tensor, for :func:`repacked_bytes`."""
-    from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType  # lazy: gguf takes ~0.2 s to import
 
     return [(t.name, GGMLQuantizationType(t.ggml_type).name, t.n_bytes) for t in tensors]
 
-
-def _scalar(value: Any) -> Any:
-    return value[0] if isinstance(value, list) else value

@@ -24,11 +24,11 @@ def odd_projectors(tmp_path_factory):
 
 def test_headers_read_back(tiny) -> None:
     text = read_text_header(tiny.quants["Q4_K_M"])
-    assert (text.architecture, text.n_embd, text.n_layers) == ("qwen2", 256, 2)
-    assert text.n_head_kv == 2 and text.chat_template
+    assert (text.shape.architecture, text.shape.n_embd, text.shape.n_layers) == ("qwen2", 256, 2)
+    assert text.shape.n_head_kv == 2 and text.chat_template
     proj = read_projector_header(tiny.mmproj)
     assert (proj.projector_type, proj.minicpmv_version, proj.n_embd_out) == ("resampler", 3, 256)
-    assert proj.image_size == 448 and proj.query_num == 64
+    assert proj.shape.image_size == 448 and proj.shape.query_tokens == 64
 
 
 def test_width_mismatch_is_refused_before_llama_cpp(tiny, odd_projectors) -> None:

@@ -183,20 +183,6 @@ def test_estimate_files_reads_shapes_from_headers(tiny) -> None:
     assert tokens < e.vocab <= tokens + spec.n_merges * memory.MERGE_BYTES
 
 
-def test_shapes_come_from_catalog_like_objects() -> None:
-    class Arch:  # the fields gguf_mcv.catalog.Arch has
-        llm_arch, n_layers, n_embd, n_head, n_head_kv, head_dim = "qwen2", 28, 3584, 28, 4, 128
-        n_vocab, n_ctx_train, n_kv_layers = 151666, 32768, 28
-
-    class Vision:
-        width, blocks, patch_size, image_size, query_tokens = 1152, 27, 14, 448, 64
-
-    shape = TextShape.of(Arch())
-    assert (shape.n_layers, shape.kv_layers, shape.ff) == (28, 28, round(3584 * memory.FF_RATIO))
-    assert VisionShape.of(Vision()).patches == 1024
-    assert VisionShape.of(None) == VisionShape()
-
-
 def test_to_dict_has_totals() -> None:
     d = est(n_gpu_layers=-1, gpu_backend="cuda").to_dict()
     assert d["total"] >= d["needed"] - d["long_prompt"]

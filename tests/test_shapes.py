@@ -1,0 +1,62 @@
+"""One shape type per tower, from a GGUF header (local or a remote prefix) and from the catalog."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gguf_mcv import memory, synthetic
+from gguf_mcv.catalog import load_catalog
+from gguf_mcv.headers import read_projector_header, read_text_header
+from gguf_mcv.shapes import FF_RATIO, TextShape, VisionShape
+
+
+def test_text_shape_from_a_gguf_header(tiny) -> None:
+    shape = read_text_header(tiny.quants["Q4_K_M"]).shape
+    spec = tiny.spec
+    assert (shape.architecture, shape.n_layers, shape.n_embd, shape.n_head) == (
+        "qwen2", spec.n_layer, spec.n_embd, spec.n_head)
+    assert (shape.n_vocab, shape.n_ff) == (spec.n_vocab, spec.n_ff)
+    assert shape.n_merges is not None and 0 < shape.n_merges <= spec.n_merges
+    assert shape.head_dim == spec.n_embd // spec.n_head and shape.kv_layers == spec.n_layer
+
+
+def test_text_shape_from_a_header_prefix_takes_the_vocabulary_from_the_token_list() -> None:
+    fields = {"general.architecture": "qwen2", "qwen2.block_count": 4, "qwen2.embedding_length": 64,
+              "qwen2.attention.head_count": 4, "tokenizer.ggml.tokens": ["a", "b", "c"]}
+    shape = TextShape.from_gguf(fields, {})
+    assert (shape.n_vocab, shape.n_head_kv, shape.head_dim, shape.n_merges) == (3, 4, 16, None)
+    assert not shape.tied_embeddings and shape.ff == round(64 * FF_RATIO)
+
+
+def test_vision_shape_from_an_mmproj_header(tiny) -> None:
+    shape = read_projector_header(tiny.mmproj).shape
+    spec = tiny.spec
+    assert (shape.width, shape.blocks, shape.heads, shape.ff) == (spec.v_embd, spec.v_layer, spec.v_head, spec.v_ff)
+    assert (shape.image_size, shape.patch_size, shape.query_tokens) == (448, 14, 64)
+    assert shape.patches == 1024
+
+
+def test_vision_shape_defaults_the_query_count_by_generation(tmp_path) -> None:
+    v25 = synthetic.write_mmproj(tmp_path / "v25.gguf", replace(synthetic.TINY, minicpmv_version=2, query_num=96))
+    assert read_projector_header(v25).shape.query_tokens == 96
+    assert VisionShape.from_gguf({"clip.minicpmv_version": 2}).query_tokens == 96  # key absent: clip.cpp's default
+    assert VisionShape.from_gguf({"clip.minicpmv_version": 3}).query_tokens == 64
+
+
+def test_catalog_entries_carry_the_same_types() -> None:
+    for entry in load_catalog().entries():
+        assert isinstance(entry.arch, TextShape) and isinstance(entry.vision, VisionShape)
+        assert entry.arch.architecture and entry.arch.n_ctx_train >= entry.n_ctx
+    v46 = load_catalog().get("minicpm-v-4.6")
+    assert v46.arch.kv_layers < v46.arch.n_layers  # hybrid: fewer layers keep a KV cache
+    assert v46.vision.heads == VisionShape().heads  # the catalog omits it: SigLIP-400M's
+
+
+def test_memory_estimate_for_files_uses_the_header_shapes(tiny) -> None:
+    text = read_text_header(tiny.quants["Q8_0"])
+    proj = read_projector_header(tiny.mmproj)
+    direct = memory.estimate(model_size=text.size, text=text.shape, mmproj_size=proj.size,
+                             vision=proj.shape, quant="Q8_0", cpu="none")
+    from_files = memory.estimate_files(tiny.quants["Q8_0"], tiny.mmproj, quant="Q8_0", cpu="none",
+                                       tensors=None)
+    assert direct.kv_cache == from_files.kv_cache and direct.vision_compute == from_files.vision_compute
