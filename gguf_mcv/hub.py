@@ -1,4 +1,7 @@
-"""Find a model's files on the Hugging Face Hub and download them, verified, into the HF cache.
+"""List a repository's GGUF files on the Hugging Face Hub and fetch them, verified, into the HF cache.
+
+This is the fetching layer: it knows repositories, files and quants, not model names
+or memory (:mod:`gguf_mcv.resolver` turns a name into a planned quant and calls it).
 
 All Hub I/O and the cache layout belong to ``huggingface_hub``: files land in the
 standard cache (``HF_HUB_CACHE`` / ``HF_HOME``), so a file another tool fetched is
@@ -26,10 +29,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from . import constants
-from .catalog import CatalogEntry, load_catalog
 from .errors import (
     CorruptModelError,
     DownloadError,
@@ -40,9 +42,7 @@ from .errors import (
 )
 from .headers import TextHeader, parse_header, text_header
 from .quants import GgufFileInfo, classify_gguf, normalize_quant, quality_rank
-
-if TYPE_CHECKING:
-    from .planner import Plan
+from .units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -127,35 +127,11 @@ class RepoFiles:
         return min(projectors, key=preference)
 
 
-@dataclass(frozen=True)
-class ModelFiles:
-    """Local paths of a text model and its projector, and where they came from."""
-
-    model: Path
-    mmproj: Path
-    quant: str | None
-    repo: str | None = None
-    revision: str | None = None
-    entry: CatalogEntry | None = None
-    plan: "Plan | None" = None  #: how the quant was chosen, when it was planned
-
-
-def resolve(model: str) -> tuple[str, CatalogEntry | None]:
-    """A catalog name, alias or Hub repo id → (repo id, catalog entry or None)."""
-    catalog = load_catalog()
-    entry = catalog.find(model)
-    if entry is not None:
-        return entry.repo, entry
-    if "/" in model and len(model.split("/")) == 2 and all(model.split("/")):
-        return model, catalog.by_repo(model)
-    return model, catalog.get(model)  # raises ModelNotFoundError with close matches
-
-
 def list_files(repo: str, revision: str | None = None) -> RepoFiles:
     """The repo's ``.gguf`` files, from the Hub; from the local cache when offline or unreachable."""
     if _offline():
         return cached_files(repo, revision)
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # lazy: ~0.3 s to import
 
     try:
         info = _retrying(lambda: HfApi().model_info(repo, revision=revision, files_metadata=True),
@@ -177,8 +153,8 @@ def list_files(repo: str, revision: str | None = None) -> RepoFiles:
 
 def cached_files(repo: str, revision: str | None = None) -> RepoFiles:
     """The repo's ``.gguf`` files already complete in the local HF cache (no network)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from huggingface_hub import scan_cache_dir  # lazy: ~0.3 s to import
+    from huggingface_hub.errors import CacheNotFound  # lazy: ~0.3 s to import
 
     try:
         cache = scan_cache_dir(_hf_cache())
@@ -207,8 +183,8 @@ def cached_files(repo: str, revision: str | None = None) -> RepoFiles:
 
 def cached_models() -> dict[str, list[tuple[str, int]]]:
     """``.gguf`` files in the local HF cache, by repo id: (path in repo, bytes on disk)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from huggingface_hub import scan_cache_dir  # lazy: ~0.3 s to import
+    from huggingface_hub.errors import CacheNotFound  # lazy: ~0.3 s to import
 
     try:
         cache = scan_cache_dir(_hf_cache())
@@ -225,42 +201,9 @@ def cached_models() -> dict[str, list[tuple[str, int]]]:
     return found
 
 
-def pull(
-    model: str,
-    *,
-    quant: str | None = None,
-    ram_budget: int | str | None = None,
-    n_ctx: int = constants.DEFAULT_N_CTX,
-    revision: str | None = None,
-    progress: bool | None = None,
-) -> ModelFiles:
-    """Make sure a model file and its mmproj are in the HF cache; return their paths.
-
-    ``model`` is a catalog name or a Hub repo id. Without ``quant`` the planner picks
-    the best quantization whose predicted memory fits ``ram_budget`` (default: what
-    this machine has free). Files already complete are not fetched again; every
-    ``.gguf`` is checked against the Hub's sha256. ``progress`` shows download bars
-    (default: when stderr is a terminal).
-    """
-    repo, entry = resolve(model)
-    listing = list_files(repo, revision)
-    planned = None
-    if quant is None:
-        from .planner import plan_listing
-
-        planned = plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx)
-        quant = planned.quant
-    quant = normalize_quant(quant)
-    preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None
-    model_file = listing.model_file(quant, preferred)
-    mmproj_file = listing.mmproj_for(model_file)
-    paths = fetch(listing, [model_file, mmproj_file], progress=progress)
-    return ModelFiles(paths[0], paths[1], quant, listing.repo, listing.revision, entry, planned)
-
-
 def fetch(listing: RepoFiles, files: list[RemoteFile], *, progress: bool | None = None) -> list[Path]:
     """Download ``files`` of ``listing`` (or find them in the cache), verified; their local paths."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # lazy: ~0.3 s to import
 
     cached = {f.path: try_to_load_from_cache(listing.repo, f.path, revision=listing.revision,
                                              cache_dir=_hf_cache()) for f in files}
@@ -278,7 +221,7 @@ def fetch(listing: RepoFiles, files: list[RemoteFile], *, progress: bool | None 
 
 
 def _download(listing: RepoFiles, f: RemoteFile, progress: bool | None) -> Path:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # lazy: ~0.3 s to import
 
     if f.sha256:
         _remove_stale_partials(listing.repo, f.sha256)
@@ -294,7 +237,7 @@ def _download(listing: RepoFiles, f: RemoteFile, progress: bool | None) -> Path:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise NotEnoughDiskError(
-                f"The disk filled up while downloading {f.path} ({_fmt(f.size)}) into "
+                f"The disk filled up while downloading {f.path} ({format_size(f.size)}) into "
                 f"{_hf_cache()}; the partial file was removed. Free some space and try again."
             ) from exc
         raise
@@ -370,8 +313,8 @@ def _remove_stale_partials(repo: str, sha: str) -> None:
     and deletes it on failure, but a SIGKILL leaves it. When we can take the blob's
     download lock nobody is writing it, so every such file is stale.
     """
-    from filelock import FileLock, Timeout
-    from huggingface_hub.file_download import repo_folder_name
+    from filelock import FileLock, Timeout  # lazy: ~0.3 s to import
+    from huggingface_hub.file_download import repo_folder_name  # lazy: ~0.3 s to import
 
     folder = repo_folder_name(repo_id=repo, repo_type="model")
     blobs = Path(_hf_cache()) / folder / "blobs"
@@ -399,8 +342,8 @@ def _check_disk(missing: list[RemoteFile]) -> None:
     if free < needed + DISK_MARGIN:
         names = ", ".join(f.path for f in missing)
         raise NotEnoughDiskError(
-            f"Downloading {names} needs {_fmt(needed)} (+{_fmt(DISK_MARGIN)} margin) but only "
-            f"{_fmt(free)} is free in {where}. Free some space, choose a smaller quant, or point "
+            f"Downloading {names} needs {format_size(needed)} (+{format_size(DISK_MARGIN)} margin) but only "
+            f"{format_size(free)} is free in {where}. Free some space, choose a smaller quant, or point "
             "HF_HUB_CACHE at a bigger disk."
         )
 
@@ -425,7 +368,7 @@ def _retrying(call, repo: str, filename: str | None = None):
 @contextlib.contextmanager
 def hub_errors(repo: str, filename: str | None = None) -> Iterator[None]:
     """Turn huggingface_hub's exceptions into gguf_mcv errors that say what to do."""
-    from huggingface_hub import errors as hf
+    from huggingface_hub import errors as hf  # lazy: ~0.3 s to import
 
     what = f"{filename} in {repo}" if filename else repo
     try:
@@ -484,8 +427,8 @@ def remote_text_header(listing: RepoFiles, f: RemoteFile) -> TextHeader:
     come first in a GGUF file, so a few hundred KB suffice; more is fetched (doubling,
     up to :data:`HEADER_MAX_BYTES`) only when they are not there yet.
     """
-    from huggingface_hub import get_session, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+    from huggingface_hub import get_session, hf_hub_url  # lazy: ~0.3 s to import
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status  # lazy: ~0.3 s to import
 
     url = hf_hub_url(listing.repo, f.path, revision=listing.revision)
     want = HEADER_FIRST_BYTES
@@ -516,19 +459,19 @@ def _missing_offline(listing: RepoFiles, missing: list[RemoteFile]) -> str:
 
 
 def _offline() -> bool:
-    from huggingface_hub import constants as hfc
+    from huggingface_hub import constants as hfc  # lazy: ~0.3 s to import
 
     return bool(hfc.HF_HUB_OFFLINE)
 
 
 def _hf_cache() -> str:
-    from huggingface_hub import constants as hfc
+    from huggingface_hub import constants as hfc  # lazy: ~0.3 s to import
 
     return str(hfc.HF_HUB_CACHE)
 
 
 def _silent_tqdm():
-    from huggingface_hub.utils import tqdm as hf_tqdm
+    from huggingface_hub.utils import tqdm as hf_tqdm  # lazy: ~0.3 s to import
 
     class Silent(hf_tqdm):
         def __init__(self, *args, **kwargs):
@@ -544,7 +487,4 @@ def _repo_of(path: Path) -> str:
             return part[len("models--"):].replace("--", "/")
     return str(path.parent)
 
-
-def _fmt(n: int | None) -> str:
-    return "unknown size" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 

@@ -4,10 +4,8 @@
 the model's shape and a :class:`~gguf_mcv.hardware.Hardware`, predicts each quant's
 memory with :func:`gguf_mcv.memory.estimate` and returns a :class:`Plan`: the best
 quant that fits, the settings to load it with, and one row per quant saying why it
-was or was not chosen. :func:`plan` gathers those inputs for a model name — the
-machine from :func:`~gguf_mcv.hardware.probe`, the files from the Hub (or the local
-cache, or the catalog when offline), the shape from the catalog or from the model's
-header — and ``model="auto"`` walks the catalog from the most capable model down.
+was or was not chosen. It does no I/O: :func:`gguf_mcv.resolver.plan` gathers those
+inputs for a model name (the machine, the Hub's file list, the shapes) and calls it.
 
 Rules, in order:
 
@@ -37,13 +35,16 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import memory
 from .errors import ConfigError, NoQuantFitsError
-from .hardware import Hardware, format_size, parse_size
+from .hardware import Hardware
+from .options import MAX_N_CTX, MIN_N_CTX, check_int
 from .quants import normalize_quant, quality_rank
+from .shapes import TextShape, VisionShape
+from .units import format_size, parse_size
 
 PREFERENCES = ("quality", "speed", "size")
 #: Share of available RAM kept free when no budget is given, and its floor in bytes.
@@ -109,11 +110,11 @@ class Plan:
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
         head = ("", "quant", "file size", "needs", "peak RSS", "verdict")
-        body = [("->" if r.chosen else "", r.quant, _size(r.size), _size(r.needed),
-                 _size(r.peak_rss), r.note) for r in self.rows]
+        body = [("->" if r.chosen else "", r.quant, format_size(r.size), format_size(r.needed),
+                 format_size(r.peak_rss), r.note) for r in self.rows]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
         fmt = lambda row: "  ".join(  # noqa: E731
-            c.rjust(w) if i in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+            c.rjust(w) if i in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         lines = [f"Model: {self.model}"] if self.model else []
         lines += [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
@@ -130,7 +131,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
         return {
-            "model": self.model, "quant": self.quant, "files": list(self.files), "predicted_bytes": self.predicted_bytes,
+            "model": self.model, "quant": self.quant, "files": list(self.files),
+            "predicted_bytes": self.predicted_bytes,
             "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
             "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
             "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
@@ -156,8 +158,8 @@ _Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
 class _Context:
     """Everything about the request that is the same for every quant."""
 
-    arch: Any
-    vision: Any
+    arch: TextShape
+    vision: VisionShape
     mmproj_size: int
     hardware: Hardware
     n_ctx: int
@@ -173,8 +175,8 @@ class _Context:
 def choose(
     candidates: Iterable[QuantCandidate],
     *,
-    arch: Any,
-    vision: Any = None,
+    arch: TextShape,
+    vision: VisionShape | None = None,
     mmproj_size: int,
     hardware: Hardware,
     ram_budget: int | str | None = None,
@@ -187,11 +189,11 @@ def choose(
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
-    ``arch`` is the text model's shape (catalog ``Arch``, ``TextHeader`` or
-    :class:`gguf_mcv.memory.TextShape`), ``vision`` the tower's (default SigLIP-400M).
+    ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
     """
     if prefer not in PREFERENCES:
         raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
+    check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
     cands = _dedupe(candidates)
     if not cands:
         raise ConfigError("No quant files to choose from.")
@@ -203,117 +205,6 @@ def choose(
     best = _pick(evaluated, ctx, prefer)
     rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
     return _plan(best, rows, ctx, mmproj_file, budget_note)
-
-
-def plan(
-    model: str,
-    *,
-    ram_budget: int | str | None = None,
-    n_ctx: int = 4096,
-    quant: str | None = None,
-    prefer: str = "quality",
-    kv_cache_type: str = "f16",
-    revision: str | None = None,
-    hardware: Hardware | None = None,
-) -> Plan:
-    """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
-
-    The quant files and their sizes come from the Hub (from the local cache when
-    offline; from the catalog when the Hub cannot be reached at all); the text model's
-    shape from the catalog, or for a repo the catalog does not know, from a ranged read
-    of the model's header. ``ram_budget`` defaults to the available RAM less a reserve.
-    ``model="auto"`` picks the most capable catalog model that fits.
-    """
-    from .errors import OfflineError
-    from .hardware import probe
-    from .hub import list_files, resolve
-
-    hardware = hardware or probe()
-    options = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
-                   kv_cache_type=kv_cache_type, hardware=hardware)
-    if model == "auto":
-        return _plan_auto(**options)
-    repo, entry = resolve(model)
-    try:
-        listing = list_files(repo, revision)
-    except OfflineError:
-        if entry is None:
-            raise
-        listing = None  # plan from the catalog's own file list
-    return plan_listing(model, listing, entry, **options)
-
-
-def plan_listing(model: str, listing: Any, entry: Any, *, hardware: Hardware | None = None,
-                 **options: Any) -> Plan:
-    """:func:`choose` for a repo's files (a :class:`~gguf_mcv.hub.RepoFiles`, or None to use
-    the catalog ``entry``'s file list)."""
-    from .hardware import probe
-
-    hardware = hardware or probe()
-    notes: list[str] = []
-    if listing is None:
-        candidates = candidates_from(entry.quants)
-        mmproj_file, mmproj_size = entry.mmproj.file, entry.mmproj.size
-        notes.append("the Hub could not be reached and nothing is cached: files and sizes are the "
-                     "catalog's")
-    else:
-        candidates = []
-        for q in listing.text_models():
-            preferred = entry.quants[q].file if entry is not None and q in entry.quants else None
-            f = listing.model_file(q, preferred)
-            candidates.append(QuantCandidate(q, f.path, int(f.size or 0), f.size is not None))
-        if not candidates:
-            raise ConfigError(f"{listing.repo} has no text model .gguf files to plan with.")
-        projector = listing.mmproj_for(listing.model_file(candidates[0].quant))
-        mmproj_file, mmproj_size = projector.path, int(projector.size or 0)
-    if entry is not None:
-        arch, vision = entry.arch, entry.vision
-    else:
-        from .hub import remote_text_header
-
-        smallest = min(candidates, key=lambda c: c.size)
-        arch = remote_text_header(listing, listing.model_file(smallest.quant))
-        vision = None  # MiniCPM-V's SigLIP-400M tower
-    result = choose(candidates, arch=arch, vision=vision, mmproj_size=mmproj_size,
-                    mmproj_file=mmproj_file, hardware=hardware, **options)
-    return replace(result, model=model, warnings=(*result.warnings, *notes))
-
-
-def plan_local(model_path: str, mmproj_path: str, *, hardware: Hardware | None = None,
-               **options: Any) -> Plan:
-    """:func:`choose` for one local model file and its projector (shapes from their headers)."""
-    import os
-
-    from .hardware import probe
-    from .headers import read_projector_header, read_text_header
-    from .quants import classify_gguf
-
-    text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
-    info = classify_gguf(os.path.basename(os.fspath(model_path)))
-    quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
-    candidate = QuantCandidate(quant, os.fspath(model_path), text.size)
-    vision = memory.VisionShape.of(projector)
-    result = choose([candidate], arch=text, vision=vision, mmproj_size=projector.size,
-                    mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, "quant": quant})
-    return replace(result, model=os.fspath(model_path))
-
-
-def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
-    """The most capable catalog model (by rank) with a quant that fits; catalog sizes, no network."""
-    from .catalog import load_catalog
-
-    needs = []
-    for entry in load_catalog().entries():
-        try:
-            result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
-                            mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
-                            hardware=hardware, **{**options, "quant": None})
-        except NoQuantFitsError as exc:
-            needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
-            continue
-        return replace(result, model=entry.name)
-    raise NoQuantFitsError("No catalog model fits this machine.\n" + "\n".join(needs))
 
 
 def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
@@ -334,9 +225,9 @@ def resolve_budget(hardware: Hardware, ram_budget: int | str | None) -> tuple[in
                     f"less a {format_size(reserve)} safety reserve.")
 
 
-def default_image_tokens(vision: Any = None) -> int:
+def default_image_tokens(vision: VisionShape | None = None) -> int:
     """Tokens of one full-detail image: overview + 9 slices of ``query_tokens`` (640 for 2.6)."""
-    return 10 * memory.VisionShape.of(vision).query_tokens
+    return 10 * (vision or VisionShape()).query_tokens
 
 
 # --- evaluation -----------------------------------------------------------------------
@@ -345,7 +236,7 @@ def default_image_tokens(vision: Any = None) -> int:
 def _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget) -> _Context:
     if kv_cache_type not in memory.KV_BYTES_PER_ELEMENT:
         raise ConfigError(f"kv_cache_type must be one of {', '.join(memory.KV_BYTES_PER_ELEMENT)}.")
-    ctx = _Context(arch=memory.TextShape.of(arch), vision=memory.VisionShape.of(vision),
+    ctx = _Context(arch=arch, vision=vision or VisionShape(),
                    mmproj_size=mmproj_size, hardware=hardware, n_ctx=n_ctx,
                    kv_cache_type=kv_cache_type,
                    image_tokens=image_tokens if image_tokens is not None else default_image_tokens(vision),
@@ -523,11 +414,19 @@ def _nothing_fits_message(evaluated, ctx: _Context) -> str:
 
 
 def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup) -> int | None:
-    """The largest n_ctx (a multiple of 256 below the asked one) with which ``c`` fits."""
-    for n in range((ctx.n_ctx - 1) // 256 * 256, MIN_SUGGESTED_CTX - 1, -256):
-        if _estimate(c, ctx, s, n_ctx=n).needed <= ctx.budget:
-            return n
-    return None
+    """The largest n_ctx (a multiple of 256 below the asked one) with which ``c`` fits.
+
+    Memory grows with n_ctx, so a bisection finds it in a few dozen estimates even for
+    an absurd ``n_ctx`` (a linear walk down from 10**10 would take hours).
+    """
+    fits = lambda steps: _estimate(c, ctx, s, n_ctx=steps * 256).needed <= ctx.budget  # noqa: E731
+    low, high = -(-MIN_SUGGESTED_CTX // 256), (ctx.n_ctx - 1) // 256
+    if high < low or not fits(low):
+        return None
+    while low < high:  # invariant: fits(low)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * 256
 
 
 def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
@@ -541,6 +440,3 @@ def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
         seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact))
     return list(seen.values())
 
-
-def _size(n: int | None) -> str:
-    return "-" if n is None else format_size(n)

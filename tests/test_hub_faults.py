@@ -55,7 +55,7 @@ def test_killed_download_then_rerun(hub, hf_env, tiny) -> None:
     child.wait(timeout=10)
     assert list(hf_env.cache.rglob("*.incomplete"))  # the kill left a partial file behind
     hub.faults.clear()
-    files = gguf_mcv.hub.pull(REPO, quant="Q8_0")
+    files = gguf_mcv.pull(REPO, quant="Q8_0")
     assert sha(files.model) == sha(Path(tiny.quants["Q8_0"]))
     assert_cache_clean(hf_env.cache)
 
@@ -70,13 +70,13 @@ def test_server_errors_then_recovery(hub, hf_env, tiny, monkeypatch) -> None:
     monkeypatch.setattr(_http, "time", types.SimpleNamespace(**{**vars(time), "sleep": lambda s: None}))
     publish(hub, tiny)
     hub.faults.server_error(REPO, times=2, status=503)
-    files = gguf_mcv.hub.pull(REPO, quant="Q4_0")  # retried past two 503s
+    files = gguf_mcv.pull(REPO, quant="Q4_0")  # retried past two 503s
     assert sha(files.model) == sha(Path(tiny.quants["Q4_0"]))
     hub.faults.server_error(f"{REPO}/ggml-model-Q5_K_M.gguf", times=None, status=500)
     with pytest.raises(gguf_mcv.DownloadError, match="500"):
-        gguf_mcv.hub.pull(REPO, quant="Q5_K_M")
+        gguf_mcv.pull(REPO, quant="Q5_K_M")
     hub.faults.clear()
-    assert gguf_mcv.hub.pull(REPO, quant="Q5_K_M").model.is_file()
+    assert gguf_mcv.pull(REPO, quant="Q5_K_M").model.is_file()
     assert_cache_clean(hf_env.cache)
 
 
@@ -104,11 +104,11 @@ def test_disk_fills_mid_file_simulated_at_the_write(hub, hf_env, tiny, monkeypat
 
     monkeypatch.setattr(file_download, "http_get", http_get)
     with pytest.raises(NotEnoughDiskError, match="partial file was removed"):
-        gguf_mcv.hub.pull(REPO, quant="Q8_0")
+        gguf_mcv.pull(REPO, quant="Q8_0")
     assert_cache_clean(hf_env.cache)
     assert not list(hf_env.cache.rglob("ggml-model-Q8_0.gguf"))
     monkeypatch.setattr(file_download, "http_get", real_get)
-    assert gguf_mcv.hub.pull(REPO, quant="Q8_0").model.is_file()
+    assert gguf_mcv.pull(REPO, quant="Q8_0").model.is_file()
 
 
 def test_disk_fills_mid_file_on_a_real_small_tmpfs(hub, hf_env, tiny, tmp_path, monkeypatch) -> None:
@@ -126,7 +126,7 @@ def test_disk_fills_mid_file_on_a_real_small_tmpfs(hub, hf_env, tiny, tmp_path, 
         publish(hub, tiny)
         # ...but the mmproj does not fit beside it, so the disk fills mid-file
         with pytest.raises(NotEnoughDiskError):
-            gguf_mcv.hub.pull(REPO, quant="Q4_K_M")
+            gguf_mcv.pull(REPO, quant="Q4_K_M")
         assert_cache_clean(mount / "hub")
     finally:
         subprocess.run(["umount", str(mount)], check=False)

@@ -1,0 +1,179 @@
+"""From a model name to planned, fetched files: the layer above the planner and the Hub.
+
+A name (catalog name or alias, Hub repo id, or ``"auto"``) is looked up in the
+catalog, the repository's files are listed (:mod:`gguf_mcv.hub`), the quant is
+chosen for this machine (:func:`gguf_mcv.planner.choose`, which does no I/O) and
+the two files are fetched. :func:`plan`, :func:`pull` and :func:`gguf_mcv.load`
+all come through here; the planner and the Hub layer never call each other.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from . import constants
+from .catalog import CatalogEntry, load_catalog
+from .errors import ConfigError, NoQuantFitsError, OfflineError
+from .hardware import Hardware, probe
+from .headers import read_projector_header, read_text_header
+from .hub import RepoFiles, fetch, list_files, remote_text_header
+from .planner import Plan, QuantCandidate, candidates_from, choose
+from .quants import classify_gguf, normalize_quant
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Local paths of a text model and its projector, and where they came from."""
+
+    model: Path
+    mmproj: Path
+    quant: str | None
+    repo: str | None = None
+    revision: str | None = None
+    entry: CatalogEntry | None = None
+    plan: Plan | None = None  #: how the quant was chosen, when it was planned
+
+
+def resolve(model: str) -> tuple[str, CatalogEntry | None]:
+    """A catalog name, alias or Hub repo id → (repo id, catalog entry or None)."""
+    catalog = load_catalog()
+    entry = catalog.find(model)
+    if entry is not None:
+        return entry.repo, entry
+    if "/" in model and len(model.split("/")) == 2 and all(model.split("/")):
+        return model, catalog.by_repo(model)
+    return model, catalog.get(model)  # raises ModelNotFoundError with close matches
+
+
+def plan(
+    model: str,
+    *,
+    ram_budget: int | str | None = None,
+    n_ctx: int = constants.DEFAULT_N_CTX,
+    quant: str | None = None,
+    prefer: str = "quality",
+    kv_cache_type: str = "f16",
+    revision: str | None = None,
+    hardware: Hardware | None = None,
+) -> Plan:
+    """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
+
+    The quant files and their sizes come from the Hub (from the local cache when
+    offline; from the catalog when the Hub cannot be reached at all); the text model's
+    shape from the catalog, or for a repo the catalog does not know, from a ranged read
+    of the model's header. ``ram_budget`` defaults to the available RAM less a reserve.
+    ``model="auto"`` picks the most capable catalog model that fits.
+    """
+    options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
+                                   kv_cache_type=kv_cache_type, hardware=hardware or probe())
+    if model == "auto":
+        return _plan_auto(**options)
+    repo, entry = resolve(model)
+    try:
+        listing: RepoFiles | None = list_files(repo, revision)
+    except OfflineError:
+        if entry is None:
+            raise
+        listing = None  # plan from the catalog's own file list
+    return _plan_listing(model, listing, entry, **options)
+
+
+def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
+               hardware: Hardware | None = None, **options: Any) -> Plan:
+    """:func:`~gguf_mcv.planner.choose` for one local model file and its projector
+    (shapes from their headers)."""
+    text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
+    info = classify_gguf(os.path.basename(os.fspath(model_path)))
+    quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
+    candidate = QuantCandidate(quant, os.fspath(model_path), text.size)
+    result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
+                    mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
+                    **{**options, "quant": quant})
+    return replace(result, model=os.fspath(model_path))
+
+
+def pull(
+    model: str,
+    *,
+    quant: str | None = None,
+    ram_budget: int | str | None = None,
+    n_ctx: int = constants.DEFAULT_N_CTX,
+    kv_cache_type: str = "f16",
+    revision: str | None = None,
+    progress: bool | None = None,
+) -> ModelFiles:
+    """Make sure a model file and its mmproj are in the HF cache; return their paths.
+
+    ``model`` is a catalog name, a Hub repo id or ``"auto"``. Without ``quant`` the
+    planner picks the best quantization whose predicted memory fits ``ram_budget``
+    (default: what this machine has free). Files already complete are not fetched
+    again; every ``.gguf`` is checked against the Hub's sha256. ``progress`` shows
+    download bars (default: when stderr is a terminal).
+    """
+    planned = None
+    if model == "auto":
+        planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
+                       kv_cache_type=kv_cache_type)
+        model, quant = planned.model, planned.quant
+    repo, entry = resolve(model)
+    listing = list_files(repo, revision)
+    if quant is None:
+        planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
+                                kv_cache_type=kv_cache_type, hardware=probe())
+        quant = planned.quant
+    quant = normalize_quant(quant)
+    preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None
+    model_file = listing.model_file(quant, preferred)
+    mmproj_file = listing.mmproj_for(model_file)
+    paths = fetch(listing, [model_file, mmproj_file], progress=progress)
+    return ModelFiles(paths[0], paths[1], quant, listing.repo, listing.revision, entry, planned)
+
+
+def _plan_listing(model: str, listing: RepoFiles | None, entry: CatalogEntry | None, *,
+                  hardware: Hardware, **options: Any) -> Plan:
+    """:func:`choose` for a repo's files (or, with no listing, the catalog ``entry``'s)."""
+    notes: list[str] = []
+    if listing is None:
+        assert entry is not None  # plan() only passes no listing for a catalog model
+        candidates = candidates_from(entry.quants)
+        mmproj_file, mmproj_size = entry.mmproj.file, entry.mmproj.size
+        notes.append("the Hub could not be reached and nothing is cached: files and sizes are the "
+                     "catalog's")
+    else:
+        candidates = []
+        for q in listing.text_models():
+            preferred = entry.quants[q].file if entry is not None and q in entry.quants else None
+            f = listing.model_file(q, preferred)
+            candidates.append(QuantCandidate(q, f.path, int(f.size or 0), f.size is not None))
+        if not candidates:
+            raise ConfigError(f"{listing.repo} has no text model .gguf files to plan with.")
+        projector = listing.mmproj_for(listing.model_file(candidates[0].quant))
+        mmproj_file, mmproj_size = projector.path, int(projector.size or 0)
+    if entry is not None:
+        arch, vision = entry.arch, entry.vision
+    else:
+        assert listing is not None
+        smallest = min(candidates, key=lambda c: c.size)
+        arch = remote_text_header(listing, listing.model_file(smallest.quant)).shape
+        vision = None  # MiniCPM-V's SigLIP-400M tower
+    result = choose(candidates, arch=arch, vision=vision, mmproj_size=mmproj_size,
+                    mmproj_file=mmproj_file, hardware=hardware, **options)
+    return replace(result, model=model, warnings=(*result.warnings, *notes))
+
+
+def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
+    """The most capable catalog model (by rank) with a quant that fits; catalog sizes, no network."""
+    needs = []
+    for entry in load_catalog().entries():
+        try:
+            result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                            mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
+                            hardware=hardware, **{**options, "quant": None})
+        except NoQuantFitsError as exc:
+            needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
+            continue
+        return replace(result, model=entry.name)
+    raise NoQuantFitsError("No catalog model fits this machine.\n" + "\n".join(needs))

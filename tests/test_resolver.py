@@ -1,0 +1,150 @@
+"""The resolver: a model name to a plan and fetched files, against the local Hub and real memory limits."""
+
+from __future__ import annotations
+
+import os as _os
+import subprocess as _subprocess
+import sys as _sys
+import time
+import uuid as _uuid
+
+import pytest
+
+import gguf_mcv
+
+from gguf_mcv.errors import ConfigError, NoQuantFitsError
+from gguf_mcv.resolver import plan as _plan
+
+_REPO = "acme/planned-gguf"
+
+
+def _publish(hub, tiny) -> None:
+    files = {f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()}
+    hub.add_repo(_REPO, {**files, "mmproj-model-f16.gguf": tiny.mmproj})
+
+
+def test_load_picks_the_quant_the_plan_predicts_around_each_step(hub, tiny) -> None:
+    import gguf_mcv
+
+    _publish(hub, tiny)
+    generous = _plan(_REPO, ram_budget="64GB", n_ctx=1024)
+    needs = {row.quant: row.needed for row in generous.rows}
+    ladder = sorted(needs, key=lambda q: needs[q])
+    for lower, upper in zip(ladder, ladder[1:]):
+        if needs[lower] == needs[upper]:
+            continue
+        at = _plan(_REPO, ram_budget=needs[upper], n_ctx=1024)
+        below = _plan(_REPO, ram_budget=needs[upper] - 1, n_ctx=1024)
+        assert needs[at.quant] <= needs[upper] and needs[below.quant] < needs[upper]
+    budget = needs[ladder[len(ladder) // 2]]
+    expected = _plan(_REPO, ram_budget=budget, n_ctx=1024)
+    with gguf_mcv.load(_REPO, ram_budget=budget, n_ctx=1024) as model:
+        assert model.info.quant == expected.quant
+        assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
+    with pytest.raises(gguf_mcv.NoQuantFitsError, match="budget"):
+        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024)
+
+
+def test_plan_for_a_repo_the_catalog_does_not_know_reads_the_header(hub, tiny) -> None:
+    _publish(hub, tiny)
+    result = _plan(_REPO, ram_budget="64GB", n_ctx=1024)
+    assert result.model == _REPO and result.quant == "Q8_0"
+    ranged = [r for r in hub.requests(method="GET", path="*/resolve/*") if r.range]
+    assert len(ranged) == 1 and ranged[0].range.startswith("bytes=0-")
+
+
+def _memory_cgroup(limit: int) -> tuple[str, str] | None:
+    """(folder, procs file) of a new memory cgroup limited to ``limit`` bytes, or None."""
+    name = f"gguf_mcv_test_{_uuid.uuid4().hex[:8]}"
+    for root, limit_file in (("/sys/fs/cgroup", "memory.max"),
+                             ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        if not _os.path.exists(_os.path.join(root, limit_file if root.endswith("memory") else
+                                             "cgroup.controllers")):
+            continue
+        folder = _os.path.join(root, name)
+        try:
+            _os.mkdir(folder)
+            with open(_os.path.join(folder, limit_file), "w") as f:
+                f.write(str(limit))
+            return folder, _os.path.join(folder, "cgroup.procs")
+        except OSError:
+            if _os.path.isdir(folder):
+                _os.rmdir(folder)
+    return None
+
+
+def test_planned_load_runs_inside_a_real_memory_limit(hub, tiny) -> None:
+    _publish(hub, tiny)
+    limit = 2**30  # the planner keeps a 300 MB reserve below it
+    made = _memory_cgroup(limit)
+    if made is None:
+        pytest.skip("cannot create a memory-limited cgroup here (needs root and a writable "
+                    "cgroup v1 or v2 memory controller)")
+    folder, procs = made
+    script = (
+        "import os, sys, numpy as np\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "import gguf_mcv\n"
+        "hw = gguf_mcv.probe()\n"
+        "print(hw.memory_limit_source, hw.available_ram, sep='|')\n"
+        "with gguf_mcv.load(sys.argv[2], n_ctx=2048) as m:\n"
+        "    r = m.ask('?', np.zeros((900, 900, 3), np.uint8), max_tokens=4)\n"
+        "    print(m.info.quant, r.usage.image_tokens)\n"
+    )
+    try:
+        done = _subprocess.run([_sys.executable, "-c", script, procs, _REPO], env=_os.environ,
+                               capture_output=True, text=True, timeout=180)
+    finally:
+        _os.rmdir(folder)
+    assert done.returncode == 0, f"killed or failed ({done.returncode}): {done.stderr[-2000:]}"
+    source, available = done.stdout.splitlines()[0].split("|")
+    assert source.startswith("cgroup") and int(available) <= limit
+    quant, image_tokens = done.stdout.splitlines()[1].split()
+    assert quant in tiny.quants and int(image_tokens) > 0
+
+
+def test_auto_picks_the_most_capable_catalog_model_that_fits() -> None:
+    import gguf_mcv
+    from gguf_mcv.catalog import load_catalog
+
+    hardware = _laptop_like()
+    ranked = load_catalog().entries()
+    roomy = _plan("auto", ram_budget="64GB", hardware=hardware)
+    assert roomy.model == ranked[0].name
+    small = _plan("auto", ram_budget="3GB", hardware=hardware)
+    assert small.model != ranked[0].name and small.quant
+    with pytest.raises(gguf_mcv.NoQuantFitsError, match="No catalog model fits"):
+        _plan("auto", ram_budget="100MB", hardware=hardware)
+
+
+def _laptop_like():
+    import gguf_mcv.hardware as hw
+
+    return hw.probe()  # this machine; budgets are given explicitly
+
+
+def test_an_absurd_context_is_refused_or_planned_at_once(hub, tiny) -> None:
+    """Issue 17.5: plan(n_ctx=10**10) searched downward 256 positions at a time for hours."""
+    _publish(hub, tiny)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="n_ctx must be between"):
+        _plan(_REPO, ram_budget="64GB", n_ctx=10**10)
+    for bad in (0, -1, 4096.5):
+        with pytest.raises(ConfigError, match="n_ctx"):
+            _plan(_REPO, ram_budget="64GB", n_ctx=bad)
+    # the largest context that fits is bisected, not walked: a 1M context on a small budget
+    with pytest.raises(NoQuantFitsError, match="n_ctx="):
+        _plan(_REPO, ram_budget="200MB", n_ctx=2**20)
+    assert time.perf_counter() - start < 10
+
+
+
+def test_catalog_name_resolves_to_its_repo() -> None:
+    from gguf_mcv.resolver import resolve
+
+    repo, entry = resolve("minicpm-v:8b")
+    assert repo == "openbmb/MiniCPM-V-2_6-gguf" and entry is not None
+    repo, entry = resolve("someone/else-gguf")
+    assert (repo, entry) == ("someone/else-gguf", None)
+    with pytest.raises(gguf_mcv.ModelNotFoundError):
+        resolve("minicpm-v-9000")
