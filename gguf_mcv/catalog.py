@@ -24,7 +24,9 @@ else:  # pragma: no cover - Python 3.10
 
 from . import constants
 from .errors import CatalogError, ConfigError, ModelNotFoundError
+from .options import Sampling
 from .quants import classify_gguf, normalize_quant, sort_by_quality
+from .shapes import TextShape, VisionShape
 
 #: Chat-template families the prompt renderer knows (gguf_mcv.templates.FAMILIES).
 CHAT_TEMPLATES: tuple[str, ...] = ("llama3", "chatml", "qwen3")
@@ -44,46 +46,6 @@ class QuantFile:
 
 
 @dataclass(frozen=True)
-class Arch:
-    """Text-model numbers a memory planner needs before any file is downloaded."""
-
-    llm_arch: str  #: llama.cpp's ``general.architecture``
-    n_layers: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    n_ctx_train: int
-    n_kv_layers: int  #: layers that keep a KV cache (fewer than n_layers in hybrid models)
-
-    def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> int:
-        """KV-cache bytes one token costs (keys and values, every attention layer)."""
-        return int(2 * self.n_kv_layers * self.n_head_kv * self.head_dim * bytes_per_value)
-
-
-@dataclass(frozen=True)
-class Vision:
-    """The vision tower: SigLIP width and depth, patch and slice size, tokens per slice."""
-
-    width: int
-    blocks: int
-    patch_size: int
-    image_size: int
-    query_tokens: int
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The model's published sampling settings."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    repeat_penalty: float
-
-
-@dataclass(frozen=True)
 class CatalogEntry:
     """One model: its Hub repository, files, prompt family and numbers."""
 
@@ -100,8 +62,8 @@ class CatalogEntry:
     thinking_default: bool
     n_ctx: int
     default_quant: str
-    arch: Arch
-    vision: Vision
+    arch: TextShape
+    vision: VisionShape
     sampling: Sampling
     mmproj: QuantFile
     quants: dict[str, QuantFile]  #: canonical quant name -> file, worst to best quality
@@ -173,6 +135,11 @@ class Catalog:
                 "Add your own in a user catalog ($GGUF_MCV_CATALOG).")
 
 
+def lookup(name: str | None) -> CatalogEntry | None:
+    """The catalog entry for a model name, alias or repo id; None when the catalog has none."""
+    return load_catalog().find(name) if name else None
+
+
 def bundled_catalog_path() -> Path:
     """The ``models.toml`` that ships with gguf_mcv."""
     packaged = resources.files("gguf_mcv") / "models.toml"
@@ -188,10 +155,11 @@ def load_catalog(user_path: str | os.PathLike | None = None) -> Catalog:
     else ``~/.config/gguf_mcv/models.toml`` when it exists)."""
     bundled = bundled_catalog_path()
     explicit = user_path is not None or bool(os.environ.get(constants.ENV_CATALOG))
-    user: Path | None = Path(user_path) if user_path is not None else constants.user_catalog_path()
-    if not user.is_file():
+    wanted = Path(user_path) if user_path is not None else constants.user_catalog_path()
+    user: Path | None = wanted
+    if not wanted.is_file():
         if explicit:
-            raise CatalogError(f"{user}: user catalog not found.")
+            raise CatalogError(f"{wanted}: user catalog not found.")
         user = None
     return _load(bundled, _stamp(bundled), user, _stamp(user) if user else None)
 
@@ -344,10 +312,6 @@ _SAMPLING: dict[str, tuple[type, Any]] = {
 _FILE: dict[str, tuple[type, Any]] = {
     "file": (str, _REQUIRED), "size": (int, _REQUIRED), "exact": (bool, False),
 }
-# Outside these, llama.cpp would sample garbage or refuse: (low, low inclusive, high).
-_SAMPLING_RANGES = {"temperature": (0.0, True, 5.0), "top_p": (0.0, False, 1.0),
-                    "top_k": (0, True, 100_000), "repeat_penalty": (0.0, False, 5.0)}
-
 
 def _build(name: str, table: dict[str, Any], path: Path) -> CatalogEntry:
     w = _Where(path, name)
@@ -384,7 +348,7 @@ def _check_top(w: _Where, top: dict[str, Any]) -> None:
         raise w.fail("thinking_default", "cannot be true when thinking is false")
 
 
-def _arch(w: _Where, table: dict[str, Any]) -> Arch:
+def _arch(w: _Where, table: dict[str, Any]) -> TextShape:
     v = _fields(w, table, _ARCH, "arch.")
     _positive(w, v, "arch.", [k for k in _ARCH if k != "llm_arch"])
     if v["n_kv_layers"] is None:
@@ -393,23 +357,22 @@ def _arch(w: _Where, table: dict[str, Any]) -> Arch:
         raise w.fail("arch.n_kv_layers", f"cannot exceed n_layers ({v['n_layers']})")
     if v["n_head"] % v["n_head_kv"]:
         raise w.fail("arch.n_head_kv", f"must divide n_head ({v['n_head']}), got {v['n_head_kv']}")
-    return Arch(**v)
+    return TextShape.from_catalog(v)
 
 
-def _vision(w: _Where, table: dict[str, Any]) -> Vision:
+def _vision(w: _Where, table: dict[str, Any]) -> VisionShape:
     v = _fields(w, table, _VISION, "vision.")
     _positive(w, v, "vision.", _VISION)
-    return Vision(**v)
+    return VisionShape.from_catalog(v)
 
 
 def _sampling(w: _Where, table: dict[str, Any]) -> Sampling:
     v = _fields(w, table, _SAMPLING, "sampling.")
-    for name, (low, inclusive, high) in _SAMPLING_RANGES.items():
-        ok = (v[name] >= low if inclusive else v[name] > low) and v[name] <= high
-        if not ok:
-            bound = "[" if inclusive else "("
-            raise w.fail(f"sampling.{name}", f"must be in {bound}{low}, {high}], got {v[name]}")
-    return Sampling(**v)
+    try:
+        return Sampling(**v)
+    except ConfigError as exc:
+        name = next((k for k in v if str(exc).startswith(k)), "")
+        raise w.fail(f"sampling.{name}", str(exc)) from None
 
 
 def _file(w: _Where, fld: str, table: Any) -> QuantFile:
@@ -432,7 +395,8 @@ def _quants(w: _Where, table: dict[str, Any]) -> dict[str, QuantFile]:
         if quant in out:
             raise w.fail(f"quants.{label}", f"{quant} is listed twice")
         out[quant] = _file(w, f"quants.{label}", spec)
-        named = classify_gguf(out[quant].file).quant
+        kind = classify_gguf(out[quant].file)
+        named = kind.quant if kind is not None else None
         if named not in (None, quant):
             raise w.fail(f"quants.{label}.file",
                          f"{out[quant].file!r} is named as {named}, not {quant}")

@@ -1,9 +1,9 @@
 """``load()``: from a model name (or local files) to a ready :class:`~gguf_mcv.model.Model`.
 
-The path a request travels: the catalog and the Hub (``hub.pull``, which plans the
-quant from the RAM budget when none is given) give two files; their headers are
-checked as a pair before llama.cpp sees them; then the text model and the vision
-projector are loaded into an :class:`~gguf_mcv.engine.Engine`.
+The path a request travels: :mod:`gguf_mcv.resolver` turns the name into two local
+files (catalog, plan, Hub); their headers are checked as a pair before llama.cpp
+sees them; then the text model and the vision projector are loaded into an
+:class:`~gguf_mcv.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ import os
 from pathlib import Path
 
 from . import constants, native
+from .catalog import CatalogEntry, lookup
 from .embed_cache import EmbeddingCache
-from .engine import Engine, Sampling
-from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError
-from .headers import check_pair, read_projector_header, read_text_header
+from .engine import Engine
+from .errors import ConfigError, CorruptModelError, EngineError
+from .hardware import probe
+from .headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .model import Model, ModelInfo
+from .options import LoadOptions, Sampling
+from .planner import Plan
+from .resolver import plan_local, pull
 from .templates import FAMILIES, ChatTemplate, choose_template
-
-KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def load(
@@ -59,59 +62,63 @@ def load(
     the catalog family's. ``embed_cache`` shares an :class:`EmbeddingCache` (e.g.
     one with a disk tier) between models.
     """
-    _check_options(n_ctx, kv_cache_type, flash_attn, n_gpu_layers, bool(vision_gpu))
-    entry = None
-    repo = None
-    planned = None
+    options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
+                          n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
+                          kv_cache_type=kv_cache_type)
+    if options.wants_gpu and not _gpu_offload_supported():
+        raise ConfigError(
+            "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
+            "with CMAKE_ARGS='-DGGML_CUDA=on' (NVIDIA/Jetson) or '-DGGML_METAL=on' (Apple), or "
+            "use n_gpu_layers=0 and vision_gpu=False."
+        )
     if model_path is not None or mmproj_path is not None:
         if model_path is None or mmproj_path is None:
             raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
-        entry = _catalog_entry(model) if model is not None else None
+        entry, repo, planned = lookup(model), None, None
         name = entry.display_name if entry is not None else (model or Path(model_path).stem)
+        quant_name = quant
     else:
-        if not model:
+        if not model or not isinstance(model, str):
             raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
-        from .hub import pull
-
-        if model == "auto":
-            from .planner import plan
-
-            planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
-                           kv_cache_type=kv_cache_type)
-            model, quant = planned.model, planned.quant
-        files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx, revision=revision)
-        model_path, mmproj_path, quant, repo = files.model, files.mmproj, files.quant, files.repo
-        entry, planned = files.entry, files.plan or planned
-        name = entry.display_name if entry is not None else files.repo
+        files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
+                     kv_cache_type=kv_cache_type, revision=revision)
+        model_path, mmproj_path, quant_name, repo = files.model, files.mmproj, files.quant, files.repo
+        entry, planned = files.entry, files.plan
+        name = entry.display_name if entry is not None else (files.repo or str(model))
     text = read_text_header(model_path)
     projector = read_projector_header(mmproj_path)
-    check_pair(text, projector, minicpmv_version=getattr(entry, "minicpmv_version", None))
-
-    n_threads = n_threads or _default_threads()
-    if n_gpu_layers == "auto" and planned is None:
-        from .planner import plan_local
-
+    check_pair(text, projector, minicpmv_version=entry.minicpmv_version if entry is not None else None)
+    if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
                              kv_cache_type=kv_cache_type)
-    n_gpu = planned.n_gpu_layers if n_gpu_layers == "auto" else _gpu_layers(n_gpu_layers)
+    return _open(model_path, mmproj_path, text, projector, options, planned, entry,
+                 name=name, quant=quant_name, repo=repo, chat_template=chat_template,
+                 embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,
+          projector: ProjectorHeader, options: LoadOptions, planned: Plan | None,
+          entry: CatalogEntry | None, *, name: str, quant: str | None, repo: str | None,
+          chat_template: str | None, embed_cache: EmbeddingCache | None,
+          allow_remote_media: bool, verbose: bool) -> Model:
+    """Load the checked pair into llama.cpp and wrap it in a :class:`Model`."""
+    auto = options.n_gpu_layers == "auto"
+    n_threads = options.n_threads or probe().recommended_threads
+    n_gpu = planned.n_gpu_layers if auto and planned is not None else options.n_gpu_layers
+    vision_gpu = options.vision_gpu
     if vision_gpu is None:
-        vision_gpu = bool(planned and n_gpu_layers == "auto" and planned.vision_on_gpu)
-    llama = _open_llama(model_path, n_ctx, n_threads, n_threads_batch or n_threads, n_gpu,
-                        flash_attn, kv_cache_type, verbose)
+        vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
+    slice_size = projector.shape.image_size
+    llama = _open_llama(model_path, options.n_ctx, n_threads, options.n_threads_batch or n_threads,
+                        int(n_gpu), options.flash_attn, options.kv_cache_type, verbose)
     try:
-        engine = Engine(llama, mmproj_path, vision_on_gpu=vision_gpu, vision_flash_attn=flash_attn,
-                        embed_cache=embed_cache, slice_size=projector.image_size or 448)
+        engine = Engine(llama, mmproj_path, vision_on_gpu=vision_gpu,
+                        vision_flash_attn=options.flash_attn, embed_cache=embed_cache,
+                        slice_size=slice_size)
     except BaseException:
         llama.close()
         raise
-    tokens = dict(bos_token=_token_text(llama, llama.token_bos()),
-                  eos_token=_token_text(llama, llama.token_eos()))
-    if chat_template in FAMILIES:
-        template = choose_template(None, chat_template, **tokens)
-    elif chat_template:
-        template = ChatTemplate(chat_template, "custom", **tokens)
-    else:
-        template = choose_template(text.chat_template, getattr(entry, "template", None), **tokens)
+    template = _template(llama, text, entry, chat_template)
     info = ModelInfo(
         name=name,
         model_path=os.fspath(model_path),
@@ -120,9 +127,9 @@ def load(
         repo=repo,
         template_origin=template.origin,
         can_think=bool(entry.thinking) if entry is not None else template.supports_thinking,
-        thinking_default=bool(getattr(entry, "thinking_default", False)),
-        n_ctx=n_ctx,
-        slice_size=projector.image_size or 448,
+        thinking_default=bool(entry.thinking_default) if entry is not None else False,
+        n_ctx=options.n_ctx,
+        slice_size=slice_size,
         vision_gpu=vision_gpu,
     )
     if verbose:
@@ -131,48 +138,25 @@ def load(
                  allow_remote_media=allow_remote_media, verbose=verbose)
 
 
-def _check_options(n_ctx: int, kv_cache_type: str, flash_attn: bool | None,
-                   n_gpu_layers: int | str, vision_gpu: bool) -> None:
-    if n_ctx < 256:
-        raise ConfigError(f"n_ctx={n_ctx} is too small: one image alone takes 64 to 660 positions.")
-    if kv_cache_type not in KV_CACHE_TYPES:
-        raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache_type!r}.")
-    if kv_cache_type != "f16" and flash_attn is False:
-        raise ConfigError(
-            f"A {kv_cache_type} KV cache needs flash attention in llama.cpp: "
-            "drop flash_attn=False or use kv_cache_type='f16'."
-        )
-    # "auto" is allowed anywhere: the plan offloads nothing where nothing can be offloaded
-    wants_gpu = vision_gpu or (isinstance(n_gpu_layers, int) and n_gpu_layers != 0)
-    if wants_gpu and not _gpu_offload_supported():
-        raise ConfigError(
-            "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
-            "with CMAKE_ARGS='-DGGML_CUDA=on' (NVIDIA/Jetson) or '-DGGML_METAL=on' (Apple), or "
-            "use n_gpu_layers=0 and vision_gpu=False."
-        )
+def _template(llama, text: TextHeader, entry: CatalogEntry | None, chat_template: str | None) -> ChatTemplate:
+    tokens = dict(bos_token=_token_text(llama, llama.token_bos()),
+                  eos_token=_token_text(llama, llama.token_eos()))
+    if chat_template in FAMILIES:
+        return choose_template(None, chat_template, **tokens)
+    if chat_template:
+        return ChatTemplate(chat_template, "custom", **tokens)
+    return choose_template(text.chat_template, entry.template if entry is not None else None, **tokens)
 
 
 def _gpu_offload_supported() -> bool:
-    import llama_cpp
+    import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
 
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def _gpu_layers(n_gpu_layers: int | str) -> int:
-    if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
-        raise ConfigError("n_gpu_layers must be an int >= -1 (-1 = all layers) or 'auto'.")
-    return n_gpu_layers
-
-
-def _default_threads() -> int:
-    from .hardware import probe
-
-    return probe().recommended_threads
-
-
 def _open_llama(model_path, n_ctx, n_threads, n_threads_batch, n_gpu_layers, flash_attn,
                 kv_cache_type, verbose):
-    import llama_cpp
+    import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
 
     native.install_logging()
     native.clear_recent()
@@ -204,18 +188,5 @@ def _token_text(llama, token: int) -> str:
     return llama.detokenize([token], special=True).decode("utf-8", errors="replace")
 
 
-def _catalog_entry(name: str):
-    from .catalog import load_catalog
-
-    try:
-        return load_catalog().get(name)
-    except ModelNotFoundError:
-        return None
-
-
-def _sampling(entry) -> Sampling:
-    s = getattr(entry, "sampling", None)
-    if s is None:
-        return Sampling()
-    return Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                    repeat_penalty=s.repeat_penalty)
+def _sampling(entry: CatalogEntry | None) -> Sampling:
+    return entry.sampling if entry is not None else Sampling()

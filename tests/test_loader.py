@@ -17,7 +17,11 @@ def load_tiny(tiny, **kw):
 @pytest.mark.parametrize("kw,match", [
     ({"kv_cache_type": "q8_0", "flash_attn": False}, "needs flash attention"),
     ({"kv_cache_type": "q5_1"}, "kv_cache_type must be"),
-    ({"n_ctx": 64}, "too small"),
+    ({"n_ctx": 64}, "n_ctx must be between 256"),
+    ({"n_ctx": 4096.5}, "n_ctx must be an integer"),
+    ({"n_threads": 100_000}, "n_threads must be between 1 and"),
+    ({"n_threads_batch": 0}, "n_threads_batch must be between 1 and"),
+    ({"n_threads": 2.5}, "n_threads must be an integer"),
     ({"n_gpu_layers": 10}, "CPU-only"),
     ({"vision_gpu": True}, "CPU-only"),
     ({"n_gpu_layers": "many"}, "n_gpu_layers must be"),

@@ -1,0 +1,168 @@
+"""What a caller may set, checked once, where it is defined: sampling, answers, loading.
+
+The library, the command line and both HTTP APIs build these same values, so a
+setting is refused the same way everywhere: a :class:`~gguf_mcv.errors.ConfigError`
+naming the setting, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Sequence
+
+from .errors import ConfigError
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+#: Smallest context: one image alone takes 64 to 660 positions.
+MIN_N_CTX = 256
+#: Largest context accepted (llama.cpp allocates the KV cache for all of it up front).
+MAX_N_CTX = 2**20
+DEFAULT_MAX_TOKENS = 512
+#: More threads than this per core only makes llama.cpp and OpenMP thrash (or crash:
+#: 100000 threads abort inside libgomp).
+MAX_THREADS_PER_CORE = 4
+#: A stop list this long is a mistake, not a request.
+MAX_STOP_STRINGS = 16
+
+# (low, low inclusive, high) for each float/int sampling setting; outside these
+# llama.cpp samples garbage or refuses.
+_RANGES: dict[str, tuple[float, bool, float]] = {
+    "temperature": (0.0, True, 5.0), "top_p": (0.0, False, 1.0), "top_k": (0, True, 100_000),
+    "min_p": (0.0, True, 1.0), "repeat_penalty": (0.0, False, 5.0),
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings for one generation (defaults: MiniCPM-V's published ones)."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 100
+    min_p: float = 0.0
+    repeat_penalty: float = 1.05
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, (low, inclusive, high) in _RANGES.items():
+            value = getattr(self, name)
+            if name == "top_k":
+                check_int("top_k", value, low=int(low), high=int(high))
+                continue
+            number = check_number(name, value)
+            if not ((number >= low if inclusive else number > low) and number <= high):
+                bound = "[" if inclusive else "("
+                raise ConfigError(f"{name} must be in {bound}{low}, {high}], not {value!r}.")
+        if self.seed is not None:
+            check_int("seed", self.seed)
+
+    def with_overrides(self, **overrides: Any) -> "Sampling":
+        """A copy with the given settings changed; ``None`` keeps the current value."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"Unknown sampling setting(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(known))}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int within [low, high]; ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, not {type(value).__name__} {value!r}.")
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f"between {low} and {high}" if low is not None and high is not None else (
+            f"at least {low}" if low is not None else f"at most {high}")
+        raise ConfigError(f"{name} must be {span}, not {value}.")
+    return value
+
+
+def check_number(name: str, value: Any) -> float:
+    """``value`` as a finite float; ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, not {type(value).__name__} {value!r}.")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, not {value!r}.")
+    return float(value)
+
+
+def check_max_tokens(value: Any) -> int:
+    """The answer's token budget: an int of at least 1."""
+    return check_int("max_tokens", value, low=1)
+
+
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop strings as a list: one string (as the OpenAI API allows) or a sequence of them."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Sequence):
+        raise ConfigError(f"stop must be a string or a list of strings, not {type(stop).__name__}.")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ConfigError(f"stop lists {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed.")
+    for s in stop:
+        if not isinstance(s, str):
+            raise ConfigError(f"stop must list strings, not {type(s).__name__} {s!r}.")
+    return [s for s in stop if s]
+
+
+def check_text(name: str, value: Any) -> str:
+    """A prompt or message text: a str that can be encoded as UTF-8 (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, not {type(value).__name__}.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{name} is not valid Unicode text (a lone surrogate at position {exc.start}): "
+            "decode the input with errors='replace' first."
+        ) from None
+    return value
+
+
+def max_threads() -> int:
+    """The most threads accepted on this machine."""
+    return MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model is loaded into llama.cpp; checked when made."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None  #: None: the machine's recommended count
+    n_threads_batch: int | None = None  #: None: same as n_threads
+    n_gpu_layers: int | str = 0  #: layers to offload; -1 all; "auto" from the plan
+    vision_gpu: bool | None = None
+    flash_attn: bool | None = None
+    kv_cache_type: str = "f16"
+
+    def __post_init__(self) -> None:
+        check_int("n_ctx", self.n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+        for name in ("n_threads", "n_threads_batch"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1, high=max_threads())
+        if self.n_gpu_layers != "auto":
+            if isinstance(self.n_gpu_layers, str):
+                raise ConfigError(f"n_gpu_layers must be an int >= -1 (-1 = all) or 'auto', "
+                                  f"not {self.n_gpu_layers!r}.")
+            check_int("n_gpu_layers", self.n_gpu_layers, low=-1)
+        for name in ("vision_gpu", "flash_attn"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name} must be True, False or None, not {getattr(self, name)!r}.")
+        if self.kv_cache_type not in KV_CACHE_TYPES:
+            raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, "
+                              f"not {self.kv_cache_type!r}.")
+        if self.kv_cache_type != "f16" and self.flash_attn is False:
+            raise ConfigError(
+                f"A {self.kv_cache_type} KV cache needs flash attention in llama.cpp: "
+                "drop flash_attn=False or use kv_cache_type='f16'."
+            )
+
+    @property
+    def wants_gpu(self) -> bool:
+        """Whether offload to a GPU was asked for explicitly ("auto" asks for nothing)."""
+        return bool(self.vision_gpu) or (isinstance(self.n_gpu_layers, int) and self.n_gpu_layers != 0)
