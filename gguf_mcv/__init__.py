@@ -5,9 +5,10 @@
     print(model.ask("What is in this picture?", "photo.jpg"))
 """
 
-from .chat_handler import MiniCPMVChatHandler
 import logging as _logging
+from importlib import metadata as _metadata
 
+from .chat_handler import MiniCPMVChatHandler
 from .embed_cache import EmbeddingCache
 from .errors import (
     CatalogError,
@@ -20,31 +21,41 @@ from .errors import (
     HubAuthError,
     IncompatibleProjectorError,
     MediaError,
+    ModelBusyError,
+    ModelClosedError,
     ModelNotFoundError,
     NoQuantFitsError,
     NotEnoughDiskError,
     OfflineError,
 )
 from .generation import Stream
-from .hardware import Hardware, parse_size, probe
-from .hub import ModelFiles, pull
+from .hardware import Hardware, probe
 from .loader import load
 from .media import Image, load_image
-from .model import Chat, Model, VideoOptions
-from .planner import Plan, plan
-from .reply import Reply, Timings, Usage, VideoStats
+from .messages import MediaPolicy
+from .model import Chat, Model, ModelInfo
+from .options import Sampling
+from .planner import Plan
+from .reply import Progress, Reply, Timings, Usage, VideoStats
+from .request import Turn, VideoOptions
+from .resolver import ModelFiles, plan, pull
+from .units import format_size, parse_size
 from .video import Frame, Frames, sample_frames
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("gguf-mcv")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 # a library stays quiet unless the application configures logging
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
     "CatalogError", "Chat", "ConfigError", "ContextOverflowError", "CorruptModelError",
-    "DownloadError", "EmbeddingCache", "EngineError", "GgufMcvError", "Hardware", "HubAuthError",
-    "Image", "IncompatibleProjectorError", "MediaError", "MiniCPMVChatHandler", "Model", "ModelNotFoundError",
-    "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Plan", "Reply", "Stream", "Timings", "Usage",
-    "Frame", "Frames", "ModelFiles", "VideoOptions", "VideoStats", "load", "load_image", "parse_size", "probe",
-    "plan", "pull", "sample_frames",
+    "DownloadError", "EmbeddingCache", "EngineError", "Frame", "Frames", "GgufMcvError", "Hardware",
+    "HubAuthError", "Image", "IncompatibleProjectorError", "MediaError", "MediaPolicy",
+    "MiniCPMVChatHandler", "Model", "ModelBusyError", "ModelClosedError", "ModelFiles", "ModelInfo",
+    "ModelNotFoundError", "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Plan", "Progress",
+    "Reply", "Sampling", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
+    "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]

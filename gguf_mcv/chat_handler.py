@@ -17,13 +17,13 @@ import threading
 from typing import Any, Iterator
 
 from .embed_cache import EmbeddingCache
-from .engine import Engine, Sampling
+from .engine import Engine
 from .errors import ConfigError, ModelNotFoundError
-from .generation import Stream, respond
-from .media import load_image
+from .generation import AnswerLock, Stream, respond
 from .messages import MediaPolicy, convert
 from .openai_compat import completion, completion_chunks
-from .slicing import apply_detail
+from .options import Sampling, stop_list
+from .request import TurnBuilder
 from .templates import choose_template
 
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "grammar", "logits_processor",
@@ -52,11 +52,12 @@ class MiniCPMVChatHandler:
         self.policy = MediaPolicy(allow_files=True, allow_remote=allow_remote_media)
         self.verbose = verbose
         self._engine: Engine | None = None
-        self._lock = threading.RLock()
+        self._lock = AnswerLock()
+        self._setup = threading.Lock()
 
     def engine_for(self, llama) -> Engine:
         """The engine bound to ``llama`` (made on first use, freed with the ``Llama``)."""
-        with self._lock:
+        with self._setup:
             if self._engine is not None and self._engine.llama is llama:
                 return self._engine
             if self._engine is not None:
@@ -77,27 +78,24 @@ class MiniCPMVChatHandler:
             if kwargs.get(name):
                 raise ConfigError(f"{name} is not supported by MiniCPMVChatHandler.")
         engine = self.engine_for(llama)
-
-        def prepare(url: str, detail: str):
-            image = load_image(url, allow_remote=self.policy.allow_remote)
-            return apply_detail(image, detail=detail, slice_size=engine.slice_size,
-                                vision_gpu=self.vision_gpu)
-
-        turns = convert(messages, marker=engine.marker, prepare_image=prepare, policy=self.policy)
         template = choose_template(
             llama.metadata.get("tokenizer.chat_template"), self.template_family,
             bos_token=_text(llama, llama.token_bos()), eos_token=_text(llama, llama.token_eos()),
         )
-        text = template.render([{"role": t["role"], "content": t["text"]} for t in turns])
-        images = [image for t in turns for image in t["images"]]
+        builder = TurnBuilder(engine, template, n_ctx=llama.n_ctx(), vision_gpu=self.vision_gpu,
+                              allow_remote_media=self.policy.allow_remote)
+        budget_tokens = max_tokens if max_tokens and max_tokens > 0 else llama.n_ctx()
+        messages_in = convert(messages, policy=self.policy,
+                              prepare_image=lambda url, detail: builder.image(url, detail=detail))
+        with self._lock.hold():  # sampling video frames measures the prompt with the engine
+            turns, _ = builder.conversation(messages_in, max_tokens=budget_tokens)
+        rendered = builder.render(turns)
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
-        budget_tokens = max_tokens if max_tokens and max_tokens > 0 else llama.n_ctx()
-        pieces = Stream(respond(engine, text, images, sampling=sampling, max_tokens=budget_tokens,
-                                stop=[stop] if isinstance(stop, str) else list(stop or ()),
-                                lock=self._lock))
+        pieces = Stream(respond(engine, rendered.text, rendered.images, sampling=sampling,
+                                max_tokens=budget_tokens, stop=stop_list(stop), lock=self._lock))
         name = model or os.path.basename(llama.model_path)
-        return completion_chunks(pieces, model=name) if stream else completion(pieces.text(), model=name)
+        return completion_chunks(pieces, model=name) if stream else completion(pieces.result(), model=name)
 
 
 def _text(llama, token: int) -> str:

@@ -1,7 +1,8 @@
 """The ``gguf-mcv`` command: a thin layer over the library.
 
 Exit codes: 0 ok, 1 a user-facing error (one line on stderr, no traceback unless
-``--debug``), 2 bad usage (argparse).
+``--debug``), 2 bad usage (argparse). Each command imports what it needs when it
+runs, so ``gguf-mcv --help`` does not load llama.cpp, huggingface_hub or OpenCV.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from .errors import ConfigError, GgufMcvError
+from .errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError
+from .units import format_size
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--quiet", action="store_true", help="no progress line while images are encoded")
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs")
@@ -129,24 +132,25 @@ def _answer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="print the answer with usage and timings as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress line while images are encoded")
 
 
 # --- commands ----------------------------------------------------------------------
 
 
 def _models(args: argparse.Namespace) -> int:
-    from .catalog import load_catalog
-    from .hub import cached_models
+    from .catalog import load_catalog  # lazy: per command
+    from .hub import cached_models  # lazy: per command
 
     cached = {repo.lower(): (repo, files) for repo, files in cached_models().items()}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for entry in load_catalog().entries():
         files = cached.pop(entry.repo.lower(), ("", []))[1]
         rows.append({"name": entry.name, "display_name": entry.display_name, "repo": entry.repo,
                      "rank": entry.rank, "thinking": entry.thinking,
                      "quants": {q: f.size for q, f in entry.quants.items()},
                      "cached": [{"file": f, "bytes": n} for f, n in files]})
-    others = [{"repo": repo, "cached": [{"file": f, "bytes": n} for f, n in files]}
+    others: list[dict[str, Any]] = [{"repo": repo, "cached": [{"file": f, "bytes": n} for f, n in files]}
               for repo, files in cached.values()]
     if args.json:
         print(json.dumps({"catalog": rows, "other_cached": others}, indent=2))
@@ -155,16 +159,16 @@ def _models(args: argparse.Namespace) -> int:
         print(f"{row['name']:<26} {row['display_name']:<26} {row['repo']}")
         print(f"{'':<26} quants: {', '.join(row['quants'])}")
         for f in row["cached"]:
-            print(f"{'':<26} cached: {f['file']} ({_size(f['bytes'])})")
+            print(f"{'':<26} cached: {f['file']} ({format_size(f['bytes'])})")
     for row in others:
         print(f"{'(not in catalog)':<26} {row['repo']}")
         for f in row["cached"]:
-            print(f"{'':<26} cached: {f['file']} ({_size(f['bytes'])})")
+            print(f"{'':<26} cached: {f['file']} ({format_size(f['bytes'])})")
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner import plan
+    from .resolver import plan  # lazy: per command
 
     result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
                   kv_cache_type=args.kv)
@@ -176,7 +180,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from .hub import pull
+    from .resolver import pull  # lazy: per command
 
     files = pull(args.model, quant=args.quant, ram_budget=args.ram, n_ctx=args.ctx,
                  revision=args.revision, progress=False if args.no_progress else None)
@@ -190,13 +194,14 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from .selftest import EXAMPLE_IMAGE
+    from .selftest import EXAMPLE_IMAGE  # lazy: per command
 
     *images, prompt = args.args
     if args.example:
         images = [str(EXAMPLE_IMAGE), *images]
     with _load(args) as model:
-        reply = model.ask(prompt, images, stream=not args.json, detail=args.detail, **_sampling(args))
+        reply = model.ask(prompt, images, stream=not args.json, detail=args.detail,
+                          on_progress=_progress_line(args), **_sampling(args))
         _print_answer(reply, args.json)
     return 0
 
@@ -204,19 +209,16 @@ def _ask(args: argparse.Namespace) -> int:
 def _video(args: argparse.Namespace) -> int:
     with _load(args) as model:
         reply = model.ask_video(
-            args.video, args.prompt, max_frames=args.frames, fps=args.fps,
+            args.prompt, args.video, max_frames=args.frames, fps=args.fps,
             dedupe=not args.no_dedupe, timestamps=not args.no_timestamps, stream=not args.json,
-            progress=_progress("encoding frames"), **_sampling(args))
+            on_progress=_progress_line(args, "frame"), **_sampling(args))
         _print_answer(reply, args.json)
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .errors import MediaError
-    from .model import VideoOptions
-
     with _load(args) as model:
-        chat = model.chat(system=args.system)
+        chat = model.chat(system=args.system, overflow="drop_oldest")
         images: list[str] = []
         videos: list[str] = []
         print("Type a question. /image PATH, /video PATH, /reset, /exit.", file=sys.stderr)
@@ -240,13 +242,21 @@ def _chat(args: argparse.Namespace) -> int:
                 (images if command == "/image" else videos).append(rest.strip())
                 print(f"({command[1:]} added to the next question)", file=sys.stderr)
             elif line:
+                before = sum(t["role"] == "user" for t in chat.history)
                 try:
                     stream = chat.send(line, images, videos=videos, stream=True,
-                                       max_tokens=args.max_tokens, video_options=VideoOptions(),
-                                       progress=_progress("encoding"))
+                                       max_tokens=args.max_tokens, on_progress=_progress_line(args))
                     for piece in stream:
                         print(piece, end="", flush=True)
                     print()
+                    dropped = before + 1 - sum(t["role"] == "user" for t in chat.history)
+                    if dropped > 0:
+                        print(f"(the context was full: the {dropped} oldest question(s) and their "
+                              "answers were dropped)", file=sys.stderr)
+                except ContextOverflowError as exc:
+                    print(f"(this question does not fit in the context even on its own: "
+                          f"{_one_line(exc)} The conversation is kept; /reset starts over.)",
+                          file=sys.stderr)
                 except (MediaError, ConfigError) as exc:
                     print(f"(error: {_one_line(exc)})", file=sys.stderr)
                 images.clear()
@@ -255,7 +265,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import serve
+        from .server import serve  # lazy: per command
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
     with _load(args) as model:
@@ -265,7 +275,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .selftest import EXAMPLE_IMAGE
+    from .selftest import EXAMPLE_IMAGE  # lazy: per command
 
     image = args.image or str(EXAMPLE_IMAGE)
     with _load(args) as model:
@@ -289,7 +299,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from . import selftest
+    from . import selftest  # lazy: per command
 
     print("gguf-mcv selftest")
     return 0 if selftest.run() else 1
@@ -299,7 +309,7 @@ def _selftest(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from .loader import load
+    from .loader import load  # lazy: per command
 
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
@@ -345,17 +355,21 @@ def _print_answer(reply_or_stream, as_json: bool) -> None:
     print(json.dumps(out, indent=2))
 
 
-def _progress(label: str) -> Callable[[int, int], None] | None:
-    """A one-line progress display on stderr when it is a terminal."""
-    if not sys.stderr.isatty():
+def _progress_line(args: argparse.Namespace, unit: str = "image slice"):
+    """An ``on_progress`` callback showing one line on stderr while images are encoded:
+    slice i of N, elapsed, ETA (cached slices count as done); cleared before the answer.
+    None when stderr is not a terminal or ``--quiet`` was given."""
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
         return None
 
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        end = "\n" if done >= total else ""
-        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
-              file=sys.stderr, flush=True)
+    def show(p) -> None:
+        if p.done >= p.total:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+            return
+        eta = f", about {p.eta_s:.0f} s left" if p.eta_s is not None else ""
+        cached = f" ({p.cached} from the cache)" if p.cached else ""
+        print(f"\r\033[Kencoding {unit} {p.done + 1} of {p.total}{cached}: {p.elapsed_s:.0f} s{eta}",
+              end="", file=sys.stderr, flush=True)
 
     return show
 
@@ -365,10 +379,6 @@ def _int(text: str, flag: str) -> int:
         return int(text)
     except ValueError:
         raise ConfigError(f"{flag} takes an integer or 'auto', not {text!r}.") from None
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -13,19 +13,22 @@ The engine is not thread-safe; :class:`~gguf_mcv.model.Model` serialises access.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, Generator, Sequence, Union, cast
 
 import numpy as np
 
-from . import native
+from . import native, plaintext
 from .embed_cache import EmbeddingCache
-from .errors import ConfigError, ContextOverflowError, EngineError, MediaError
+from .errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
+from .headers import read_projector_header
 from .media import Image
+from .options import Sampling
 
 #: input_ids value marking positions filled from image embeddings
 IMAGE_SENTINEL = -1
@@ -42,18 +45,6 @@ class ImageUnit:
 
 
 Unit = Union[int, ImageUnit]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings for one generation."""
-
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 100
-    min_p: float = 0.0
-    repeat_penalty: float = 1.05
-    seed: int | None = None
 
 
 @dataclass
@@ -77,7 +68,7 @@ class Prompt:
 
     units: list[Unit]
     image_tokens: int
-    _chunks: object = None
+    _chunks: list[object] = field(default_factory=list)  # native chunk lists, freed by close()
     _image_chunks: dict[int, object] = field(default_factory=dict)
 
     @property
@@ -92,11 +83,12 @@ class Prompt:
                               for k, chunk in self._image_chunks.items()}
 
     def close(self) -> None:
-        if self._chunks is not None:
-            from llama_cpp import mtmd_cpp
+        if self._chunks:
+            from llama_cpp import mtmd_cpp  # already loaded by the engine that made the chunks
 
-            mtmd_cpp.mtmd_input_chunks_free(self._chunks)
-            self._chunks = None
+            for chunks in self._chunks:
+                mtmd_cpp.mtmd_input_chunks_free(chunks)
+            self._chunks.clear()
             self._image_chunks.clear()
 
     def __enter__(self) -> "Prompt":
@@ -137,7 +129,7 @@ class Engine:
         warmup: bool = False,
         slice_size: int | None = None,
     ) -> None:
-        import llama_cpp
+        import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
         from llama_cpp import mtmd_cpp
 
         native.install_logging()
@@ -147,9 +139,7 @@ class Engine:
         self.mmproj_path = os.fspath(mmproj_path)
         self.mmproj_id = file_identity(self.mmproj_path)
         if slice_size is None:
-            from .headers import read_projector_header
-
-            slice_size = read_projector_header(self.mmproj_path).image_size
+            slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self._units: list[Unit] = []
@@ -198,7 +188,16 @@ class Engine:
 
     def reset(self) -> None:
         """Forget everything in the KV cache."""
+        self._check_open()
         self._truncate(0)
+
+    @property
+    def closed(self) -> bool:
+        return not getattr(self, "_ctx", None)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ModelClosedError("This model has been closed; load it again.")
 
     def close(self) -> None:
         """Free the vision context (the ``Llama`` belongs to the caller)."""
@@ -210,23 +209,49 @@ class Engine:
     # -- tokenize --------------------------------------------------------------
 
     def tokenize(self, text: str, images: Sequence[Image] = ()) -> Prompt:
-        """Split ``text`` (with one marker per image) and ``images`` into units."""
+        """Split ``text`` (with one marker per image) and ``images`` into units.
+
+        Text marked plain (:mod:`gguf_mcv.plaintext`: what people wrote) is tokenized
+        without special tokens, and a marker inside it is text, not an image; the rest
+        (the template's markup) may hold special tokens and the images' markers.
+        """
+        self._check_open()
+        segments = plaintext.split(text)
+        n_markers = sum(seg.count(self.marker) for seg, is_plain in segments if not is_plain)
+        if n_markers != len(images):
+            raise ConfigError(f"The prompt has {n_markers} image markers but {len(images)} images were given.")
+        prompt = Prompt(units=[], image_tokens=0)
+        add_bos = not self._starts_with_bos(plaintext.unmark(text))
+        ordinal = 0
+        try:
+            for segment, is_plain in segments:
+                if is_plain:
+                    prompt.units.extend(self.llama.tokenize(segment.encode("utf-8"), add_bos=add_bos,
+                                                            special=False))
+                else:
+                    n = segment.count(self.marker)
+                    self._tokenize_markup(prompt, segment, images[ordinal:ordinal + n], ordinal, add_bos)
+                    ordinal += n
+                add_bos = False
+        except BaseException:
+            prompt.close()
+            raise
+        return prompt
+
+    def _tokenize_markup(self, prompt: Prompt, text: str, images: Sequence[Image], first: int,
+                         add_bos: bool) -> None:
+        """Tokenize template markup and its images with libmtmd; append to ``prompt``."""
         mt = self._mt
-        if text.count(self.marker) != len(images):
-            raise ConfigError(
-                f"The prompt has {text.count(self.marker)} image markers but "
-                f"{len(images)} images were given."
-            )
         bitmaps = []
         chunks = None
         try:
-            for ordinal, image in enumerate(images):
+            for ordinal, image in enumerate(images, start=first):
                 bitmaps.append(self._bitmap(image, f"{ordinal}|{image.digest}"))
             chunks = mt.mtmd_input_chunks_init()
             raw = text.encode("utf-8")
             inp = mt.mtmd_input_text()
             inp.text, inp.text_len = raw, len(raw)
-            inp.add_special = not self._starts_with_bos(text)
+            inp.add_special = add_bos
             inp.parse_special = True
             array = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
             native.clear_recent()
@@ -234,9 +259,9 @@ class Engine:
             if rc != 0:
                 details = native.recent_errors() or f"error code {rc}"
                 raise MediaError(f"libmtmd could not prepare the images for this model: {details}.")
-            prompt = self._read_chunks(chunks)
+            prompt._chunks.append(chunks)
             chunks = None  # owned by the prompt now
-            return prompt
+            self._read_chunks(prompt._chunks[-1], prompt)
         finally:
             if chunks is not None:
                 mt.mtmd_input_chunks_free(chunks)
@@ -257,9 +282,8 @@ class Engine:
         self._mt.mtmd_bitmap_set_id(bitmap, bitmap_id.encode())
         return bitmap
 
-    def _read_chunks(self, chunks) -> Prompt:
+    def _read_chunks(self, chunks, prompt: Prompt) -> None:
         mt = self._mt
-        prompt = Prompt(units=[], image_tokens=0, _chunks=chunks)
         slice_index: dict[bytes, int] = {}
         for i in range(mt.mtmd_input_chunks_size(chunks)):
             chunk = mt.mtmd_input_chunks_get(chunks, i)
@@ -270,7 +294,6 @@ class Engine:
                 prompt.units.extend(int(ptr[j]) for j in range(n.value))
                 continue
             if kind != mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                prompt.close()
                 raise MediaError("Only images are supported by this engine.")
             bitmap_id = mt.mtmd_input_chunk_get_id(chunk) or b""
             index = slice_index.get(bitmap_id, 0)
@@ -280,7 +303,6 @@ class Engine:
             prompt._image_chunks[len(prompt.units)] = chunk
             prompt.units.append(ImageUnit(self.image_key(digest, index), n_pos))
             prompt.image_tokens += n_pos
-        return prompt
 
     def image_key(self, digest: str, index: int = 0) -> str:
         """The cache key of slice ``index`` of an image with this content digest."""
@@ -296,13 +318,15 @@ class Engine:
     # -- prefill ---------------------------------------------------------------
 
     def prefill(self, prompt: Prompt, *, reserve: int = 0,
-                progress: Callable[[int, int], None] | None = None) -> PrefillStats:
+                progress: Callable[[int, int, int], None] | None = None) -> PrefillStats:
         """Make the KV cache hold ``prompt``, evaluating only what is not there yet.
 
         ``reserve`` positions must stay free after the prompt (for the answer);
         :class:`ContextOverflowError` is raised before anything is evaluated otherwise.
-        ``progress(done, total)`` is called as image chunks are evaluated.
+        ``progress(done, total, cached)`` is called before the first image chunk and after
+        each one (``cached`` of the ``done`` chunks came from the embedding cache).
         """
+        self._check_open()
         units = prompt.units
         stats = PrefillStats(prompt_tokens=prompt.n_pos, image_tokens=prompt.image_tokens)
         if not units or not isinstance(units[-1], int):
@@ -327,20 +351,22 @@ class Engine:
         stats.reused_tokens = self.n_past
         todo = sum(1 for u in units[common:] if isinstance(u, ImageUnit))
         done = 0
+        if progress is not None and todo:
+            progress(0, todo, 0)
         i = common
         while i < len(units):
             if isinstance(units[i], int):
                 j = i
                 while j < len(units) and isinstance(units[j], int):
                     j += 1
-                self._eval_tokens(units[i:j])
+                self._eval_tokens(cast(Sequence[int], units[i:j]))
                 i = j
             else:
                 self._eval_image(prompt, i, stats)
                 i += 1
                 done += 1
                 if progress is not None:
-                    progress(done, todo)
+                    progress(done, todo, stats.slices_from_cache)
         stats.evaluated_tokens = prompt.n_pos - stats.reused_tokens
         stats.prefill_ms = (time.perf_counter() - start) * 1000.0
         return stats
@@ -366,24 +392,32 @@ class Engine:
 
     def _same_text(self, kv: Sequence[Unit], new: Sequence[Unit], start: int,
                    limit: int = 4096) -> tuple[int, int] | None:
-        """The first (i, j) past ``start`` where ``kv[start:i]`` and ``new[start:j]`` are the same bytes."""
+        """The first (i, j) past ``start`` where ``kv[start:i]`` and ``new[start:j]`` spell the same text.
+
+        Text, not bytes: a generated token may end inside a UTF-8 character, and the answer
+        then comes back in the next prompt with U+FFFD in its place.
+        """
         a = b = start
-        text_a = text_b = b""
+        bytes_a = bytes_b = b""
         while a - start < limit:
-            if a > start and b > start and text_a == text_b:
+            text_a, whole_a = _decoded(bytes_a)
+            text_b, whole_b = _decoded(bytes_b)
+            if a > start and b > start and whole_a and whole_b and text_a == text_b:
                 return a, b
-            if len(text_a) <= len(text_b):
-                if a >= len(kv) or not isinstance(kv[a], int):
-                    return None
-                text_a += self._piece(kv[a])
-                a += 1
-            else:
-                if b >= len(new) or not isinstance(new[b], int):
-                    return None
-                text_b += self._piece(new[b])
-                b += 1
             if not (text_a.startswith(text_b) or text_b.startswith(text_a)):
                 return None
+            if not whole_a or (whole_b and len(text_a) <= len(text_b)):  # advance the shorter text
+                unit = kv[a] if a < len(kv) else None
+                if not isinstance(unit, int):
+                    return None
+                bytes_a += self._piece(unit)
+                a += 1
+            else:
+                unit = new[b] if b < len(new) else None
+                if not isinstance(unit, int):
+                    return None
+                bytes_b += self._piece(unit)
+                b += 1
         return None
 
     def _piece(self, token: int) -> bytes:
@@ -475,7 +509,7 @@ class Engine:
 
     # -- generate --------------------------------------------------------------
 
-    def generate(self, sampling: Sampling, max_tokens: int) -> Iterator[int]:
+    def generate(self, sampling: Sampling, max_tokens: int) -> Generator[int, None, None]:
         """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
 
         Each token is evaluated into the KV cache only when the consumer asks for the
@@ -526,6 +560,14 @@ class Engine:
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token stands for (control tokens give none)."""
         return self.llama.detokenize([token], special=False)
+
+
+def _decoded(data: bytes) -> tuple[str, bool]:
+    """``data`` as text (invalid bytes as U+FFFD, as answers are), and whether no character
+    is left incomplete at its end."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = decoder.decode(data, final=False)
+    return text, not decoder.getstate()[0]
 
 
 def _common_prefix(a: Sequence[Unit], b: Sequence[Unit]) -> int:

@@ -63,3 +63,11 @@ class ConfigError(GgufMcvError, ValueError):
 
 class EngineError(GgufMcvError, RuntimeError):
     """llama.cpp reported a failure while loading or running a model."""
+
+
+class ModelClosedError(GgufMcvError, RuntimeError):
+    """The model was closed; a question (or a stream read after ``close()``) cannot run."""
+
+
+class ModelBusyError(GgufMcvError, RuntimeError):
+    """This thread started a second answer while its first one is still being streamed."""

@@ -1,11 +1,11 @@
-"""OpenAI-style chat messages → the turns a :class:`~gguf_mcv.model.Model` renders.
+"""OpenAI-style chat messages → the role and parts of each turn.
 
 A message's ``content`` is a string or a list of parts: ``{"type": "text",
 "text": ...}``, ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}``
 (``image_url`` may also be a plain string) and ``{"type": "video_url",
 "video_url": {"url": ...}}``. Image URLs may be ``data:`` URIs, local paths,
 ``file://`` URLs and — only when allowed — ``http(s)`` URLs. Parts keep their
-order; each image becomes one media marker in the turn's text.
+order; :class:`~gguf_mcv.request.TurnBuilder` turns them into a turn.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .errors import ConfigError, MediaError
 from .media import Image
+from .request import ROLES, Part, Video
 
-ROLES = ("system", "user", "assistant")
+#: URL schemes an image or video may be named by (besides a plain local path)
+_LOCAL_SCHEMES = ("", "file")
+_REMOTE_SCHEMES = ("http", "https")
 
 
 @dataclass(frozen=True)
@@ -33,55 +36,66 @@ class MediaPolicy:
         if url.startswith("data:"):
             return
         scheme = urllib.parse.urlsplit(url).scheme.lower()
-        if scheme in ("http", "https"):
+        if len(scheme) == 1:  # a Windows drive letter, not a scheme
+            scheme = ""
+        if scheme in _REMOTE_SCHEMES:
             if not self.allow_remote:
-                raise MediaError(f"Remote image URLs are not allowed here: {url[:80]}")
+                raise MediaError(f"Remote URLs are not allowed here: {url[:80]}. {self.allowed()}")
+        elif scheme not in _LOCAL_SCHEMES:
+            raise MediaError(f"Unsupported URL scheme {scheme!r} in {url[:80]}. {self.allowed()}")
         elif not self.allow_files:
-            raise MediaError(
-                f"Local file paths are not allowed here: {url[:80]}. Send the image as a data: URI."
-            )
+            raise MediaError(f"Local file paths are not allowed here: {url[:80]}. {self.allowed()}")
+
+    def allowed(self) -> str:
+        """A sentence saying which kinds of location this policy accepts."""
+        kinds = ["data: URIs"]
+        kinds += ["http(s) URLs"] if self.allow_remote else []
+        kinds += ["local paths and file:// URLs"] if self.allow_files else []
+        return f"Allowed here: {', '.join(kinds)}."
 
 
 def convert(
     messages: Iterable[Mapping[str, Any]],
     *,
-    marker: str,
     prepare_image: Callable[[str, str], Image],
-    prepare_video: Callable[[str], tuple[str, list[Image]]] | None = None,
     policy: MediaPolicy = MediaPolicy(),
-) -> list[dict[str, Any]]:
-    """Turn OpenAI-style ``messages`` into ``{"role", "text", "images"}`` turns.
+) -> list[tuple[str, list[Part]]]:
+    """Turn OpenAI-style ``messages`` into ``(role, parts)`` pairs, parts in order.
 
-    ``prepare_image(url, detail)`` decodes and sizes one image; ``prepare_video(url)``
-    returns the text (with one marker per frame) and the frames of a video part.
+    ``prepare_image(url, detail)`` decodes and sizes one image; a video part becomes a
+    :class:`~gguf_mcv.request.Video` (sampled later, when the turn is built).
     """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise ConfigError(f"messages must be a list of message dicts, not {type(messages).__name__}.")
     turns = []
     for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ConfigError(f"Message {i} must be a dict with 'role' and 'content', not "
+                              f"{type(message).__name__}.")
         role = message.get("role")
         if role not in ROLES:
             raise ConfigError(f"Message {i} has role {role!r}; supported roles: {', '.join(ROLES)}.")
-        texts: list[str] = []
-        images: list[Image] = []
+        parts: list[Part] = []
         for part in _parts(message.get("content"), i):
             kind = part.get("type")
             if kind == "text":
-                texts.append(str(part.get("text", "")))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise ConfigError(f"Message {i}: a text part's text must be a string.")
+                parts.append(text)
             elif kind == "image_url":
                 url, detail = _url(part, "image_url", i)
                 policy.check(url)
-                images.append(prepare_image(url, detail))
-                texts.append(marker)
-            elif kind == "video_url" and prepare_video is not None:
+                parts.append(prepare_image(url, detail))
+            elif kind == "video_url":
                 url, _ = _url(part, "video_url", i)
                 policy.check(url)
-                text, frames = prepare_video(url)
-                images.extend(frames)
-                texts.append(text)
+                parts.append(Video(url))
             else:
                 raise ConfigError(f"Message {i} has a content part of unsupported type {kind!r}.")
-        if images and role != "user":
+        if role != "user" and any(not isinstance(p, str) for p in parts):
             raise ConfigError(f"Message {i}: only user messages may carry images or videos.")
-        turns.append({"role": role, "text": "\n".join(texts), "images": images})
+        turns.append((str(role), parts))
     if not turns:
         raise ConfigError("No messages were given.")
     return turns

@@ -1,33 +1,32 @@
 """The everyday API: a loaded :class:`Model` answers questions; :class:`Chat` keeps a conversation.
 
 A ``Model`` owns one llama.cpp context. Calls from several Python threads are
-serialised on a lock: one question is evaluated at a time, the others wait (a
-stream holds the lock from its first piece until it ends or is closed).
+serialised: one question is evaluated at a time, the others wait (a stream holds
+the model from its first piece until it ends or is closed). A second answer
+started in the thread that is still streaming the first raises
+:class:`~gguf_mcv.errors.ModelBusyError` instead of mixing the two.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, Union
-
-import numpy as np
-import PIL.Image
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Literal, Sequence, overload
 
 from . import native
-from .engine import Engine, Sampling
-from .errors import ConfigError, ContextOverflowError
-from .generation import Stream, respond
-from .media import Image, ImageInput, load_image
+from .engine import Engine
+from .errors import ConfigError, ContextOverflowError, ModelClosedError
+from .generation import AnswerLock, ProgressCallback, Stream, respond
+from .media import Image, ImageInput
 from .messages import MediaPolicy, convert
+from .options import DEFAULT_MAX_TOKENS, Sampling, check_max_tokens, check_text, stop_list
 from .reply import Reply, VideoStats
-from .slicing import apply_detail
-from .video import Frame, Frames, VideoInput, format_timestamp, sample_frames
+from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .templates import ChatTemplate
+from .video import VideoInput
 
-DEFAULT_MAX_TOKENS = 512
+__all__ = ["Chat", "Model", "ModelInfo", "VideoOptions", "DEFAULT_MAX_TOKENS"]
 
 
 @dataclass(frozen=True)
@@ -47,19 +46,6 @@ class ModelInfo:
     vision_gpu: bool = False
 
 
-Images = Union[ImageInput, Sequence[ImageInput]]
-
-
-@dataclass(frozen=True)
-class VideoOptions:
-    """How videos in a question are sampled (see :meth:`Model.ask_video`)."""
-
-    max_frames: int | None = None
-    fps: float | None = 1.0
-    dedupe: bool = True
-    timestamps: bool = True
-
-
 class Model:
     """A loaded MiniCPM-V model. Use :func:`gguf_mcv.load` to make one."""
 
@@ -73,15 +59,35 @@ class Model:
         allow_remote_media: bool = False,
         verbose: bool = False,
     ) -> None:
-        self._engine: Engine | None = engine
+        self._engine = engine
         self.info = info
         self.template = template
         self.sampling = sampling
         self.allow_remote_media = allow_remote_media
         self._verbose = verbose
-        self._lock = threading.RLock()
+        self._lock = AnswerLock()
+        #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
+        self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
+                                 thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
+                                 allow_remote_media=allow_remote_media, name=info.name)
 
     # -- questions ------------------------------------------------------------
+
+    @overload
+    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[False] = ...,
+        max_tokens: int = ..., temperature: float | None = ..., top_p: float | None = ...,
+        top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
+        stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
+        detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+    ) -> Reply: ...
+
+    @overload
+    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[True],
+        max_tokens: int = ..., temperature: float | None = ..., top_p: float | None = ...,
+        top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
+        stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
+        detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+    ) -> Stream: ...
 
     def ask(
         self,
@@ -95,32 +101,48 @@ class Model:
         top_k: int | None = None,
         repeat_penalty: float | None = None,
         seed: int | None = None,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         system: str | None = None,
         thinking: bool | None = None,
         detail: str = "auto",
         max_slices: int | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> Reply | Stream:
         """Answer ``prompt`` about ``images``; a :class:`Reply` (a ``str``), or a :class:`Stream`.
 
         ``images`` is one image or a sequence of them: paths, bytes, data URIs, PIL
         images or H×W×3 uint8 arrays. Sampling settings default to the model's
         recommended ones. ``detail`` and ``max_slices`` bound how many 448-pixel
-        slices each image is cut into (see :meth:`prepare_image`).
+        slices each image is cut into (see :meth:`prepare_image`). ``on_progress``
+        receives a :class:`~gguf_mcv.reply.Progress` as image slices are encoded.
         """
-        messages = [] if system is None else [{"role": "system", "text": system, "images": []}]
-        prepared = [self.prepare_image(i, detail=detail, max_slices=max_slices) for i in as_list(images)]
-        messages.append({"role": "user", "text": self._user_text(prompt, len(prepared)), "images": prepared})
-        pieces = self._respond(
-            messages, thinking, max_tokens, stop,
-            self._sampling(temperature, top_p, top_k, repeat_penalty, seed),
-        )
-        return _deliver(pieces, stream)
+        sampling = self._sampling(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  repeat_penalty=repeat_penalty, seed=seed)
+        parts = self.turns.user_parts(prompt, images, detail=detail, max_slices=max_slices)
+        turns = self._system(system) + [self.turns.turn("user", parts)]
+        return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
+                                    sampling=sampling, on_progress=on_progress), stream)
+
+    @overload
+    def ask_video(self, prompt: str, video: VideoInput, *, stream: Literal[False] = ...,
+        max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
+        max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
+        thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ..., **sampling: Any,
+    ) -> Reply: ...
+
+    @overload
+    def ask_video(self, prompt: str, video: VideoInput, *, stream: Literal[True],
+        max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
+        max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
+        thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ..., **sampling: Any,
+    ) -> Stream: ...
 
     def ask_video(
         self,
-        video: VideoInput,
-        prompt: str,
+        prompt: Any,
+        video: Any,
         *,
         max_frames: int | None = None,
         fps: float | None = 1.0,
@@ -128,10 +150,11 @@ class Model:
         timestamps: bool = True,
         stream: bool = False,
         max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         system: str | None = None,
         thinking: bool | None = None,
         progress: Callable[[int, int], None] | None = None,
+        on_progress: ProgressCallback | None = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
@@ -141,16 +164,28 @@ class Model:
         (``dedupe``), each fed as one 448-pixel slice, with its time in the prompt when
         ``timestamps``. If the frames do not fit in the context they are thinned
         uniformly — unless ``max_frames`` was given, then :class:`ContextOverflowError`
-        is raised before anything is encoded. ``progress(done, total)`` follows the
-        encoding. Sampling keywords (``temperature``, ``top_p``, ``top_k``,
-        ``repeat_penalty``, ``seed``) as in :meth:`ask`; ``reply.video`` counts the frames.
+        is raised before anything is encoded. ``on_progress`` (or the older
+        ``progress(done, total)``) follows the encoding. Sampling keywords
+        (``temperature``, ``top_p``, ``top_k``, ``repeat_penalty``, ``seed``) as in
+        :meth:`ask`; ``reply.video`` counts the frames.
+
+        The argument order matches :meth:`ask` (prompt first); the older
+        ``ask_video(video, prompt)`` still works, with a ``DeprecationWarning``.
         """
-        head = [] if system is None else [_message("system", system)]
+        if _video_first(prompt, video):
+            warnings.warn("ask_video(video, prompt) is deprecated: pass the prompt first, "
+                          "ask_video(prompt, video)", DeprecationWarning, stacklevel=2)
+            prompt, video = video, prompt
         options = VideoOptions(max_frames, fps, dedupe, timestamps)
-        user, counts = self._user_turn(prompt, [], [video], head, options, max_tokens, thinking)
-        pieces = self._respond(head + [user], thinking, max_tokens, stop, self._sampling(**sampling),
-                               progress=progress, video=counts)
-        return _deliver(pieces, stream)
+        check_text("prompt", prompt)
+        settings = self._sampling(**sampling)
+        head = self._system(system)
+        with self._lock.hold():  # sampling frames measures the prompt with the engine
+            user, counts = self.turns.user_turn([Video(video), prompt], history=head, options=options,
+                                                max_tokens=check_max_tokens(max_tokens), thinking=thinking)
+        return _deliver(self.answer(head + [user], thinking=thinking, max_tokens=max_tokens, stop=stop,
+                                    sampling=settings, on_progress=_either(on_progress, progress),
+                                    frames=counts), stream)
 
     def chat_completion(
         self,
@@ -158,33 +193,51 @@ class Model:
         *,
         stream: bool = False,
         max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         thinking: bool | None = None,
         policy: MediaPolicy = MediaPolicy(),
         video_options: VideoOptions = VideoOptions(),
         progress: Callable[[int, int], None] | None = None,
+        on_progress: ProgressCallback | None = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
 
         ``policy`` says whether local paths and remote URLs may be named (a server
-        refuses both by default). Videos are sampled with ``video_options``; frames
-        that do not fit raise :class:`ContextOverflowError` before anything is encoded.
+        refuses both by default). Videos are sampled and fitted to the context as in
+        :meth:`ask_video`, with ``video_options``.
         """
-        def video_part(url: str) -> tuple[str, list[Image]]:
-            frames = sample_frames(url, max_frames=video_options.max_frames, fps=video_options.fps,
-                                   dedupe=video_options.dedupe, max_side=self.info.slice_size)
-            lines = [_frame_line(f, self.engine.marker, video_options.timestamps) for f in frames]
-            images = [apply_detail(f.image, detail="low", slice_size=self.info.slice_size) for f in frames]
-            return "\n".join(lines), images
+        settings = self._sampling(**sampling)
+        check_max_tokens(max_tokens)
+        pairs = convert(messages, policy=policy,
+                        prepare_image=lambda url, detail: self.turns.image(url, detail=detail))
+        with self._lock.hold():  # sampling frames measures the prompt with the engine
+            turns, counts = self.turns.conversation(pairs, options=video_options,
+                                                    max_tokens=max_tokens, thinking=thinking)
+        return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
+                                    sampling=settings, on_progress=_either(on_progress, progress),
+                                    frames=counts), stream)
 
-        turns = convert(messages, marker=self.engine.marker, policy=policy, prepare_video=video_part,
-                        prepare_image=lambda url, detail: self.prepare_image(url, detail=detail))
-        if turns[-1]["role"] == "assistant":
-            raise ConfigError("The last message must not be the assistant's: nothing to answer.")
-        pieces = self._respond(turns, thinking, max_tokens, stop, self._sampling(**sampling),
-                               progress=progress)
-        return _deliver(pieces, stream)
+    def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
+               max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
+               sampling: Sampling | None = None, on_progress: ProgressCallback | None = None,
+               frames: FrameCounts | None = None) -> Stream:
+        """Answer a conversation of built turns (see :attr:`turns`); a :class:`Stream`.
+
+        The lower-level door every question goes through: nothing is evaluated until
+        the stream's first piece is read.
+        """
+        rendered = self.turns.render(turns, thinking)
+        encoded: list[str] = []
+        pieces = respond(
+            self.engine, rendered.text, rendered.images, sampling=sampling or self.sampling,
+            max_tokens=check_max_tokens(max_tokens), stop=stop_list(stop), reasoning=rendered.reasoning,
+            lock=self._lock, on_progress=on_progress,
+            on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
+        )
+        if frames is not None and frames.keys:
+            pieces = _count_frames(pieces, frames, encoded)
+        return Stream(pieces)
 
     def chat(self, system: str | None = None, thinking: bool | None = None, *,
              overflow: str = "error") -> "Chat":
@@ -201,29 +254,35 @@ class Model:
         the vision encoder runs on the CPU, 9 on a GPU. ``max_slices=N`` sets the
         budget directly (the image is scaled down, aspect kept, until it needs at most N).
         """
-        return apply_detail(load_image(image, allow_remote=self.allow_remote_media), detail=detail,
-                            max_slices=max_slices, slice_size=self.info.slice_size,
-                            vision_gpu=self.info.vision_gpu)
+        return self.turns.image(image, detail=detail, max_slices=max_slices)
 
     # -- lifecycle ------------------------------------------------------------
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
-            raise ConfigError("This model has been closed; load it again.")
+        if self._lock.closed:
+            raise ModelClosedError("This model has been closed; load it again.")
         return self._engine
 
+    @property
+    def closed(self) -> bool:
+        return self._lock.closed
+
     def close(self) -> None:
-        """Free the model's native memory. The model cannot be used afterwards."""
-        with self._lock:
-            if self._engine is None:
-                return
-            engine, self._engine = self._engine, None
-            llama = engine.llama
-            engine.close()
-            llama.close()
-            if self._verbose:
-                native.verbose_release()
+        """Free the model's native memory; it cannot be used afterwards.
+
+        A stream still being read keeps the model alive until it ends or is closed;
+        a stream not started yet raises :class:`~gguf_mcv.errors.ModelClosedError`.
+        """
+        self._lock.close(self._free)
+
+    def _free(self) -> None:
+        engine = self._engine
+        llama = engine.llama
+        engine.close()
+        llama.close()
+        if self._verbose:
+            native.verbose_release()
 
     def __enter__(self) -> "Model":
         return self
@@ -232,102 +291,23 @@ class Model:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._engine is None else f"n_ctx={self.info.n_ctx}"
+        state = "closed" if self.closed else f"n_ctx={self.info.n_ctx}"
         return f"<gguf_mcv.Model {self.info.name} {self.info.quant or ''} {state}>"
 
     # -- internals ------------------------------------------------------------
 
-    def _sampling(self, temperature: float | None = None, top_p: float | None = None,
-                  top_k: int | None = None, repeat_penalty: float | None = None,
-                  seed: int | None = None) -> Sampling:
-        given = dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                     repeat_penalty=repeat_penalty, seed=seed)
-        return replace(self.sampling, **{k: v for k, v in given.items() if v is not None})
+    def _sampling(self, **overrides: Any) -> Sampling:
+        return self.sampling.with_overrides(**overrides)
 
-    def _user_text(self, prompt: str, n_images: int) -> str:
-        return "\n".join([self.engine.marker] * n_images + [prompt])
-
-    def _render(self, messages: Sequence[dict[str, Any]], thinking: bool | None) -> tuple[str, list[Image], bool]:
-        """Prompt text, the images in order, and whether reasoning comes first."""
-        think = self._thinking(thinking)
-        rendered = self.template.render(
-            [{"role": m["role"], "content": m["text"]} for m in messages],
-            thinking=think if self.info.can_think else None,
-        )
-        images = [image for m in messages for image in m["images"]]
-        return rendered, images, bool(think)
-
-    def _thinking(self, thinking: bool | None) -> bool:
-        if thinking and not self.info.can_think:
-            raise ConfigError(f"{self.info.name} cannot think; drop thinking=True.")
-        return self.info.thinking_default if thinking is None else thinking
-
-    def _respond(self, messages, thinking, max_tokens, stop, sampling, *, progress=None,
-                 video: "_FrameCounts | None" = None):
-        if max_tokens < 1:
-            raise ConfigError("max_tokens must be at least 1.")
-        text, images, reasoning = self._render(messages, thinking)
-        encoded: list[str] = []
-        pieces = respond(
-            self.engine, text, images, sampling=sampling, max_tokens=max_tokens,
-            stop=list(stop or ()), reasoning=reasoning, lock=self._lock, progress=progress,
-            on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
-        )
-        return pieces if video is None or not video.keys else _count_frames(pieces, video, encoded)
-
-    def _user_turn(self, prompt: str, images: list[Image], videos: Sequence[VideoInput],
-                   history: list[dict[str, Any]], options: "VideoOptions", max_tokens: int,
-                   thinking: bool | None) -> tuple[dict[str, Any], "_FrameCounts"]:
-        """The user message for ``prompt`` with images and videos; frames fitted to the context."""
-        marker = self.engine.marker
-        sampled = [sample_frames(v, max_frames=options.max_frames, fps=options.fps,
-                                 dedupe=options.dedupe, max_side=self.info.slice_size)
-                   for v in videos]
-        plain = _message("user", self._user_text(prompt, len(images)), images)
-        counts = _FrameCounts(sampled=sum(f.sampled for f in sampled),
-                              dropped=sum(f.dropped for f in sampled))
-        if not sampled:
-            return plain, counts
-        room = self._room_for_frames(history + [plain], thinking, max_tokens)
-        cost = max(self._frame_cost(f, options.timestamps) for f in sampled if f)
-        total = sum(len(f) for f in sampled)
-        if total * cost > room:
-            if options.max_frames is not None or room < cost * len(sampled):
-                raise ContextOverflowError(
-                    f"{total} video frames need about {total * cost} positions but only {room} of "
-                    f"n_ctx={self.info.n_ctx} are left after the text and an answer of up to "
-                    f"{max_tokens} tokens. Use max_frames={max(room // cost, 1)} or less, or load "
-                    "the model with a larger n_ctx."
-                )
-            allowed = room // cost
-            sampled = [_thin(f, max(1, allowed * len(f) // total)) for f in sampled]
-        blocks, frames = [], []
-        for f in sampled:
-            blocks.append("\n".join(_frame_line(fr, marker, options.timestamps) for fr in f))
-            frames += [apply_detail(fr.image, detail="low", slice_size=self.info.slice_size) for fr in f]
-        counts.thinned = total - len(frames)
-        counts.keys = [self.engine.image_key(image.digest) for image in frames]
-        text = "\n".join(blocks + [plain["text"]])
-        return _message("user", text, frames + images), counts
-
-    def _room_for_frames(self, messages: list[dict[str, Any]], thinking: bool | None,
-                         max_tokens: int) -> int:
-        text, images, _ = self._render(messages, thinking)
-        with self.engine.tokenize(text, images) as prompt:
-            used = prompt.n_pos
-        return self.info.n_ctx - used - min(max_tokens, self.info.n_ctx // 4)
-
-    def _frame_cost(self, frames: Frames, timestamps: bool) -> int:
-        """Positions one frame takes in the prompt (its line, markers and image tokens)."""
-        last = frames[-1]
-        image = apply_detail(last.image, detail="low", slice_size=self.info.slice_size)
-        line = _frame_line(last, self.engine.marker, timestamps)
-        with self.engine.tokenize(line + "\n", [image]) as prompt:
-            return prompt.n_pos + 1
+    def _system(self, system: str | None) -> list[Turn]:
+        return [] if system is None else [self.turns.turn("system", [check_text("system", system)])]
 
 
 class Chat:
-    """A conversation with a :class:`Model`; each turn reuses what the previous ones evaluated."""
+    """A conversation with a :class:`Model`; each turn reuses what the previous ones evaluated.
+
+    One ``Chat`` holds one conversation and is meant for one thread at a time.
+    """
 
     def __init__(self, model: Model, *, system: str | None = None, thinking: bool | None = None,
                  overflow: str = "error") -> None:
@@ -337,52 +317,64 @@ class Chat:
         self.system = system
         self.thinking = thinking
         self.overflow = overflow
-        self._messages: list[dict[str, Any]] = []
+        self._turns: list[Turn] = []
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """The turns so far: ``{"role", "content", "images"}`` with images as :class:`Image`."""
-        return [{"role": m["role"], "content": m["text"], "images": list(m["images"])}
-                for m in self._messages]
+        return [{"role": t.role, "content": t.content, "images": list(t.images)} for t in self._turns]
 
     def send(self, prompt: str, images: Images = (), *, stream: bool = False,
              max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
              repeat_penalty: float | None = None, seed: int | None = None,
-             stop: Sequence[str] | None = None, detail: str = "auto",
-             max_slices: int | None = None, videos: Sequence[VideoInput] = (),
+             stop: str | Sequence[str] | None = None, detail: str = "auto",
+             max_slices: int | None = None, videos: VideoInput | Sequence[VideoInput] = (),
              video_options: VideoOptions = VideoOptions(),
-             progress: Callable[[int, int], None] | None = None) -> Reply | Stream:
+             progress: Callable[[int, int], None] | None = None,
+             on_progress: ProgressCallback | None = None) -> Reply | Stream:
         """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
 
-        ``videos`` are sampled into frames as in :meth:`Model.ask_video`, with
-        ``video_options``; images and videos of earlier turns stay in the conversation.
+        ``videos`` (one video or a list) are sampled into frames as in
+        :meth:`Model.ask_video`, with ``video_options``; images and videos of earlier
+        turns stay in the conversation.
         """
         model = self.model
-        prepared = [model.prepare_image(i, detail=detail, max_slices=max_slices) for i in as_list(images)]
-        user, counts = model._user_turn(prompt, prepared, list(videos), self._all([]), video_options,
-                                        max_tokens, self.thinking)
-        sampling = model._sampling(temperature, top_p, top_k, repeat_penalty, seed)
-        return _deliver(self._turn(user, max_tokens, stop, sampling, progress, counts), stream)
+        sampling = model._sampling(temperature=temperature, top_p=top_p, top_k=top_k,
+                                   repeat_penalty=repeat_penalty, seed=seed)
+        parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
+        with model._lock.hold():  # sampling frames measures the prompt with the engine
+            user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
+                                                 max_tokens=check_max_tokens(max_tokens),
+                                                 thinking=self.thinking)
+        pieces = self._turn(user, counts, max_tokens=max_tokens, stop=stop, sampling=sampling,
+                            on_progress=_either(on_progress, progress))
+        return _deliver(Stream(pieces), stream)
 
     def undo(self) -> None:
         """Drop the last user turn and its answer (the next turn reuses the cache up to there)."""
-        while self._messages:
-            if self._messages.pop()["role"] == "user":
+        while self._turns:
+            if self._turns.pop().role == "user":
                 break
+
+    def undo_oldest(self) -> None:
+        """Drop the oldest user turn and its answer."""
+        if not self._turns:
+            return
+        del self._turns[0]
+        while self._turns and self._turns[0].role != "user":
+            del self._turns[0]
 
     def reset(self) -> None:
         """Forget the conversation."""
-        self._messages.clear()
+        self._turns.clear()
 
-    def _all(self, extra: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        head = [] if self.system is None else [{"role": "system", "text": self.system, "images": []}]
-        return head + self._messages + list(extra)
+    def _all(self, *extra: Turn) -> list[Turn]:
+        return self.model._system(self.system) + self._turns + list(extra)
 
-    def _turn(self, user, max_tokens, stop, sampling, progress=None, counts=None):
-        def attempt():
-            return self.model._respond(self._all([user]), self.thinking, max_tokens, stop, sampling,
-                                       progress=progress, video=counts)
+    def _turn(self, user: Turn, counts: FrameCounts, **options: Any) -> Generator[str, None, Reply]:
+        def attempt() -> Stream:
+            return self.model.answer(self._all(user), thinking=self.thinking, frames=counts, **options)
 
         pieces = attempt()
         produced: list[str] = []
@@ -390,11 +382,12 @@ class Chat:
             while True:
                 try:
                     piece = next(pieces)
-                except StopIteration as done:
-                    self._messages += [user, _assistant(done.value)]
-                    return done.value
+                except StopIteration:
+                    assert pieces.reply is not None
+                    self._remember(user, pieces.reply)
+                    return pieces.reply
                 except ContextOverflowError:
-                    if produced or self.overflow != "drop_oldest" or not self._messages:
+                    if produced or self.overflow != "drop_oldest" or not self._turns:
                         raise
                     self.undo_oldest()
                     pieces = attempt()
@@ -404,53 +397,33 @@ class Chat:
         except GeneratorExit:
             # a cancelled stream: the partial answer is what the model said
             pieces.close()
-            self._messages += [user, _assistant("".join(produced))]
+            self._remember(user, "".join(produced))
             raise
 
-    def undo_oldest(self) -> None:
-        """Drop the oldest user turn and its answer."""
-        if not self._messages:
-            return
-        del self._messages[0]
-        while self._messages and self._messages[0]["role"] != "user":
-            del self._messages[0]
+    def _remember(self, user: Turn, answer: str) -> None:
+        self._turns += [user, self.model.turns.turn("assistant", [str(answer)])]
 
 
-def _assistant(text: str) -> dict[str, Any]:
-    return _message("assistant", str(text))
+def _video_first(prompt: Any, video: Any) -> bool:
+    """Whether ``ask_video`` was called the old way round, ``(video, prompt)``."""
+    if not isinstance(prompt, str):
+        return isinstance(video, str)  # a Path, array or list of frames came first
+    if not isinstance(video, str):
+        return False
+    looks_like_file = lambda s: os.path.exists(s) or "://" in s[:16] or s.startswith("data:")  # noqa: E731
+    return looks_like_file(prompt) and not looks_like_file(video)
 
 
-def _message(role: str, text: str, images: Sequence[Image] = ()) -> dict[str, Any]:
-    return {"role": role, "text": text, "images": list(images)}
+def _either(on_progress: ProgressCallback | None,
+            progress: Callable[[int, int], None] | None) -> ProgressCallback | None:
+    """``on_progress``, or the older ``progress(done, total)`` adapted to it."""
+    if on_progress is not None or progress is None:
+        return on_progress
+    return lambda p: progress(p.done, p.total) if p.done else None
 
 
-@dataclass
-class _FrameCounts:
-    sampled: int = 0
-    dropped: int = 0
-    thinned: int = 0
-    keys: list[str] = field(default_factory=list)
-
-
-def _frame_line(frame: Frame, marker: str, timestamps: bool) -> str:
-    if timestamps and frame.timestamp is not None:
-        return f"at {format_timestamp(frame.timestamp)}: {marker}"
-    return marker
-
-
-def _thin(frames: Frames, n: int) -> Frames:
-    """``n`` of ``frames`` by centred uniform sampling (MiniCPM-V's formula)."""
-    if n >= len(frames):
-        return frames
-    gap = len(frames) / n
-    kept = Frames([frames[int(i * gap + gap / 2)] for i in range(n)], sampled=frames.sampled,
-                  dropped=frames.dropped, missed=frames.missed, duration=frames.duration,
-                  native_fps=frames.native_fps, total_frames=frames.total_frames,
-                  source=frames.source)
-    return kept
-
-
-def _count_frames(pieces, counts: _FrameCounts, encoded: list[str]):
+def _count_frames(pieces: Generator[str, None, Reply], counts: FrameCounts,
+                  encoded: list[str]) -> Generator[str, None, Reply]:
     """Pass ``pieces`` through; attach :class:`VideoStats` to the reply at the end."""
     reply = yield from pieces
     done = set(encoded)
@@ -459,13 +432,11 @@ def _count_frames(pieces, counts: _FrameCounts, encoded: list[str]):
     return reply
 
 
-def _deliver(pieces, stream: bool) -> Reply | Stream:
-    s = Stream(pieces)
-    return s if stream else s.text()
+def _deliver(stream: Stream, as_stream: bool) -> Reply | Stream:
+    return stream if as_stream else stream.result()
 
 
 def as_list(images: Images) -> list[ImageInput]:
-    """One image or a sequence of them, as a list."""
-    if isinstance(images, (str, bytes, bytearray, os.PathLike, PIL.Image.Image, np.ndarray, Image)):
-        return [images]
-    return list(images)
+    """One image or a sequence of them, as a list (kept for callers of the older name)."""
+    return as_image_list(images)
+

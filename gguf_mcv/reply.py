@@ -95,3 +95,19 @@ class Reply(str):
     @property
     def text(self) -> str:
         return str(self)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the vision encoder is with one question's images, for ``on_progress=``.
+
+    ``done`` of ``total`` image slices are ready (``cached`` of them came from the
+    embedding cache, at no cost); ``eta_s`` extrapolates from the slices encoded so
+    far (None until one has been).
+    """
+
+    done: int
+    total: int
+    cached: int
+    elapsed_s: float
+    eta_s: float | None

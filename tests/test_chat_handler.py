@@ -72,7 +72,7 @@ def test_file_paths_work_and_remote_urls_are_refused(llm, tmp_path) -> None:
     for url in (str(path), path.as_uri()):
         out = llama.create_chat_completion(messages=[user("?", url)], max_tokens=1)
         assert out["usage"]["prompt_tokens_details"]["image_tokens"] == 64
-    with pytest.raises(MediaError, match="Remote image URLs"):
+    with pytest.raises(MediaError, match="Remote URLs are not allowed"):
         llama.create_chat_completion(messages=[user("?", "https://example.com/x.png")], max_tokens=1)
 
 

@@ -135,7 +135,7 @@ def test_file_that_is_not_gguf(tiny, tmp_path: Path) -> None:
 def test_close_releases_and_context_manager(tiny) -> None:
     with gguf_mcv.load(model_path=tiny.quants["Q2_K"], mmproj_path=tiny.mmproj, n_ctx=1024) as model:
         assert model.ask("hi", max_tokens=1).usage.completion_tokens == 1
-    with pytest.raises(ConfigError, match="closed"):
+    with pytest.raises(gguf_mcv.ModelClosedError, match="closed"):
         model.ask("hi")
     model.close()  # a second close is harmless
 
@@ -192,17 +192,17 @@ def moving_ball_video(path: Path, seconds: int = 12, fps: int = 10, static_from:
 
 def test_video_answer_frames_are_never_sliced(tiny_model, tmp_path: Path) -> None:
     video = moving_ball_video(tmp_path / "ball.avi")
-    reply = tiny_model.ask_video(video, "What happens?", max_frames=6, max_tokens=3)
+    reply = tiny_model.ask_video("What happens?", video, max_frames=6, max_tokens=3)
     stats = reply.video
     assert stats.used == 6 and stats.encoded == 6 and stats.thinned == 0
     assert reply.usage.image_tokens == 6 * 64  # 640×360 frames would be sliced as images
-    again = tiny_model.ask_video(video, "And then?", max_frames=6, max_tokens=3)
+    again = tiny_model.ask_video("And then?", video, max_frames=6, max_tokens=3)
     assert again.video.encoded == 0 and again.timings.slices_encoded == 0
 
 
 def test_video_dedupe_drops_a_static_stretch(tiny_model, tmp_path: Path) -> None:
     video = moving_ball_video(tmp_path / "static.avi", seconds=12, static_from=30)
-    reply = tiny_model.ask_video(video, "Moving?", max_frames=12, max_tokens=1)
+    reply = tiny_model.ask_video("Moving?", video, max_frames=12, max_tokens=1)
     assert reply.video.sampled == 12 and reply.video.dropped >= 7
     assert reply.video.used == 12 - reply.video.dropped
 
@@ -222,10 +222,10 @@ def test_video_in_a_chat_then_a_follow_up(tiny_model, tmp_path: Path) -> None:
 def test_too_many_frames_are_thinned_or_refused(tiny, tmp_path: Path) -> None:
     video = moving_ball_video(tmp_path / "long.avi", seconds=12)
     with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512) as m:
-        thinned = m.ask_video(video, "?", fps=1.0, max_tokens=4)
+        thinned = m.ask_video("?", video, fps=1.0, max_tokens=4)
         assert thinned.video.thinned > 0 and thinned.usage.prompt_tokens <= 512
         with pytest.raises(ContextOverflowError, match="max_frames="):
-            m.ask_video(video, "?", max_frames=12, max_tokens=4)
+            m.ask_video("?", video, max_frames=12, max_tokens=4)
         assert m.engine.encoder_calls == thinned.video.encoded  # the refusal encoded nothing
 
 
@@ -233,7 +233,7 @@ def test_bad_video_raises_media_error(tiny_model, tmp_path: Path) -> None:
     bad = tmp_path / "broken.mp4"
     bad.write_text("not a video")
     with pytest.raises(MediaError, match="broken.mp4"):
-        tiny_model.ask_video(bad, "?")
+        tiny_model.ask_video("?", bad)
 
 
 # --- OpenAI-style messages -------------------------------------------------------------
@@ -257,7 +257,7 @@ def test_chat_completion_with_parts_and_policy(tiny_model, image_file: Path) -> 
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}], policy=server_policy)
     with pytest.raises(ConfigError, match="role"):
         tiny_model.chat_completion([{"role": "wizard", "content": "hi"}])
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="temprature"):
         tiny_model.chat_completion(messages, temprature=0.1)
 
 

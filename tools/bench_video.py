@@ -108,13 +108,13 @@ def main() -> int:
               f"{results['naive_ttft_s']:.1f} s", flush=True)
     with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=4096,
                        n_threads=args.threads) as model:
-        reply = model.ask_video(clip, "What happens in this video?", max_frames=args.frames,
+        reply = model.ask_video("What happens in this video?", clip, max_frames=args.frames,
                                 dedupe=False, max_tokens=8, temperature=0)
         results["gguf_mcv_ttft_s"] = reply.timings.ttft_ms / 1000
         results["gguf_mcv_image_tokens"] = reply.usage.image_tokens
         print(f"  gguf_mcv ask_video: {results['gguf_mcv_ttft_s']:.1f} s "
               f"({reply.video.used} frames, {reply.usage.image_tokens} image tokens)", flush=True)
-        still = model.ask_video(static, "What happens?", max_frames=args.frames, max_tokens=4)
+        still = model.ask_video("What happens?", static, max_frames=args.frames, max_tokens=4)
         results["static_sampled"] = still.video.sampled
         results["static_encoded"] = still.video.encoded
         print(f"  mostly static video: {still.video.sampled} sampled, {still.video.dropped} dropped, "

@@ -269,7 +269,7 @@ class Workload:
         return 1
 
     def _video(self) -> int:
-        reply = self.model.ask_video(str(self.inputs.video), self.question(), max_frames=4,
+        reply = self.model.ask_video(self.question(), str(self.inputs.video), max_frames=4,
                                      max_tokens=self.max_tokens)
         check_reply(reply, self.max_tokens, self.tally)
         assert reply.video is not None and reply.video.used >= 1, reply.video
