@@ -61,14 +61,14 @@ def run(report: Callable[[str], None] = print, model_dir: Path | None = None) ->
 
 
 def _bindings(state: dict) -> str:
-    import llama_cpp
+    import llama_cpp  # lazy: the self-test alone needs it
 
     gpu = "GPU offload available" if llama_cpp.llama_supports_gpu_offload() else "CPU only"
     return f"llama-cpp-python {llama_cpp.__version__}, {gpu}"
 
 
 def _build(state: dict, model_dir: Path | None) -> str:
-    from .synthetic import build
+    from .synthetic import build  # lazy: the self-test alone needs it
 
     model = build(model_dir or constants.cache_dir() / "selftest-model", quants=("Q4_K_M",))
     state["files"] = model
@@ -76,7 +76,7 @@ def _build(state: dict, model_dir: Path | None) -> str:
 
 
 def _load(state: dict) -> str:
-    from .loader import load
+    from .loader import load  # lazy: the self-test alone needs it
 
     files = state["files"]
     state["model"] = load(model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=2048)

@@ -23,6 +23,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,7 @@ def bpe_merges(n_merges: int) -> list[tuple[str, str]]:
     while len(merges) < n_merges:
         pairs: dict[tuple[str, str], int] = {}
         for syms, c in counts.items():
-            for pair in zip(syms, syms[1:]):
+            for pair in zip(syms, syms[1:], strict=False):
                 pairs[pair] = pairs.get(pair, 0) + c
         if not pairs:
             break
@@ -201,7 +202,7 @@ def _merge(syms: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
 
 def vocabulary(spec: SyntheticSpec) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merge strings: bytes, merged tokens, specials, ``[PAD{i}]``."""
-    import gguf
+    import gguf  # lazy: ~0.2 s to import, only to build models
 
     tokens = byte_tokens()
     merges = bpe_merges(spec.n_merges)
@@ -325,7 +326,7 @@ def _atomic(path: Path) -> Iterator[Path]:
 
 def _write_gguf(path: Path, arch: str, add_kv: Callable[[Any], None], plans: list[_Plan], seed: int) -> Path:
     """Write a GGUF file tensor by tensor (never all weights in memory at once)."""
-    import gguf
+    import gguf  # lazy: ~0.2 s to import, only to build models
 
     with _atomic(Path(path)) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
@@ -411,7 +412,7 @@ _silent_log: Any = None  # the no-op C callback; kept referenced while llama.cpp
 @contextlib.contextmanager
 def llama_logs(verbose: bool) -> Iterator[None]:
     """Silence llama.cpp/ggml logging for the block unless ``verbose``, then restore it."""
-    import llama_cpp
+    import llama_cpp  # lazy: ~0.2 s to import, only to build models
 
     global _silent_log
     if verbose:
@@ -433,7 +434,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: st
     name = quant.upper()
     if name not in QUANT_NAMES:
         raise ConfigError(f"unknown quant {quant!r}; choose one of {', '.join(QUANT_NAMES)}")
-    import llama_cpp
+    import llama_cpp  # lazy: ~0.2 s to import, only to build models
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
@@ -488,7 +489,8 @@ def build(
         (MMPROJ_NAME, lambda p: write_mmproj(p, spec)),
         (F16_NAME, lambda p: write_text_model(p, spec)),
     ]
-    jobs += [(quant_filename(q), lambda p, q=q: quantize(out / F16_NAME, p, q, verbose=verbose)) for q in names]
+    jobs += [(quant_filename(q), partial(_quantize_from_f16, out / F16_NAME, quant=q, verbose=verbose))
+             for q in names]
     for name, make in jobs:
         if name not in have:
             start = time.perf_counter()
@@ -503,3 +505,7 @@ def build(
 def _write_manifest(out_dir: Path, spec: SyntheticSpec, files: dict[str, int]) -> None:
     with _atomic(out_dir / MANIFEST_NAME) as tmp:
         tmp.write_text(json.dumps({**_manifest(spec), "files": dict(sorted(files.items()))}, indent=2) + "\n")
+
+
+def _quantize_from_f16(f16: Path, out: Path, *, quant: str, verbose: bool) -> None:
+    quantize(f16, out, quant, verbose=verbose)

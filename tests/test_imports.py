@@ -1,0 +1,116 @@
+"""The package's import graph runs one way: no cycles (imports inside functions count), and
+the layers a request passes through only import the layers below them."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gguf_mcv"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Package modules ``path`` imports anywhere (``if TYPE_CHECKING:`` blocks excluded)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    here = _module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        up = node
+        while up in parents:
+            up = parents[up]
+            if isinstance(up, ast.If) and "TYPE_CHECKING" in ast.unparse(up.test):
+                break
+        else:
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    root = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(root + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                names = [a.name for a in node.names]
+            for name in names:
+                while name and name not in modules and "." in name:
+                    name = name.rpartition(".")[0]
+                if name in modules and name != here:
+                    found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    # a package's __init__ only re-exports; an edge into it stands for "the package"
+    return {m: {t for t in _imports(p, modules) if not paths[t].name == "__init__.py"}
+            for m, p in paths.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_nothing_below_the_cli_and_server_imports_them() -> None:
+    top = ("gguf_mcv.cli", "gguf_mcv.__main__", "gguf_mcv.server")
+    for module, targets in _graph().items():
+        if module.startswith(top):
+            continue
+        assert not {t for t in targets if t.startswith(top)}, module
+
+
+def test_the_request_path_runs_one_way() -> None:
+    graph = _graph()
+    forbidden = {
+        # the planner is pure: it chooses, it fetches nothing
+        "gguf_mcv.planner": {"gguf_mcv.hub", "gguf_mcv.resolver", "gguf_mcv.catalog", "gguf_mcv.loader"},
+        # the Hub layer lists and fetches files; it knows no model names and plans nothing
+        "gguf_mcv.hub": {"gguf_mcv.planner", "gguf_mcv.catalog", "gguf_mcv.resolver", "gguf_mcv.loader"},
+        "gguf_mcv.resolver": {"gguf_mcv.loader", "gguf_mcv.model", "gguf_mcv.engine"},
+        "gguf_mcv.memory": {"gguf_mcv.planner", "gguf_mcv.catalog", "gguf_mcv.hub"},
+        "gguf_mcv.engine": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.request"},
+        "gguf_mcv.request": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.messages"},
+    }
+    for module, banned in forbidden.items():
+        assert not graph[module] & banned, (module, graph[module] & banned)
+
+
+def test_loader_reaches_the_hub_only_through_the_resolver() -> None:
+    graph = _graph()
+    assert "gguf_mcv.resolver" in graph["gguf_mcv.loader"]
+    assert "gguf_mcv.hub" not in graph["gguf_mcv.loader"]
+
+
+def test_import_gguf_mcv_stays_light() -> None:
+    """``import gguf_mcv`` loads neither OpenCV nor llama.cpp's native library; they load on first use."""
+    code = "import sys, gguf_mcv; print(sorted(m for m in ('cv2', 'llama_cpp') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
