@@ -1,4 +1,4 @@
-"""Every image input kind and every bad-media case, without loading a model."""
+"""Every image input kind and every bad-media case (a model only for the last few)."""
 
 from __future__ import annotations
 
@@ -156,3 +156,16 @@ def test_resizing_helpers_keep_aspect() -> None:
     assert image.resized_to_fit(4000) is image
     assert image.resized_to(20, 10).rgb.shape == (10, 20, 3)
     assert image.resized_to(2000, 1000) is image
+
+
+# --- through a model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [(1, 100_000), (100_000, 1), (3, 60_000), (40, 100_000)])
+def test_extreme_aspect_ratio_is_answered_in_one_slice(tiny_model, size: tuple[int, int]) -> None:
+    # libmtmd itself refuses these ("resize target 14x100002 is out of range")
+    rgb = np.random.default_rng(1).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    low = tiny_model.ask("?", rgb, max_tokens=1, detail="low").usage.image_tokens
+    for detail in ("auto", "high"):
+        assert tiny_model.ask("?", rgb, max_tokens=1, detail=detail).usage.image_tokens == low
+    assert tiny_model.ask("?", rgb, max_tokens=1, max_slices=9).usage.image_tokens == low
