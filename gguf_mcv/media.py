@@ -99,7 +99,7 @@ def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
     if isinstance(src, np.ndarray):
         return _from_array(src, "<numpy array>")
     if isinstance(src, PIL.Image.Image):
-        return Image(_to_rgb(src, "<PIL image>"), "<PIL image>")
+        return from_pil(src, "<PIL image>")
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
         return _decode(data, f"<{len(data)} bytes>")
@@ -213,6 +213,15 @@ def _decode(data: bytes | Path, source: str) -> Image:
         return Image(_to_rgb(pil, source), source)
 
 
+def from_pil(pil: PIL.Image.Image, source: str) -> Image:
+    """The current frame of an open PIL image as an :class:`Image`; MediaError naming ``source``.
+
+    A closed image, or one opened lazily on a file that has changed since, is a MediaError.
+    """
+    with _decoding(source):
+        return Image(_to_rgb(pil, source), source)
+
+
 def open_pil(fp: Path | IO[bytes]) -> PIL.Image.Image:
     """``PIL.Image.open`` without the decompression-bomb warning (``MAX_PIXELS`` applies instead)."""
     with warnings.catch_warnings():
@@ -235,11 +244,12 @@ def _decoding(source: str) -> Iterator[None]:
         raise MediaError(f"Image {source} needs more memory to decode than is available.") from exc
     except Exception as exc:  # noqa: BLE001
         # Pillow's format plugins raise many kinds of exception on malformed data
-        # (OSError, SyntaxError, IndexError, TypeError, NotImplementedError, struct.error...):
-        # for untrusted bytes every one of them means "not a decodable image".
+        # (OSError, SyntaxError, IndexError, TypeError, NotImplementedError, struct.error...),
+        # a closed image raises ValueError: for untrusted input every one of them means
+        # "not a decodable image".
         raise MediaError(
             f"Image {source} could not be decoded ({type(exc).__name__}: {exc}). "
-            "Is it a complete JPEG/PNG/WebP/GIF/BMP/TIFF file?"
+            "Is it a complete, open JPEG/PNG/WebP/GIF/BMP/TIFF image?"
         ) from exc
 
 

@@ -240,7 +240,46 @@ def test_memoryview_is_bytes_and_other_types_name_what_is_accepted() -> None:
             load_image(wrong)
 
 
+# --- PIL images the caller already opened --------------------------------------------------------
+
+
+def test_closed_pil_image_is_a_media_error(tmp_path: Path) -> None:
+    path = tmp_path / "a.png"
+    RGB.save(path)
+    pil = PIL.Image.open(path)
+    pil.close()
+    with pytest.raises(MediaError, match="PIL image"):
+        load_image(pil)
+
+
+def lazy_on_truncated_file(tmp_path: Path) -> PIL.Image.Image:
+    """A PIL image opened lazily (header read, pixels not) on a file cut short afterwards."""
+    path = tmp_path / "cut.png"
+    path.write_bytes(encode(PIL.Image.fromarray(np.random.default_rng(3).integers(
+        0, 256, (64, 64, 3), dtype=np.uint8)), "PNG"))
+    pil = PIL.Image.open(path)
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    return pil
+
+
+def test_lazy_pil_image_on_a_truncated_file_is_a_media_error(tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="PIL image"):
+        load_image(lazy_on_truncated_file(tmp_path))
+
+
 # --- through a model ---------------------------------------------------------------------------------
+
+
+def test_model_ask_turns_bad_pil_images_into_media_errors(tiny_model, tmp_path: Path) -> None:
+    closed = PIL.Image.new("RGB", (8, 8))
+    closed_file = tmp_path / "c.png"
+    closed.save(closed_file)
+    closed = PIL.Image.open(closed_file)
+    closed.close()
+    for bad in (closed, lazy_on_truncated_file(tmp_path)):
+        with pytest.raises(MediaError):
+            tiny_model.ask("?", bad, max_tokens=1)
 
 
 @pytest.mark.parametrize("size", [(1, 100_000), (100_000, 1), (3, 60_000), (40, 100_000)])
