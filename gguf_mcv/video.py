@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-import cv2
 import numpy as np
 import PIL.Image
 
@@ -64,6 +63,8 @@ from .errors import ConfigError, MediaError
 from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image, local_path
 
 if TYPE_CHECKING:
+    import cv2  # imported where a video is read: `import gguf_mcv` must not load OpenCV
+
     from .hardware import Hardware
 
 __all__ = [
@@ -245,6 +246,8 @@ def _valid_fps(fps: float) -> bool:
 
 
 def _fit(rgb: np.ndarray, max_side: int | None) -> np.ndarray:
+    import cv2
+
     h, w = rgb.shape[:2]
     if max_side is None or max(h, w) <= max_side:
         return rgb
@@ -388,6 +391,8 @@ def _pick_by_time(starts: list[float], duration: float, opts: _Opts) -> list[int
 
 
 def _from_video(path: Path, name: str, opts: _Opts) -> Frames:
+    import cv2
+
     opened: list[cv2.VideoCapture] = []
 
     def reopen() -> cv2.VideoCapture:
@@ -438,6 +443,8 @@ def _read_known(cap: cv2.VideoCapture, reopen: Callable[[], cv2.VideoCapture], t
 
 
 def _open(path: Path, name: str) -> cv2.VideoCapture:
+    import cv2
+
     # FFmpeg by name: CAP_ANY would let the image-sequence backend read "%d" in file names.
     backend = cv2.CAP_FFMPEG if cv2.videoio_registry.hasBackend(cv2.CAP_FFMPEG) else cv2.CAP_ANY
     cap = cv2.VideoCapture(str(path), backend)
@@ -450,6 +457,8 @@ def _open(path: Path, name: str) -> cv2.VideoCapture:
 
 
 def _fourcc(cap: cv2.VideoCapture) -> str:
+    import cv2
+
     value = cap.get(cv2.CAP_PROP_FOURCC)
     code = int(value) if math.isfinite(value) and value > 0 else 0
     text = "".join(chr((code >> 8 * k) & 0xFF) for k in range(4))
@@ -457,6 +466,8 @@ def _fourcc(cap: cv2.VideoCapture) -> str:
 
 
 def _rgb(cap: cv2.VideoCapture, max_side: int | None) -> np.ndarray | None:
+    import cv2
+
     ok, bgr = cap.retrieve()
     if not ok or bgr is None or bgr.ndim != 3 or bgr.shape[2] != 3:
         return None
@@ -470,6 +481,8 @@ class _SeekMismatch(Exception):
 def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | None,
                   *, seek: bool) -> tuple[list[tuple[int, np.ndarray]], int]:
     """Decode the ``planned`` frames (ascending): ``(index, rgb)`` pairs and how many failed."""
+    import cv2
+
     out: list[tuple[int, np.ndarray]] = []
     pos = 0  # the frame the next grab() returns
     misses = 0  # in a row
@@ -540,6 +553,8 @@ def _scan(cap: cv2.VideoCapture, native: float | None,
 
 
 def _thumb(rgb: np.ndarray) -> np.ndarray:
+    import cv2
+
     return cv2.resize(rgb, _THUMB, interpolation=cv2.INTER_AREA).astype(np.float32)
 
 
@@ -573,6 +588,8 @@ _avutil: ctypes.CDLL | None | bool = False  # False: not looked up yet
 
 def _find_avutil() -> ctypes.CDLL | None:
     """The ``libavutil`` OpenCV's FFmpeg backend uses, if it is a separate shared library."""
+    import cv2
+
     candidates: list[str] = []
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as maps:  # Linux: exactly the copy loaded in this process
@@ -593,6 +610,8 @@ def _find_avutil() -> ctypes.CDLL | None:
 def _quiet() -> Iterator[None]:
     """Silence OpenCV's logger and FFmpeg's ``av_log`` while inside; restore on the way out."""
     global _quiet_depth, _saved, _avutil
+    import cv2
+
     with _quiet_lock:
         if _quiet_depth == 0:
             cv_level = cv2.utils.logging.getLogLevel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
 import time
 import tracemalloc
@@ -14,6 +15,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+import gguf_mcv
 from gguf_mcv import video
 from gguf_mcv.errors import ConfigError, MediaError
 from gguf_mcv.hardware import Gpu, Hardware
@@ -29,6 +31,7 @@ from gguf_mcv.video import (
 )
 
 W, H = 128, 96
+CODE_ROOT = str(Path(gguf_mcv.__file__).resolve().parent.parent)
 
 # --- writing test videos ------------------------------------------------------------------
 
@@ -656,3 +659,17 @@ def test_video_as_bytes_and_data_uri(tmp_path) -> None:
     assert len(from_bytes) == 3
     with pytest.raises(MediaError, match="empty"):
         sample_frames(b"")
+
+
+# --- habits ------------------------------------------------------------------------------------------
+
+
+def test_importing_gguf_mcv_does_not_import_opencv() -> None:
+    import subprocess
+    import sys
+
+    check = "import gguf_mcv, sys; assert 'cv2' not in sys.modules, 'cv2 imported'"
+    env = {**os.environ, "PYTHONPATH": CODE_ROOT}  # the gguf_mcv this test imported
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
