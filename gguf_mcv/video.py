@@ -29,6 +29,10 @@ video's length. How a file is read:
 * A truncated or damaged file gives the frames that could be decoded (``Frames.missed``
   counts the others); reading stops after ``MAX_CONSECUTIVE_MISSES`` failures in a row.
   If the planned frames all fail, one sequential pass is tried before giving up.
+* An animated image is decoded by Pillow, which composites every frame on the full
+  canvas and reaches a frame only through those before it: its canvas must be within
+  ``MAX_PIXELS`` and the pixels decoded to sample it within ``MAX_ANIMATION_PIXELS``
+  (checked before decoding, from the canvas and frame count), else MediaError.
 
 FFmpeg and OpenCV complain on stderr about broken files; while this module reads,
 OpenCV's log level is set to silent and FFmpeg's ``av_log`` level to quiet (found in
@@ -50,7 +54,6 @@ import tempfile
 import threading
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +63,16 @@ import numpy as np
 import PIL.Image
 
 from .errors import ConfigError, MediaError
-from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image, local_path
+from .media import (
+    MAX_PIXELS,
+    Image,
+    ImageInput,
+    data_uri_bytes,
+    from_pil,
+    load_image,
+    local_path,
+    open_pil,
+)
 
 if TYPE_CHECKING:
     import cv2  # imported where a video is read: `import gguf_mcv` must not load OpenCV
@@ -94,6 +106,11 @@ SEEK_MIN_GAP = 120
 MAX_CONSECUTIVE_MISSES = 8
 #: A sequential scan (unknown frame count) stops after this many frames, ~90 h at 30 fps.
 MAX_SCAN_FRAMES = 10_000_000
+#: Pixels sampling an animated image (GIF, WebP, APNG, multi-page TIFF) may decode: Pillow
+#: composites every frame on the full canvas at ~2-5 ns a pixel, so this is a few seconds.
+MAX_ANIMATION_PIXELS = 2_000_000_000
+#: What one frame costs at least, in pixels: Pillow's fixed work per frame (~40 µs).
+_MIN_FRAME_COST_PIXELS = 16_384
 #: GIF frame delays at or below this (ms) play as 100 ms, as browsers do.
 _MIN_GIF_DELAY_MS = 10
 _MAX_DURATION_S = 7 * 24 * 3600
@@ -345,27 +362,20 @@ def _is_image(head: bytes) -> bool:
 
 
 def _from_image_file(path: Path, name: str, opts: _Opts) -> Frames:
+    """An image file: an animation's frames by their delays, or a still as one frame.
+
+    Pillow composites every frame of an animation onto the full canvas, however small
+    the frame, and can only reach a frame by decoding all those before it; the
+    :class:`_PixelBudget` bounds that work (and refuses at once what cannot fit in it).
+    """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-            im = PIL.Image.open(path)
-        with im:
-            if im.width * im.height > MAX_PIXELS:
-                raise MediaError(f"Video {name} has {im.width}×{im.height}-pixel frames, over "
-                                 f"the {MAX_PIXELS:,}-pixel limit.")
-            starts_ms, t_ms = [], 0
-            for i in range(getattr(im, "n_frames", 1)):
-                im.seek(i)
-                starts_ms.append(t_ms)
-                delay = int(im.info.get("duration") or 0)
-                t_ms += delay if delay > _MIN_GIF_DELAY_MS else 100
-            starts, t = [ms / 1000 for ms in starts_ms], t_ms / 1000
-            picked = _pick_by_time(starts, t, opts)
-            frames = []
-            for i in picked:
-                im.seek(i)
-                rgb = load_image(im).rgb
-                frames.append(_frame(i, starts[i], rgb, name, opts.max_side))
+        with open_pil(path) as im:
+            n_frames = getattr(im, "n_frames", 1)
+            budget = _PixelBudget(name, im.size, n_frames)
+            starts, duration = _frame_starts(im, n_frames, budget)
+            picked = _pick_by_time(starts, duration, opts)
+            frames = [_frame(i, starts[i], rgb, name, opts.max_side)
+                      for i, rgb in _decode_frames(im, picked, budget, name)]
     except MediaError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -374,8 +384,79 @@ def _from_image_file(path: Path, name: str, opts: _Opts) -> Frames:
         raise MediaError(
             f"Video {name} could not be decoded ({type(exc).__name__}: {exc})."
         ) from exc
-    return Frames(frames, sampled=len(frames), duration=t, native_fps=len(starts) / t,
-                  total_frames=len(starts), source=name)
+    return Frames(frames, sampled=len(frames), duration=duration,
+                  native_fps=len(starts) / duration, total_frames=len(starts), source=name)
+
+
+class _PixelBudget:
+    """The pixels an animated image may cost to sample, spent frame by frame as decoded.
+
+    Sampling walks the frames twice (once for their delays, once up to the last
+    sampled frame) and converts each sampled frame once. Refuses at once an animation
+    whose two walks alone exceed :data:`MAX_ANIMATION_PIXELS`.
+    """
+
+    def __init__(self, name: str, canvas: tuple[int, int], n_frames: int) -> None:
+        self.name, self.left = name, MAX_ANIMATION_PIXELS
+        self._check_frame(canvas)
+        need = 2 * n_frames * self._cost(canvas)
+        if need > self.left:
+            w, h = canvas
+            raise MediaError(
+                f"Video {name} is an animation of {n_frames:,} frames on a {w}×{h} canvas: "
+                f"sampling it means compositing every frame on the whole canvas, twice (about "
+                f"{need:,} pixels' work), over the {MAX_ANIMATION_PIXELS:,}-pixel limit. Scale it "
+                "down or cut it shorter first (e.g. with ffmpeg)."
+            )
+
+    def spend(self, size: tuple[int, int]) -> None:
+        """Account for decoding one frame of ``size``; MediaError once the budget is spent."""
+        self._check_frame(size)
+        self.left -= self._cost(size)
+        if self.left < 0:
+            raise MediaError(
+                f"Video {self.name} needs more than {MAX_ANIMATION_PIXELS:,} pixels decoded to "
+                "sample its frames: scale it down or cut it shorter first (e.g. with ffmpeg)."
+            )
+
+    def _check_frame(self, size: tuple[int, int]) -> None:
+        w, h = size
+        if w * h > MAX_PIXELS:
+            raise MediaError(f"Video {self.name} has {w}×{h}-pixel frames, over the "
+                             f"{MAX_PIXELS:,}-pixel limit.")
+
+    @staticmethod
+    def _cost(size: tuple[int, int]) -> int:
+        return max(size[0] * size[1], _MIN_FRAME_COST_PIXELS)
+
+
+def _seek(im: PIL.Image.Image, index: int, budget: _PixelBudget) -> None:
+    im.seek(index)
+    budget.spend(im.size)  # a TIFF page may be larger than the first
+    im.load()  # WebP sets a frame's duration only when it is decoded
+
+
+def _frame_starts(im: PIL.Image.Image, n_frames: int,
+                  budget: _PixelBudget) -> tuple[list[float], float]:
+    """When each frame starts (s) and the total duration, from the per-frame delays."""
+    starts, t_ms = [], 0
+    for i in range(n_frames):
+        _seek(im, i, budget)
+        starts.append(t_ms / 1000)
+        delay = int(im.info.get("duration") or 0)
+        t_ms += delay if delay > _MIN_GIF_DELAY_MS else 100
+    return starts, t_ms / 1000
+
+
+def _decode_frames(im: PIL.Image.Image, picked: list[int], budget: _PixelBudget,
+                   name: str) -> Iterator[tuple[int, np.ndarray]]:
+    """``(index, rgb)`` of the ``picked`` frames, walking from the first frame only once."""
+    wanted = set(picked)
+    for i in range(max(picked) + 1):
+        _seek(im, i, budget)
+        if i in wanted:
+            budget.spend(im.size)  # the conversion to RGB
+            yield i, from_pil(im, f"{name}#{i}").rgb
 
 
 def _pick_by_time(starts: list[float], duration: float, opts: _Opts) -> list[int]:

@@ -661,6 +661,79 @@ def test_video_as_bytes_and_data_uri(tmp_path) -> None:
         sample_frames(b"")
 
 
+# --- animations that cost far more to decode than their size on disk ---------------------------
+
+
+def _load_tool():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "make_bad_inputs.py"
+    spec = importlib.util.spec_from_file_location("make_bad_inputs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bad_inputs = _load_tool()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["gif_huge_canvas", "webp_huge_canvas"])
+def test_huge_canvas_animation_is_refused_quickly(tmp_path: Path, make: str) -> None:
+    data = getattr(bad_inputs, make)(8000, 8000, 300)  # 300 tiny frames on a 64-Mpixel canvas
+    assert len(data) < 20_000
+    path = written(tmp_path / ("bomb.gif" if make.startswith("gif") else "bomb.webp"), data)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(MediaError, match="300 frames on a 8000×8000 canvas"):
+            sample_frames(path, max_frames=8)
+        with pytest.raises(MediaError, match="canvas"):
+            sample_frames(data, max_frames=8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - start < 10  # each frame costs a pass over 64 Mpixels: minutes
+    assert peak < 50_000_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["gif_huge_canvas", "webp_huge_canvas"])
+def test_large_canvas_animation_within_the_limit_is_sampled(make: str) -> None:
+    data = getattr(bad_inputs, make)(1500, 1000, 60)  # 6 s at 100 ms a frame
+    start = time.perf_counter()
+    frames = sample_frames(data, max_frames=4, dedupe=False, max_side=448)
+    assert time.perf_counter() - start < 10
+    assert [f.index for f in frames] == [7, 22, 37, 52]
+    assert frames.duration == pytest.approx(6.0) and frames.total_frames == 60
+    assert all(f.image.rgb.shape == (299, 448, 3) for f in frames)
+
+
+def test_animation_limit_counts_every_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bad_inputs.gif_huge_canvas(100, 100, 40)
+    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 - 1)  # one walk too few
+    with pytest.raises(MediaError, match="40 frames on a 100×100 canvas"):
+        sample_frames(data, max_frames=4)
+    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 + 1)  # no room to convert
+    assert len(sample_frames(data, max_frames=4, dedupe=False)) == 4  # walks 40 + 36, converts 4
+    with pytest.raises(MediaError, match="pixels decoded"):
+        sample_frames(data, max_frames=40, fps=None)  # would convert all 40
+
+
+def test_animated_webp_uses_per_frame_delays(tmp_path: Path) -> None:
+    path = tmp_path / "anim.webp"
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS]
+    pics[0].save(path, save_all=True, append_images=pics[1:], loop=0, lossless=True,
+                 duration=[500, 500, 1000, 1000, 500, 500])
+    frames = sample_frames(path, max_frames=64, dedupe=False)
+    assert [f.index for f in frames] == [1, 2, 3, 5]
+    assert [f.timestamp for f in frames] == [0.5, 1.0, 2.0, 3.5]
+    assert [tuple(f.image.rgb[0, 0]) for f in frames] == [COLOURS[i] for i in (1, 2, 3, 5)]
+
+
 # --- habits ------------------------------------------------------------------------------------------
 
 

@@ -415,6 +415,38 @@ def dds_unknown_fourcc() -> bytes:
     return b"DDS " + struct.pack("<I", 124) + header + bytes(64)
 
 
+def gif_huge_canvas(width: int, height: int, frames: int) -> bytes:
+    """An animated GIF: a ``width``×``height`` canvas and ``frames`` 1×1 frames (a few KB on disk).
+
+    Written by hand: Pillow's writer needs every frame as a full-canvas image in memory.
+    """
+    screen = struct.pack("<6sHHBBB", b"GIF89a", width, height, 0x80, 0, 0)  # 2-colour table
+    body = bytearray(screen + b"\x00\x00\x00\xff\xff\xff")
+    body += b"\x21\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"  # loop forever
+    for i in range(frames):
+        body += b"\x21\xf9\x04\x00" + struct.pack("<H", 10) + b"\x00\x00"  # 100 ms
+        x, y = (i * 37) % width, (i * 91) % height
+        body += b"\x2c" + struct.pack("<HHHHB", x, y, 1, 1, 0)
+        body += bytes([2, 2, 0x44 | (i % 2) << 3, 0x01, 0])  # LZW: clear, colour i % 2, end
+    return bytes(body + b"\x3b")
+
+
+def webp_huge_canvas(width: int, height: int, frames: int) -> bytes:
+    """An animated WebP: a ``width``×``height`` canvas and ``frames`` 2×2 frames (a few KB)."""
+    import PIL.Image
+
+    still = _encode(PIL.Image.new("RGB", (2, 2), (250, 20, 20)), "WEBP", lossless=True)
+    bitstream = still[12:]  # the VP8L chunk of a one-frame WebP
+    vp8x = struct.pack("<B3x", 0x02) + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    chunks = _riff_chunk(b"VP8X", vp8x) + _riff_chunk(b"ANIM", struct.pack("<IH", 0xFFFFFFFF, 0))
+    for i in range(frames):
+        x, y = (i * 38) % (width - 2) // 2, (i * 92) % (height - 2) // 2  # offsets are stored halved
+        header = (x.to_bytes(3, "little") + y.to_bytes(3, "little") + (1).to_bytes(3, "little")
+                  + (1).to_bytes(3, "little") + (100).to_bytes(3, "little") + b"\x00")
+        chunks += _riff_chunk(b"ANMF", header + bitstream)
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WEBP" + chunks
+
+
 _add("gif_cut_in_frame2", "gif_cut_frame2.gif", "image",
      "a 3-frame GIF cut inside the second frame's header (the first frame is intact)", "answer",
      _derived(lambda ctx: gif_cut_in_frame2()), size=(8, 8))
