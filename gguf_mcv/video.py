@@ -6,11 +6,13 @@ CPU every frame costs a full vision-encoder pass, so :func:`default_max_frames`
 caps the count by what the machine can encode in a minute or two.
 
 Inputs of :func:`sample_frames`: a video file OpenCV/FFmpeg reads (mp4, avi, mkv,
-webm, mov...); an image file (animated GIF/WebP/PNG are decoded by Pillow with
-their per-frame durations; a still gives one frame); a folder of images (sorted by
-name, numbers in names compared as numbers); a list of anything
+webm, mov...), by path, ``file://`` URL, ``data:`` URI or as bytes (``http(s)`` URLs
+only with ``allow_remote=True``); an image file (animated GIF/WebP/PNG are decoded
+by Pillow with their per-frame durations; a still gives one frame); a folder of
+images (sorted by name, numbers in names compared as numbers); a list of anything
 :func:`~gguf_mcv.media.load_image` takes; a T×H×W×3 ``uint8`` numpy array. Folders,
-lists and arrays play at ``frame_rate`` frames per second (default 1).
+lists and arrays play at ``frame_rate`` frames per second (default 1). FIFOs and
+devices are refused without being opened.
 
 Only the sampled frames are decoded and kept, so memory does not grow with the
 video's length. How a file is read:
@@ -47,6 +49,7 @@ import bisect
 import contextlib
 import ctypes
 import glob
+import http.client
 import math
 import os
 import re
@@ -64,6 +67,7 @@ import PIL.Image
 
 from .errors import ConfigError, MediaError
 from .media import (
+    ACCEPTED_IMAGES,
     MAX_PIXELS,
     Image,
     ImageInput,
@@ -72,6 +76,7 @@ from .media import (
     load_image,
     local_path,
     open_pil,
+    regular_file,
 )
 
 if TYPE_CHECKING:
@@ -106,6 +111,9 @@ SEEK_MIN_GAP = 120
 MAX_CONSECUTIVE_MISSES = 8
 #: A sequential scan (unknown frame count) stops after this many frames, ~90 h at 30 fps.
 MAX_SCAN_FRAMES = 10_000_000
+#: Remote videos larger than this are refused (``allow_remote=True``).
+MAX_REMOTE_BYTES = 500_000_000
+REMOTE_TIMEOUT_S = 20.0
 #: Pixels sampling an animated image (GIF, WebP, APNG, multi-page TIFF) may decode: Pillow
 #: composites every frame on the full canvas at ~2-5 ns a pixel, so this is a few seconds.
 MAX_ANIMATION_PIXELS = 2_000_000_000
@@ -195,7 +203,8 @@ def default_max_frames(hardware: Hardware | None = None) -> int:
 
 def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: float | None = 1.0,
                   dedupe: bool = True, threshold: float = DEFAULT_THRESHOLD,
-                  max_side: int | None = None, frame_rate: float | None = None) -> Frames:
+                  max_side: int | None = None, frame_rate: float | None = None,
+                  allow_remote: bool = False) -> Frames:
     """Sample ``video`` into at most ``max_frames`` frames, about ``fps`` per second.
 
     ``max_frames`` defaults to :func:`default_max_frames`; ``fps=None`` spreads
@@ -203,6 +212,7 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
     last kept one by less than ``threshold`` (the first frame is always kept).
     ``max_side`` scales kept frames down (aspect kept). ``frame_rate`` is the playback
     rate of a folder, list or array (default 1 frame per second); files carry their own.
+    An ``http(s)`` URL is downloaded (at most ``MAX_REMOTE_BYTES``) only with ``allow_remote``.
     Raises :class:`MediaError` naming the input when nothing usable can be read.
     """
     if max_frames is None:
@@ -215,8 +225,11 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
         raise ConfigError(f"frame_rate must be between 0.01 and 1000, not {frame_rate}.")
     _check_rates(fps, max_frames)
     opts = _Opts(max_frames, fps, max_side)
-    if isinstance(video, (bytes, bytearray)) or (isinstance(video, str) and video.startswith("data:")):
+    if isinstance(video, (bytes, bytearray, memoryview)) or (
+            isinstance(video, str) and video.startswith("data:")):
         frames = _from_bytes(video, opts)
+    elif isinstance(video, str) and _is_remote(video):
+        frames = _from_url(video, opts, allow_remote)
     elif isinstance(video, str) and video.lower().startswith("file://"):
         local = urllib.request.url2pathname(urllib.parse.urlsplit(video).path)
         frames = _from_file(local_path(local, "Video"), video, opts)
@@ -236,7 +249,8 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
     else:
         raise MediaError(
             f"Unsupported video input of type {type(video).__name__}: pass a video file path, "
-            "a folder of images, a list of images or a T×H×W×3 uint8 numpy array."
+            "a file:// URL, a data: URI, the file's bytes, a folder of images, a list of images "
+            f"(each one {ACCEPTED_IMAGES}) or a T×H×W×3 uint8 numpy array."
         )
     return _dedupe(frames, threshold) if dedupe else frames
 
@@ -322,13 +336,46 @@ def _from_stills(items: list[Any], name: str, rate: float, opts: _Opts) -> Frame
                   total_frames=total, source=name)
 
 
-def _from_bytes(video: bytes | bytearray | str, opts: _Opts) -> Frames:
+def _is_remote(text: str) -> bool:
+    return urllib.parse.urlsplit(text).scheme.lower() in ("http", "https")
+
+
+def _from_url(url: str, opts: _Opts, allow_remote: bool) -> Frames:
+    """A video at an ``http(s)`` URL: downloaded into a temporary file, if allowed."""
+    if not allow_remote:
+        raise MediaError(
+            f"Refusing to fetch remote video {url}: remote URLs are off. Download it and pass "
+            "the file (or its bytes), or allow remote media: sample_frames(..., "
+            "allow_remote=True), or gguf_mcv.load(..., allow_remote_media=True) for a Model."
+        )
+    with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
+        path = Path(folder) / "video"
+        _download(url, path)
+        return _from_file(path, url, opts)
+
+
+def _download(url: str, path: Path) -> None:
+    try:
+        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp, path.open("wb") as out:
+            copied = 0
+            while chunk := resp.read(1 << 20):
+                copied += len(chunk)
+                if copied > MAX_REMOTE_BYTES:
+                    raise MediaError(f"Remote video {url} is larger than {MAX_REMOTE_BYTES:,} bytes: "
+                                     "download it yourself and pass the file.")
+                out.write(chunk)
+    except (OSError, http.client.HTTPException) as exc:
+        raise MediaError(f"Could not fetch video {url}: {exc}.") from exc
+
+
+def _from_bytes(video: bytes | bytearray | memoryview | str, opts: _Opts) -> Frames:
     """A video given as bytes or a ``data:`` URI: decoded through a temporary file (OpenCV needs one)."""
     if isinstance(video, str):
         name = video[:40] + "…"
         data = data_uri_bytes(video)
     else:
-        name, data = f"<{len(video)} bytes of video>", bytes(video)
+        data = bytes(video)
+        name = f"<{len(data)} bytes of video>"
     if not data:
         raise MediaError(f"Video {name} is empty (0 bytes).")
     with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
@@ -338,10 +385,7 @@ def _from_bytes(video: bytes | bytearray | str, opts: _Opts) -> Frames:
 
 
 def _from_file(path: Path, name: str, opts: _Opts) -> Frames:
-    if not path.exists():
-        raise MediaError(f"Video file {name} does not exist: check the path.")
-    if not path.is_file():
-        raise MediaError(f"Video {name} is not a regular file.")
+    regular_file(path, "Video")  # never open a FIFO or a device
     try:
         with path.open("rb") as f:
             head = f.read(16)

@@ -380,6 +380,8 @@ def test_empty_inputs_raise(tmp_path: Path) -> None:
         sample_frames(empty, max_frames=4)
     with pytest.raises(MediaError, match="int"):
         sample_frames(42, max_frames=4)  # type: ignore[arg-type]
+    with pytest.raises(MediaError, match="not a usable file name"):
+        sample_frames("clip\x00.mp4", max_frames=4)
 
 
 def test_bad_settings_raise() -> None:
@@ -732,6 +734,69 @@ def test_animated_webp_uses_per_frame_delays(tmp_path: Path) -> None:
     assert [f.index for f in frames] == [1, 2, 3, 5]
     assert [f.timestamp for f in frames] == [0.5, 1.0, 2.0, 3.5]
     assert [tuple(f.image.rgb[0, 0]) for f in frames] == [COLOURS[i] for i in (1, 2, 3, 5)]
+
+
+# --- inputs that are not videos, or not files ------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+@pytest.mark.timeout(20)  # opening the FIFO for reading would wait for a writer forever
+def test_fifo_and_devices_are_refused_as_what_they_are(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe.mp4"
+    os.mkfifo(pipe)
+    for src in (pipe, str(pipe), pipe.as_uri()):
+        with pytest.raises(MediaError, match="is a FIFO"):
+            sample_frames(src, max_frames=4)
+    for device in ("/dev/zero", "/dev/null"):
+        if os.path.exists(device):
+            with pytest.raises(MediaError, match="is a character device, not a file"):
+                sample_frames(device, max_frames=4)
+
+
+def test_memoryview_is_bytes_and_other_types_name_what_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "anim.gif"
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS[:3]]
+    pics[0].save(path, save_all=True, append_images=pics[1:], duration=1000, loop=0)
+    data = path.read_bytes()
+    assert len(sample_frames(memoryview(data), max_frames=4, dedupe=False)) == 3
+    with pytest.raises(MediaError, match="video file path.*numpy array"):
+        sample_frames({"url": str(path)}, max_frames=4)  # type: ignore[arg-type]
+
+
+def serve(folder: Path) -> tuple[str, Callable[[], None]]:
+    """An HTTP server on localhost for ``folder``: its URL and how to stop it."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}", stop
+
+
+def test_remote_video_url_says_how_to_allow_it(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS[:3]]
+    pics[0].save(tmp_path / "clip.gif", save_all=True, append_images=pics[1:], duration=1000)
+    url, stop = serve(tmp_path)
+    try:
+        with pytest.raises(MediaError, match=r"remote URLs are off.*allow_remote=True"):
+            sample_frames(f"{url}/clip.gif", max_frames=4)
+        frames = sample_frames(f"{url}/clip.gif", max_frames=4, dedupe=False, allow_remote=True)
+        assert len(frames) == 3 and frames.source == f"{url}/clip.gif"
+        with pytest.raises(MediaError, match="Could not fetch video"):
+            sample_frames(f"{url}/missing.mp4", max_frames=4, allow_remote=True)
+    finally:
+        stop()
 
 
 # --- habits ------------------------------------------------------------------------------------------
