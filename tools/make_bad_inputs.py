@@ -5,9 +5,12 @@
 
 Every item is generated here, from a few seeded base files (nothing binary is committed):
 images (truncated, empty, mislabelled, odd modes, declared-huge, extreme aspect, animated,
-EXIF-rotated, bad CRC...), videos written with OpenCV and then damaged (truncated, no frames,
-no video stream, absurd fps/frame-count metadata) and GGUF files derived from the tiny
-synthetic model (truncated, bytes flipped, metadata patched, mismatched projectors).
+EXIF-rotated, bad CRC, huge animation canvas...), videos written with OpenCV and then damaged
+(truncated, no frames, no video stream, absurd fps/frame-count metadata) or animations that
+cost far more to decode than their size (tiny frames on a huge canvas), and GGUF files
+derived from the tiny synthetic model (truncated, bytes flipped, metadata patched,
+mismatched projectors). Damaged embedding-cache entries are not files the public API
+takes, so tests/test_embed_cache.py covers them instead.
 
 ``OUT_DIR/manifest.json`` lists each item: ``name``, ``kind`` (image | video | model |
 mmproj), ``path`` (relative to OUT_DIR), ``what`` it is, the ``expected`` outcome through
@@ -456,6 +459,15 @@ _add("tiff_bad_second_ifd", "bad_ifd2.tif", "image",
 _add("dds_unknown_fourcc", "texture.dds", "image",
      "a DDS texture with a pixel format Pillow does not implement (FourCC 'XYZW')", "error",
      _derived(lambda ctx: dds_unknown_fourcc()), MEDIA)
+_add("gif_huge_canvas", "huge_canvas.gif", "image",
+     "a 7 KB GIF: 300 1×1 frames on a 4000×4000 canvas (only the first frame is decoded)",
+     "answer", _derived(lambda ctx: gif_huge_canvas(4000, 4000, 300)), size=(4000, 4000))
+_add("gif_canvas_over_limit", "canvas_9000.gif", "image",
+     "a GIF whose canvas is 9000×9000 (81 Mpixels, over MAX_PIXELS) with two 1×1 frames", "error",
+     _derived(lambda ctx: gif_huge_canvas(9000, 9000, 2)), MEDIA)
+_add("tall_1x100000", "tall_1x100000.png", "image",
+     "a 1×100000 PNG (libmtmd cannot slice it: fitted in one slice)", "answer",
+     _derived(lambda ctx: _encode(_base_rgb(1, 100_000, seed=6), "PNG")), size=(1, 100_000))
 
 
 # --- videos ------------------------------------------------------------------------------------
@@ -512,6 +524,16 @@ _add("gif_cut_in_frame2_video", "gif_cut_frame2_video.gif", "video",
 _add("tiff_bad_second_ifd_video", "bad_ifd2_video.tif", "video",
      "the TIFF whose second IFD has no dimensions, as a video", "error",
      _derived(lambda ctx: tiff_bad_second_ifd()), MEDIA)
+_add("gif_huge_canvas_video", "huge_canvas_video.gif", "video",
+     "a 7 KB GIF: 300 1×1 frames on a 4000×4000 canvas, as a video (compositing every frame "
+     "on the canvas would cost ~10^10 pixels: refused before decoding)", "error",
+     _derived(lambda ctx: gif_huge_canvas(4000, 4000, 300)), MEDIA)
+_add("webp_huge_canvas_video", "huge_canvas_video.webp", "video",
+     "a 15 KB animated WebP: 300 2×2 frames on a 4000×4000 canvas, as a video", "error",
+     _derived(lambda ctx: webp_huge_canvas(4000, 4000, 300)), MEDIA)
+_add("gif_large_canvas_video", "large_canvas_video.gif", "video",
+     "a GIF: 60 1×1 frames on a 1500×1000 canvas, as a video (within the limit: sampled)",
+     "answer", _derived(lambda ctx: gif_huge_canvas(1500, 1000, 60)))
 _add("text_as_mp4", "notes.mp4", "video", "a UTF-8 text file named .mp4", "error",
      _write("Not a video at all.\n".encode() * 50), MEDIA)
 _add("jpeg_as_mp4", "still.mp4", "video", "a JPEG named .mp4 (read as a one-frame video)", "answer",
