@@ -179,7 +179,7 @@ class EmbeddingCache:
 
 
 def _checksum(values: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(values).cast("B")).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(values).data).hexdigest()
 
 
 def _load_entry(path: Path, key: str, n_values: int | None, max_bytes: int) -> np.ndarray:
