@@ -1,16 +1,18 @@
 """Turn any image input into one validated RGB value with a content hash.
 
 Accepted inputs: file paths (``str`` or ``Path``), ``file://`` URLs, ``data:``
-URIs, raw bytes, PIL images, numpy arrays (H×W×3 ``uint8`` RGB; H×W and H×W×4
-are accepted too) and :class:`Image` itself. ``http(s)`` URLs only when the
-caller passes ``allow_remote=True``.
+URIs, raw bytes (``bytes``, ``bytearray`` or ``memoryview``), PIL images, numpy
+arrays (H×W×3 ``uint8`` RGB; H×W and H×W×4 are accepted too) and :class:`Image`
+itself. ``http(s)`` URLs only when the caller passes ``allow_remote=True``.
 
 Decoding happens here, in Python, never inside llama.cpp: EXIF orientation is
 applied, every PIL mode is converted to 8-bit RGB (transparency composited on
 white, 16-bit and float images scaled down), animated images give their first
 frame, and images whose header declares more than ``MAX_PIXELS`` pixels are
-refused before their pixels are decoded. Anything wrong raises
-:class:`~gguf_mcv.errors.MediaError` naming the input.
+refused before their pixels are decoded. A file is decoded from the file system
+(Pillow reads only what it needs) after checking that it is a regular file of at
+most ``MAX_FILE_BYTES``; FIFOs and devices are refused without being opened.
+Anything wrong raises :class:`~gguf_mcv.errors.MediaError` naming the input.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import http.client
 import io
 import os
+import stat
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Union
+from typing import IO, Union
 
 import numpy as np
 import PIL.Image
@@ -36,11 +42,17 @@ from .errors import MediaError
 
 #: Images declaring more pixels than this are refused (a decompression-bomb guard).
 MAX_PIXELS = 64_000_000
+#: Image files larger than this are refused before they are read (no image format
+#: needs more for ``MAX_PIXELS`` pixels: 16-bit RGBA uncompressed is 512 MB).
+MAX_FILE_BYTES = 2**30
 #: Remote images larger than this are refused.
 MAX_REMOTE_BYTES = 50_000_000
 REMOTE_TIMEOUT_S = 20.0
 
-ImageInput = Union[str, os.PathLike, bytes, bytearray, PIL.Image.Image, np.ndarray, "Image"]
+ImageInput = Union[str, os.PathLike, bytes, bytearray, memoryview, PIL.Image.Image, np.ndarray,
+                   "Image"]
+ACCEPTED_IMAGES = ("a file path (str or Path), a file:// URL, a data: URI, bytes (bytes, bytearray "
+                   "or memoryview), a PIL image or an H×W×3 uint8 numpy array")
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,16 +99,13 @@ def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
     if isinstance(src, np.ndarray):
         return _from_array(src, "<numpy array>")
     if isinstance(src, PIL.Image.Image):
-        return Image(_to_rgb(src, "<PIL image>"), "<PIL image>")
+        return from_pil(src, "<PIL image>")
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
         return _decode(data, f"<{len(data)} bytes>")
     if isinstance(src, (str, os.PathLike)):
         return _from_locator(os.fspath(src), allow_remote)
-    raise MediaError(
-        f"Unsupported image input of type {type(src).__name__}: pass a file path, "
-        "bytes, a data: URI, a PIL image or an H×W×3 uint8 numpy array."
-    )
+    raise MediaError(f"Unsupported image input of type {type(src).__name__}: pass {ACCEPTED_IMAGES}.")
 
 
 def _from_locator(text: str, allow_remote: bool) -> Image:
@@ -115,14 +124,42 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
     elif scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
         raise MediaError(f"Unsupported image URL scheme {scheme!r} in {text}.")
     path = local_path(text, "Image")
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise MediaError(f"Image file {path} {what}: check the path.")
+    size = regular_file(path, "Image").st_size
+    if size == 0:
+        raise MediaError(f"Image file {path} is empty (0 bytes).")
+    if size > MAX_FILE_BYTES:
+        raise MediaError(
+            f"Image file {path} is {size / 2**30:.1f} GiB, over the {MAX_FILE_BYTES / 2**30:g} GiB "
+            "an image may have: is it really an image? Convert it to JPEG or PNG first."
+        )
+    return _decode(path, str(path))
+
+
+def regular_file(path: Path, what: str) -> os.stat_result:
+    """``path``'s status if it is a regular file; otherwise MediaError saying what it is.
+
+    Decided from ``stat`` alone: opening a FIFO for reading would wait for a writer,
+    and a device such as ``/dev/zero`` never ends.
+    """
     try:
-        data = path.read_bytes()
+        status = path.stat()
+    except FileNotFoundError:
+        raise MediaError(f"{what} file {path} does not exist: check the path.") from None
     except OSError as exc:
-        raise MediaError(f"Cannot read image file {path}: {exc.strerror or exc}.") from exc
-    return _decode(data, str(path))
+        raise MediaError(f"Cannot read {what.lower()} file {path}: {exc.strerror or exc}.") from exc
+    except ValueError as exc:  # a NUL byte: Path.exists() says False rather than raising
+        raise MediaError(f"{what} {str(path)[:80]!r} is not a usable file name ({exc}).") from exc
+    if not stat.S_ISREG(status.st_mode):
+        raise MediaError(f"{what} {path} is {_file_kind(status.st_mode)}, not a file: "
+                         "pass the path of a file.")
+    return status
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def local_path(text: str | os.PathLike, what: str) -> Path:
@@ -158,25 +195,45 @@ def _fetch(url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp:
             data = resp.read(MAX_REMOTE_BYTES + 1)
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:  # e.g. IncompleteRead
         raise MediaError(f"Could not fetch image {url}: {exc}.") from exc
     if len(data) > MAX_REMOTE_BYTES:
         raise MediaError(f"Remote image {url} is larger than {MAX_REMOTE_BYTES} bytes.")
     return data
 
 
-def _decode(data: bytes, source: str) -> Image:
+def _decode(data: bytes | Path, source: str) -> Image:
+    """Decode encoded ``data``, or the file at that path (read lazily by Pillow)."""
     if not data:
         raise MediaError(f"Image {source} is empty (0 bytes).")
+    with _decoding(source), open_pil(io.BytesIO(data) if isinstance(data, bytes) else data) as pil:
+        _check_size(pil.size, source)
+        # an animated image opens on its first frame; asking for the frame count would
+        # walk every frame and fail on a file cut short after the first
+        return Image(_to_rgb(pil, source), source)
+
+
+def from_pil(pil: PIL.Image.Image, source: str) -> Image:
+    """The current frame of an open PIL image as an :class:`Image`; MediaError naming ``source``.
+
+    A closed image, or one opened lazily on a file that has changed since, is a MediaError.
+    """
+    with _decoding(source):
+        return Image(_to_rgb(pil, source), source)
+
+
+def open_pil(fp: Path | IO[bytes]) -> PIL.Image.Image:
+    """``PIL.Image.open`` without the decompression-bomb warning (``MAX_PIXELS`` applies instead)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        return PIL.Image.open(fp)
+
+
+@contextmanager
+def _decoding(source: str) -> Iterator[None]:
+    """Turn whatever Pillow raises while reading ``source`` into a :class:`MediaError`."""
     try:
-        with warnings.catch_warnings():
-            # Our own pixel limit applies below; PIL's warning would only add noise.
-            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-            pil = PIL.Image.open(io.BytesIO(data))
-            _check_size(pil.size, source)
-            # an animated image opens on its first frame; asking for the frame count would
-            # walk every frame and fail on a file cut short after the first
-            return Image(_to_rgb(pil, source), source)
+        yield
     except MediaError:
         raise
     except PIL.Image.DecompressionBombError as exc:
@@ -187,11 +244,12 @@ def _decode(data: bytes, source: str) -> Image:
         raise MediaError(f"Image {source} needs more memory to decode than is available.") from exc
     except Exception as exc:  # noqa: BLE001
         # Pillow's format plugins raise many kinds of exception on malformed data
-        # (OSError, SyntaxError, IndexError, TypeError, NotImplementedError, struct.error...):
-        # for untrusted bytes every one of them means "not a decodable image".
+        # (OSError, SyntaxError, IndexError, TypeError, NotImplementedError, struct.error...),
+        # a closed image raises ValueError: for untrusted input every one of them means
+        # "not a decodable image".
         raise MediaError(
             f"Image {source} could not be decoded ({type(exc).__name__}: {exc}). "
-            "Is it a complete JPEG/PNG/WebP/GIF/BMP/TIFF file?"
+            "Is it a complete, open JPEG/PNG/WebP/GIF/BMP/TIFF image?"
         ) from exc
 
 

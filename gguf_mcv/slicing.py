@@ -25,6 +25,11 @@ DETAILS = ("auto", "low", "high")
 #: plus the overview; with the encoder on a GPU, libmtmd's own maximum of 9.
 AUTO_MAX_SLICES_CPU = 4
 AUTO_MAX_SLICES_GPU = 9
+#: Images more elongated than this (long side : short side) are fitted in one slice, as
+#: ``detail="low"`` does, whatever the detail: for them libmtmd's overview and slice sizes
+#: grow past its 65536-pixel resize limit (from about 2000:1, e.g. 1×100000 → a 14×100002
+#: overview) and cost many times a normal slice's patches before that.
+MAX_SLICED_ASPECT = 500
 
 
 def slice_grid(width: int, height: int, slice_size: int = 448) -> tuple[int, int]:
@@ -81,15 +86,20 @@ def apply_detail(image: Image, *, detail: str = "auto", max_slices: int | None =
     ``"high"`` keeps it (up to 9 slices plus the overview), ``"low"`` fits it in one
     slice, ``"auto"`` allows :data:`AUTO_MAX_SLICES_CPU` slices on a CPU encoder and
     :data:`AUTO_MAX_SLICES_GPU` on a GPU; ``max_slices=N`` sets the budget directly.
+    An image more elongated than :data:`MAX_SLICED_ASPECT` is fitted in one slice.
     """
     if detail not in DETAILS:
         raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
     if max_slices is not None and not 0 <= max_slices <= MAX_SLICES:
         raise ConfigError(f"max_slices must be between 0 and {MAX_SLICES}, not {max_slices}.")
-    if detail == "low":
+    if detail == "low" or _too_elongated(image.width, image.height):
         max_slices = 0
     elif max_slices is None and detail == "auto":
         max_slices = AUTO_MAX_SLICES_GPU if vision_gpu else AUTO_MAX_SLICES_CPU
     if max_slices is None:
         return image
     return image.resized_to(*fit_slices(image.width, image.height, max_slices, slice_size))
+
+
+def _too_elongated(width: int, height: int) -> bool:
+    return max(width, height) > MAX_SLICED_ASPECT * min(width, height)

@@ -6,11 +6,13 @@ CPU every frame costs a full vision-encoder pass, so :func:`default_max_frames`
 caps the count by what the machine can encode in a minute or two.
 
 Inputs of :func:`sample_frames`: a video file OpenCV/FFmpeg reads (mp4, avi, mkv,
-webm, mov...); an image file (animated GIF/WebP/PNG are decoded by Pillow with
-their per-frame durations; a still gives one frame); a folder of images (sorted by
-name, numbers in names compared as numbers); a list of anything
+webm, mov...), by path, ``file://`` URL, ``data:`` URI or as bytes (``http(s)`` URLs
+only with ``allow_remote=True``); an image file (animated GIF/WebP/PNG are decoded
+by Pillow with their per-frame durations; a still gives one frame); a folder of
+images (sorted by name, numbers in names compared as numbers); a list of anything
 :func:`~gguf_mcv.media.load_image` takes; a T×H×W×3 ``uint8`` numpy array. Folders,
-lists and arrays play at ``frame_rate`` frames per second (default 1).
+lists and arrays play at ``frame_rate`` frames per second (default 1). FIFOs and
+devices are refused without being opened.
 
 Only the sampled frames are decoded and kept, so memory does not grow with the
 video's length. How a file is read:
@@ -29,6 +31,10 @@ video's length. How a file is read:
 * A truncated or damaged file gives the frames that could be decoded (``Frames.missed``
   counts the others); reading stops after ``MAX_CONSECUTIVE_MISSES`` failures in a row.
   If the planned frames all fail, one sequential pass is tried before giving up.
+* An animated image is decoded by Pillow, which composites every frame on the full
+  canvas and reaches a frame only through those before it: its canvas must be within
+  ``MAX_PIXELS`` and the pixels decoded to sample it within ``MAX_ANIMATION_PIXELS``
+  (checked before decoding, from the canvas and frame count), else MediaError.
 
 FFmpeg and OpenCV complain on stderr about broken files; while this module reads,
 OpenCV's log level is set to silent and FFmpeg's ``av_log`` level to quiet (found in
@@ -43,6 +49,7 @@ import bisect
 import contextlib
 import ctypes
 import glob
+import http.client
 import math
 import os
 import re
@@ -50,20 +57,31 @@ import tempfile
 import threading
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-import cv2
 import numpy as np
 import PIL.Image
 
 from .errors import ConfigError, MediaError
-from .media import MAX_PIXELS, Image, ImageInput, data_uri_bytes, load_image, local_path
+from .media import (
+    ACCEPTED_IMAGES,
+    MAX_PIXELS,
+    Image,
+    ImageInput,
+    data_uri_bytes,
+    from_pil,
+    load_image,
+    local_path,
+    open_pil,
+    regular_file,
+)
 
 if TYPE_CHECKING:
+    import cv2  # imported where a video is read: `import gguf_mcv` must not load OpenCV
+
     from .hardware import Hardware
 
 __all__ = [
@@ -93,6 +111,14 @@ SEEK_MIN_GAP = 120
 MAX_CONSECUTIVE_MISSES = 8
 #: A sequential scan (unknown frame count) stops after this many frames, ~90 h at 30 fps.
 MAX_SCAN_FRAMES = 10_000_000
+#: Remote videos larger than this are refused (``allow_remote=True``).
+MAX_REMOTE_BYTES = 500_000_000
+REMOTE_TIMEOUT_S = 20.0
+#: Pixels sampling an animated image (GIF, WebP, APNG, multi-page TIFF) may decode: Pillow
+#: composites every frame on the full canvas at ~2-5 ns a pixel, so this is a few seconds.
+MAX_ANIMATION_PIXELS = 2_000_000_000
+#: What one frame costs at least, in pixels: Pillow's fixed work per frame (~40 µs).
+_MIN_FRAME_COST_PIXELS = 16_384
 #: GIF frame delays at or below this (ms) play as 100 ms, as browsers do.
 _MIN_GIF_DELAY_MS = 10
 _MAX_DURATION_S = 7 * 24 * 3600
@@ -177,7 +203,8 @@ def default_max_frames(hardware: Hardware | None = None) -> int:
 
 def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: float | None = 1.0,
                   dedupe: bool = True, threshold: float = DEFAULT_THRESHOLD,
-                  max_side: int | None = None, frame_rate: float | None = None) -> Frames:
+                  max_side: int | None = None, frame_rate: float | None = None,
+                  allow_remote: bool = False) -> Frames:
     """Sample ``video`` into at most ``max_frames`` frames, about ``fps`` per second.
 
     ``max_frames`` defaults to :func:`default_max_frames`; ``fps=None`` spreads
@@ -185,6 +212,7 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
     last kept one by less than ``threshold`` (the first frame is always kept).
     ``max_side`` scales kept frames down (aspect kept). ``frame_rate`` is the playback
     rate of a folder, list or array (default 1 frame per second); files carry their own.
+    An ``http(s)`` URL is downloaded (at most ``MAX_REMOTE_BYTES``) only with ``allow_remote``.
     Raises :class:`MediaError` naming the input when nothing usable can be read.
     """
     if max_frames is None:
@@ -197,8 +225,11 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
         raise ConfigError(f"frame_rate must be between 0.01 and 1000, not {frame_rate}.")
     _check_rates(fps, max_frames)
     opts = _Opts(max_frames, fps, max_side)
-    if isinstance(video, (bytes, bytearray)) or (isinstance(video, str) and video.startswith("data:")):
+    if isinstance(video, (bytes, bytearray, memoryview)) or (
+            isinstance(video, str) and video.startswith("data:")):
         frames = _from_bytes(video, opts)
+    elif isinstance(video, str) and _is_remote(video):
+        frames = _from_url(video, opts, allow_remote)
     elif isinstance(video, str) and video.lower().startswith("file://"):
         local = urllib.request.url2pathname(urllib.parse.urlsplit(video).path)
         frames = _from_file(local_path(local, "Video"), video, opts)
@@ -218,7 +249,8 @@ def sample_frames(video: VideoInput, *, max_frames: int | None = None, fps: floa
     else:
         raise MediaError(
             f"Unsupported video input of type {type(video).__name__}: pass a video file path, "
-            "a folder of images, a list of images or a T×H×W×3 uint8 numpy array."
+            "a file:// URL, a data: URI, the file's bytes, a folder of images, a list of images "
+            f"(each one {ACCEPTED_IMAGES}) or a T×H×W×3 uint8 numpy array."
         )
     return _dedupe(frames, threshold) if dedupe else frames
 
@@ -245,6 +277,8 @@ def _valid_fps(fps: float) -> bool:
 
 
 def _fit(rgb: np.ndarray, max_side: int | None) -> np.ndarray:
+    import cv2
+
     h, w = rgb.shape[:2]
     if max_side is None or max(h, w) <= max_side:
         return rgb
@@ -302,13 +336,46 @@ def _from_stills(items: list[Any], name: str, rate: float, opts: _Opts) -> Frame
                   total_frames=total, source=name)
 
 
-def _from_bytes(video: bytes | bytearray | str, opts: _Opts) -> Frames:
+def _is_remote(text: str) -> bool:
+    return urllib.parse.urlsplit(text).scheme.lower() in ("http", "https")
+
+
+def _from_url(url: str, opts: _Opts, allow_remote: bool) -> Frames:
+    """A video at an ``http(s)`` URL: downloaded into a temporary file, if allowed."""
+    if not allow_remote:
+        raise MediaError(
+            f"Refusing to fetch remote video {url}: remote URLs are off. Download it and pass "
+            "the file (or its bytes), or allow remote media: sample_frames(..., "
+            "allow_remote=True), or gguf_mcv.load(..., allow_remote_media=True) for a Model."
+        )
+    with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
+        path = Path(folder) / "video"
+        _download(url, path)
+        return _from_file(path, url, opts)
+
+
+def _download(url: str, path: Path) -> None:
+    try:
+        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp, path.open("wb") as out:
+            copied = 0
+            while chunk := resp.read(1 << 20):
+                copied += len(chunk)
+                if copied > MAX_REMOTE_BYTES:
+                    raise MediaError(f"Remote video {url} is larger than {MAX_REMOTE_BYTES:,} bytes: "
+                                     "download it yourself and pass the file.")
+                out.write(chunk)
+    except (OSError, http.client.HTTPException) as exc:
+        raise MediaError(f"Could not fetch video {url}: {exc}.") from exc
+
+
+def _from_bytes(video: bytes | bytearray | memoryview | str, opts: _Opts) -> Frames:
     """A video given as bytes or a ``data:`` URI: decoded through a temporary file (OpenCV needs one)."""
     if isinstance(video, str):
         name = video[:40] + "…"
         data = data_uri_bytes(video)
     else:
-        name, data = f"<{len(video)} bytes of video>", bytes(video)
+        data = bytes(video)
+        name = f"<{len(data)} bytes of video>"
     if not data:
         raise MediaError(f"Video {name} is empty (0 bytes).")
     with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
@@ -318,10 +385,7 @@ def _from_bytes(video: bytes | bytearray | str, opts: _Opts) -> Frames:
 
 
 def _from_file(path: Path, name: str, opts: _Opts) -> Frames:
-    if not path.exists():
-        raise MediaError(f"Video file {name} does not exist: check the path.")
-    if not path.is_file():
-        raise MediaError(f"Video {name} is not a regular file.")
+    regular_file(path, "Video")  # never open a FIFO or a device
     try:
         with path.open("rb") as f:
             head = f.read(16)
@@ -342,27 +406,20 @@ def _is_image(head: bytes) -> bool:
 
 
 def _from_image_file(path: Path, name: str, opts: _Opts) -> Frames:
+    """An image file: an animation's frames by their delays, or a still as one frame.
+
+    Pillow composites every frame of an animation onto the full canvas, however small
+    the frame, and can only reach a frame by decoding all those before it; the
+    :class:`_PixelBudget` bounds that work (and refuses at once what cannot fit in it).
+    """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-            im = PIL.Image.open(path)
-        with im:
-            if im.width * im.height > MAX_PIXELS:
-                raise MediaError(f"Video {name} has {im.width}×{im.height}-pixel frames, over "
-                                 f"the {MAX_PIXELS:,}-pixel limit.")
-            starts_ms, t_ms = [], 0
-            for i in range(getattr(im, "n_frames", 1)):
-                im.seek(i)
-                starts_ms.append(t_ms)
-                delay = int(im.info.get("duration") or 0)
-                t_ms += delay if delay > _MIN_GIF_DELAY_MS else 100
-            starts, t = [ms / 1000 for ms in starts_ms], t_ms / 1000
-            picked = _pick_by_time(starts, t, opts)
-            frames = []
-            for i in picked:
-                im.seek(i)
-                rgb = load_image(im).rgb
-                frames.append(_frame(i, starts[i], rgb, name, opts.max_side))
+        with open_pil(path) as im:
+            n_frames = getattr(im, "n_frames", 1)
+            budget = _PixelBudget(name, im.size, n_frames)
+            starts, duration = _frame_starts(im, n_frames, budget)
+            picked = _pick_by_time(starts, duration, opts)
+            frames = [_frame(i, starts[i], rgb, name, opts.max_side)
+                      for i, rgb in _decode_frames(im, picked, budget, name)]
     except MediaError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -371,8 +428,79 @@ def _from_image_file(path: Path, name: str, opts: _Opts) -> Frames:
         raise MediaError(
             f"Video {name} could not be decoded ({type(exc).__name__}: {exc})."
         ) from exc
-    return Frames(frames, sampled=len(frames), duration=t, native_fps=len(starts) / t,
-                  total_frames=len(starts), source=name)
+    return Frames(frames, sampled=len(frames), duration=duration,
+                  native_fps=len(starts) / duration, total_frames=len(starts), source=name)
+
+
+class _PixelBudget:
+    """The pixels an animated image may cost to sample, spent frame by frame as decoded.
+
+    Sampling walks the frames twice (once for their delays, once up to the last
+    sampled frame) and converts each sampled frame once. Refuses at once an animation
+    whose two walks alone exceed :data:`MAX_ANIMATION_PIXELS`.
+    """
+
+    def __init__(self, name: str, canvas: tuple[int, int], n_frames: int) -> None:
+        self.name, self.left = name, MAX_ANIMATION_PIXELS
+        self._check_frame(canvas)
+        need = 2 * n_frames * self._cost(canvas)
+        if need > self.left:
+            w, h = canvas
+            raise MediaError(
+                f"Video {name} is an animation of {n_frames:,} frames on a {w}×{h} canvas: "
+                f"sampling it means compositing every frame on the whole canvas, twice (about "
+                f"{need:,} pixels' work), over the {MAX_ANIMATION_PIXELS:,}-pixel limit. Scale it "
+                "down or cut it shorter first (e.g. with ffmpeg)."
+            )
+
+    def spend(self, size: tuple[int, int]) -> None:
+        """Account for decoding one frame of ``size``; MediaError once the budget is spent."""
+        self._check_frame(size)
+        self.left -= self._cost(size)
+        if self.left < 0:
+            raise MediaError(
+                f"Video {self.name} needs more than {MAX_ANIMATION_PIXELS:,} pixels decoded to "
+                "sample its frames: scale it down or cut it shorter first (e.g. with ffmpeg)."
+            )
+
+    def _check_frame(self, size: tuple[int, int]) -> None:
+        w, h = size
+        if w * h > MAX_PIXELS:
+            raise MediaError(f"Video {self.name} has {w}×{h}-pixel frames, over the "
+                             f"{MAX_PIXELS:,}-pixel limit.")
+
+    @staticmethod
+    def _cost(size: tuple[int, int]) -> int:
+        return max(size[0] * size[1], _MIN_FRAME_COST_PIXELS)
+
+
+def _seek(im: PIL.Image.Image, index: int, budget: _PixelBudget) -> None:
+    im.seek(index)
+    budget.spend(im.size)  # a TIFF page may be larger than the first
+    im.load()  # WebP sets a frame's duration only when it is decoded
+
+
+def _frame_starts(im: PIL.Image.Image, n_frames: int,
+                  budget: _PixelBudget) -> tuple[list[float], float]:
+    """When each frame starts (s) and the total duration, from the per-frame delays."""
+    starts, t_ms = [], 0
+    for i in range(n_frames):
+        _seek(im, i, budget)
+        starts.append(t_ms / 1000)
+        delay = int(im.info.get("duration") or 0)
+        t_ms += delay if delay > _MIN_GIF_DELAY_MS else 100
+    return starts, t_ms / 1000
+
+
+def _decode_frames(im: PIL.Image.Image, picked: list[int], budget: _PixelBudget,
+                   name: str) -> Iterator[tuple[int, np.ndarray]]:
+    """``(index, rgb)`` of the ``picked`` frames, walking from the first frame only once."""
+    wanted = set(picked)
+    for i in range(max(picked) + 1):
+        _seek(im, i, budget)
+        if i in wanted:
+            budget.spend(im.size)  # the conversion to RGB
+            yield i, from_pil(im, f"{name}#{i}").rgb
 
 
 def _pick_by_time(starts: list[float], duration: float, opts: _Opts) -> list[int]:
@@ -388,6 +516,8 @@ def _pick_by_time(starts: list[float], duration: float, opts: _Opts) -> list[int
 
 
 def _from_video(path: Path, name: str, opts: _Opts) -> Frames:
+    import cv2
+
     opened: list[cv2.VideoCapture] = []
 
     def reopen() -> cv2.VideoCapture:
@@ -438,6 +568,8 @@ def _read_known(cap: cv2.VideoCapture, reopen: Callable[[], cv2.VideoCapture], t
 
 
 def _open(path: Path, name: str) -> cv2.VideoCapture:
+    import cv2
+
     # FFmpeg by name: CAP_ANY would let the image-sequence backend read "%d" in file names.
     backend = cv2.CAP_FFMPEG if cv2.videoio_registry.hasBackend(cv2.CAP_FFMPEG) else cv2.CAP_ANY
     cap = cv2.VideoCapture(str(path), backend)
@@ -450,6 +582,8 @@ def _open(path: Path, name: str) -> cv2.VideoCapture:
 
 
 def _fourcc(cap: cv2.VideoCapture) -> str:
+    import cv2
+
     value = cap.get(cv2.CAP_PROP_FOURCC)
     code = int(value) if math.isfinite(value) and value > 0 else 0
     text = "".join(chr((code >> 8 * k) & 0xFF) for k in range(4))
@@ -457,6 +591,8 @@ def _fourcc(cap: cv2.VideoCapture) -> str:
 
 
 def _rgb(cap: cv2.VideoCapture, max_side: int | None) -> np.ndarray | None:
+    import cv2
+
     ok, bgr = cap.retrieve()
     if not ok or bgr is None or bgr.ndim != 3 or bgr.shape[2] != 3:
         return None
@@ -470,6 +606,8 @@ class _SeekMismatch(Exception):
 def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | None,
                   *, seek: bool) -> tuple[list[tuple[int, np.ndarray]], int]:
     """Decode the ``planned`` frames (ascending): ``(index, rgb)`` pairs and how many failed."""
+    import cv2
+
     out: list[tuple[int, np.ndarray]] = []
     pos = 0  # the frame the next grab() returns
     misses = 0  # in a row
@@ -540,6 +678,8 @@ def _scan(cap: cv2.VideoCapture, native: float | None,
 
 
 def _thumb(rgb: np.ndarray) -> np.ndarray:
+    import cv2
+
     return cv2.resize(rgb, _THUMB, interpolation=cv2.INTER_AREA).astype(np.float32)
 
 
@@ -573,6 +713,8 @@ _avutil: ctypes.CDLL | None | bool = False  # False: not looked up yet
 
 def _find_avutil() -> ctypes.CDLL | None:
     """The ``libavutil`` OpenCV's FFmpeg backend uses, if it is a separate shared library."""
+    import cv2
+
     candidates: list[str] = []
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as maps:  # Linux: exactly the copy loaded in this process
@@ -593,6 +735,8 @@ def _find_avutil() -> ctypes.CDLL | None:
 def _quiet() -> Iterator[None]:
     """Silence OpenCV's logger and FFmpeg's ``av_log`` while inside; restore on the way out."""
     global _quiet_depth, _saved, _avutil
+    import cv2
+
     with _quiet_lock:
         if _quiet_depth == 0:
             cv_level = cv2.utils.logging.getLogLevel()

@@ -1,10 +1,15 @@
-"""Every image input kind and every bad-media case, without loading a model."""
+"""Every image input kind and every bad-media case (a model only for the last few)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import re
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+import gguf_mcv
 from gguf_mcv.errors import MediaError
 from gguf_mcv.media import MAX_PIXELS, Image, load_image
 
@@ -23,6 +29,7 @@ def encode(img: PIL.Image.Image, fmt: str, **kw) -> bytes:
 
 
 RGB = PIL.Image.new("RGB", (40, 30), (200, 100, 50))
+CODE_ROOT = str(Path(gguf_mcv.__file__).resolve().parent.parent)
 
 
 def test_path_str_path_url_bytes_data_uri_pil_numpy_agree(tmp_path: Path) -> None:
@@ -142,6 +149,8 @@ def test_bad_locators(tmp_path: Path) -> None:
         load_image(text)
     with pytest.raises(MediaError, match="Unsupported image input"):
         load_image(3.14)
+    with pytest.raises(MediaError, match="not a usable file name"):
+        load_image("cat\x00.png")
 
 
 def test_media_error_is_a_value_error() -> None:
@@ -156,3 +165,128 @@ def test_resizing_helpers_keep_aspect() -> None:
     assert image.resized_to_fit(4000) is image
     assert image.resized_to(20, 10).rgb.shape == (10, 20, 3)
     assert image.resized_to(2000, 1000) is image
+
+
+# --- files that are not images, or not files at all --------------------------------------------
+
+MEASURE = """
+import json, resource, sys, time
+from gguf_mcv.errors import MediaError
+from gguf_mcv.media import load_image
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+try:
+    load_image(sys.argv[1])
+    outcome = "decoded"
+except MediaError as exc:
+    outcome = str(exc)
+print(json.dumps({"outcome": outcome, "seconds": time.perf_counter() - start,
+                  "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}))
+"""
+
+
+def load_in_child(path: Path) -> dict:
+    """load_image(path) in a fresh process: its outcome, time and peak-memory growth."""
+    env = {**os.environ, "PYTHONPATH": CODE_ROOT}  # the gguf_mcv this test imported
+    run = subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True,
+                         text=True, timeout=120, env=env, check=False)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def sparse(path: Path, size: int, head: bytes = b"") -> Path:
+    """A file of ``size`` bytes that starts with ``head`` and takes no disk space for the rest."""
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(size)
+    return path
+
+
+@pytest.mark.parametrize("size,head,match", [
+    (3 * 2**30, b"", "GiB"),  # over the file-size limit: refused before anything is read
+    (900 * 2**20, b"", "could not be decoded"),  # under it: only the header is read
+    (900 * 2**20, png_header_only(64, 64), "could not be decoded"),  # a real header, junk after
+], ids=["3GiB-zeros", "900MiB-zeros", "900MiB-png-header"])
+def test_huge_file_is_refused_quickly_without_reading_it(tmp_path: Path, size: int, head: bytes,
+                                                         match: str) -> None:
+    result = load_in_child(sparse(tmp_path / "big.jpg", size, head))
+    assert re.search(match, result["outcome"]), result
+    assert result["seconds"] < 10, result
+    assert result["grew_mib"] < 200, result  # reading the file would cost its size
+
+
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "pipe.png"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+@pytest.mark.timeout(20)  # opening the FIFO for reading would wait for a writer forever
+def test_fifo_and_devices_are_refused_as_what_they_are(tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="is a FIFO"):
+        load_image(fifo(tmp_path))
+    for device in ("/dev/zero", "/dev/null"):
+        if os.path.exists(device):
+            with pytest.raises(MediaError, match="is a character device, not a file"):
+                load_image(device)
+
+
+def test_memoryview_is_bytes_and_other_types_name_what_is_accepted() -> None:
+    data = encode(RGB, "PNG")
+    assert load_image(memoryview(data)).digest == load_image(data).digest
+    for wrong in ({"url": "cat.png"}, 3.14, None, ["cat.png"]):
+        with pytest.raises(MediaError, match="pass a file path .* a PIL image or an H×W×3 uint8"):
+            load_image(wrong)
+
+
+# --- PIL images the caller already opened --------------------------------------------------------
+
+
+def test_closed_pil_image_is_a_media_error(tmp_path: Path) -> None:
+    path = tmp_path / "a.png"
+    RGB.save(path)
+    pil = PIL.Image.open(path)
+    pil.close()
+    with pytest.raises(MediaError, match="PIL image"):
+        load_image(pil)
+
+
+def lazy_on_truncated_file(tmp_path: Path) -> PIL.Image.Image:
+    """A PIL image opened lazily (header read, pixels not) on a file cut short afterwards."""
+    path = tmp_path / "cut.png"
+    path.write_bytes(encode(PIL.Image.fromarray(np.random.default_rng(3).integers(
+        0, 256, (64, 64, 3), dtype=np.uint8)), "PNG"))
+    pil = PIL.Image.open(path)
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    return pil
+
+
+def test_lazy_pil_image_on_a_truncated_file_is_a_media_error(tmp_path: Path) -> None:
+    with pytest.raises(MediaError, match="PIL image"):
+        load_image(lazy_on_truncated_file(tmp_path))
+
+
+# --- through a model ---------------------------------------------------------------------------------
+
+
+def test_model_ask_turns_bad_pil_images_into_media_errors(tiny_model, tmp_path: Path) -> None:
+    closed = PIL.Image.new("RGB", (8, 8))
+    closed_file = tmp_path / "c.png"
+    closed.save(closed_file)
+    closed = PIL.Image.open(closed_file)
+    closed.close()
+    for bad in (closed, lazy_on_truncated_file(tmp_path)):
+        with pytest.raises(MediaError):
+            tiny_model.ask("?", bad, max_tokens=1)
+
+
+@pytest.mark.parametrize("size", [(1, 100_000), (100_000, 1), (3, 60_000), (40, 100_000)])
+def test_extreme_aspect_ratio_is_answered_in_one_slice(tiny_model, size: tuple[int, int]) -> None:
+    # libmtmd itself refuses these ("resize target 14x100002 is out of range")
+    rgb = np.random.default_rng(1).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    low = tiny_model.ask("?", rgb, max_tokens=1, detail="low").usage.image_tokens
+    for detail in ("auto", "high"):
+        assert tiny_model.ask("?", rgb, max_tokens=1, detail=detail).usage.image_tokens == low
+    assert tiny_model.ask("?", rgb, max_tokens=1, max_slices=9).usage.image_tokens == low

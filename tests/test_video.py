@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
 import time
 import tracemalloc
@@ -14,6 +15,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+import gguf_mcv
 from gguf_mcv import video
 from gguf_mcv.errors import ConfigError, MediaError
 from gguf_mcv.hardware import Gpu, Hardware
@@ -29,6 +31,7 @@ from gguf_mcv.video import (
 )
 
 W, H = 128, 96
+CODE_ROOT = str(Path(gguf_mcv.__file__).resolve().parent.parent)
 
 # --- writing test videos ------------------------------------------------------------------
 
@@ -377,6 +380,8 @@ def test_empty_inputs_raise(tmp_path: Path) -> None:
         sample_frames(empty, max_frames=4)
     with pytest.raises(MediaError, match="int"):
         sample_frames(42, max_frames=4)  # type: ignore[arg-type]
+    with pytest.raises(MediaError, match="not a usable file name"):
+        sample_frames("clip\x00.mp4", max_frames=4)
 
 
 def test_bad_settings_raise() -> None:
@@ -656,3 +661,153 @@ def test_video_as_bytes_and_data_uri(tmp_path) -> None:
     assert len(from_bytes) == 3
     with pytest.raises(MediaError, match="empty"):
         sample_frames(b"")
+
+
+# --- animations that cost far more to decode than their size on disk ---------------------------
+
+
+def _load_tool():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "make_bad_inputs.py"
+    spec = importlib.util.spec_from_file_location("make_bad_inputs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bad_inputs = _load_tool()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["gif_huge_canvas", "webp_huge_canvas"])
+def test_huge_canvas_animation_is_refused_quickly(tmp_path: Path, make: str) -> None:
+    data = getattr(bad_inputs, make)(8000, 8000, 300)  # 300 tiny frames on a 64-Mpixel canvas
+    assert len(data) < 20_000
+    path = written(tmp_path / ("bomb.gif" if make.startswith("gif") else "bomb.webp"), data)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(MediaError, match="300 frames on a 8000×8000 canvas"):
+            sample_frames(path, max_frames=8)
+        with pytest.raises(MediaError, match="canvas"):
+            sample_frames(data, max_frames=8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - start < 10  # each frame costs a pass over 64 Mpixels: minutes
+    assert peak < 50_000_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["gif_huge_canvas", "webp_huge_canvas"])
+def test_large_canvas_animation_within_the_limit_is_sampled(make: str) -> None:
+    data = getattr(bad_inputs, make)(1500, 1000, 60)  # 6 s at 100 ms a frame
+    start = time.perf_counter()
+    frames = sample_frames(data, max_frames=4, dedupe=False, max_side=448)
+    assert time.perf_counter() - start < 10
+    assert [f.index for f in frames] == [7, 22, 37, 52]
+    assert frames.duration == pytest.approx(6.0) and frames.total_frames == 60
+    assert all(f.image.rgb.shape == (299, 448, 3) for f in frames)
+
+
+def test_animation_limit_counts_every_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bad_inputs.gif_huge_canvas(100, 100, 40)
+    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 - 1)  # one walk too few
+    with pytest.raises(MediaError, match="40 frames on a 100×100 canvas"):
+        sample_frames(data, max_frames=4)
+    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 + 1)  # no room to convert
+    assert len(sample_frames(data, max_frames=4, dedupe=False)) == 4  # walks 40 + 36, converts 4
+    with pytest.raises(MediaError, match="pixels decoded"):
+        sample_frames(data, max_frames=40, fps=None)  # would convert all 40
+
+
+def test_animated_webp_uses_per_frame_delays(tmp_path: Path) -> None:
+    path = tmp_path / "anim.webp"
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS]
+    pics[0].save(path, save_all=True, append_images=pics[1:], loop=0, lossless=True,
+                 duration=[500, 500, 1000, 1000, 500, 500])
+    frames = sample_frames(path, max_frames=64, dedupe=False)
+    assert [f.index for f in frames] == [1, 2, 3, 5]
+    assert [f.timestamp for f in frames] == [0.5, 1.0, 2.0, 3.5]
+    assert [tuple(f.image.rgb[0, 0]) for f in frames] == [COLOURS[i] for i in (1, 2, 3, 5)]
+
+
+# --- inputs that are not videos, or not files ------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+@pytest.mark.timeout(20)  # opening the FIFO for reading would wait for a writer forever
+def test_fifo_and_devices_are_refused_as_what_they_are(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe.mp4"
+    os.mkfifo(pipe)
+    for src in (pipe, str(pipe), pipe.as_uri()):
+        with pytest.raises(MediaError, match="is a FIFO"):
+            sample_frames(src, max_frames=4)
+    for device in ("/dev/zero", "/dev/null"):
+        if os.path.exists(device):
+            with pytest.raises(MediaError, match="is a character device, not a file"):
+                sample_frames(device, max_frames=4)
+
+
+def test_memoryview_is_bytes_and_other_types_name_what_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "anim.gif"
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS[:3]]
+    pics[0].save(path, save_all=True, append_images=pics[1:], duration=1000, loop=0)
+    data = path.read_bytes()
+    assert len(sample_frames(memoryview(data), max_frames=4, dedupe=False)) == 3
+    with pytest.raises(MediaError, match="video file path.*numpy array"):
+        sample_frames({"url": str(path)}, max_frames=4)  # type: ignore[arg-type]
+
+
+def serve(folder: Path) -> tuple[str, Callable[[], None]]:
+    """An HTTP server on localhost for ``folder``: its URL and how to stop it."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}", stop
+
+
+def test_remote_video_url_says_how_to_allow_it(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS[:3]]
+    pics[0].save(tmp_path / "clip.gif", save_all=True, append_images=pics[1:], duration=1000)
+    url, stop = serve(tmp_path)
+    try:
+        with pytest.raises(MediaError, match=r"remote URLs are off.*allow_remote=True"):
+            sample_frames(f"{url}/clip.gif", max_frames=4)
+        frames = sample_frames(f"{url}/clip.gif", max_frames=4, dedupe=False, allow_remote=True)
+        assert len(frames) == 3 and frames.source == f"{url}/clip.gif"
+        with pytest.raises(MediaError, match="Could not fetch video"):
+            sample_frames(f"{url}/missing.mp4", max_frames=4, allow_remote=True)
+    finally:
+        stop()
+
+
+# --- habits ------------------------------------------------------------------------------------------
+
+
+def test_importing_gguf_mcv_does_not_import_opencv() -> None:
+    import subprocess
+    import sys
+
+    check = "import gguf_mcv, sys; assert 'cv2' not in sys.modules, 'cv2 imported'"
+    env = {**os.environ, "PYTHONPATH": CODE_ROOT}  # the gguf_mcv this test imported
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr

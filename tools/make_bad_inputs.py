@@ -5,9 +5,12 @@
 
 Every item is generated here, from a few seeded base files (nothing binary is committed):
 images (truncated, empty, mislabelled, odd modes, declared-huge, extreme aspect, animated,
-EXIF-rotated, bad CRC...), videos written with OpenCV and then damaged (truncated, no frames,
-no video stream, absurd fps/frame-count metadata) and GGUF files derived from the tiny
-synthetic model (truncated, bytes flipped, metadata patched, mismatched projectors).
+EXIF-rotated, bad CRC, huge animation canvas...), videos written with OpenCV and then damaged
+(truncated, no frames, no video stream, absurd fps/frame-count metadata) or animations that
+cost far more to decode than their size (tiny frames on a huge canvas), and GGUF files
+derived from the tiny synthetic model (truncated, bytes flipped, metadata patched,
+mismatched projectors). Damaged embedding-cache entries are not files the public API
+takes, so tests/test_embed_cache.py covers them instead.
 
 ``OUT_DIR/manifest.json`` lists each item: ``name``, ``kind`` (image | video | model |
 mmproj), ``path`` (relative to OUT_DIR), ``what`` it is, the ``expected`` outcome through
@@ -415,6 +418,38 @@ def dds_unknown_fourcc() -> bytes:
     return b"DDS " + struct.pack("<I", 124) + header + bytes(64)
 
 
+def gif_huge_canvas(width: int, height: int, frames: int) -> bytes:
+    """An animated GIF: a ``width``×``height`` canvas and ``frames`` 1×1 frames (a few KB on disk).
+
+    Written by hand: Pillow's writer needs every frame as a full-canvas image in memory.
+    """
+    screen = struct.pack("<6sHHBBB", b"GIF89a", width, height, 0x80, 0, 0)  # 2-colour table
+    body = bytearray(screen + b"\x00\x00\x00\xff\xff\xff")
+    body += b"\x21\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"  # loop forever
+    for i in range(frames):
+        body += b"\x21\xf9\x04\x00" + struct.pack("<H", 10) + b"\x00\x00"  # 100 ms
+        x, y = (i * 37) % width, (i * 91) % height
+        body += b"\x2c" + struct.pack("<HHHHB", x, y, 1, 1, 0)
+        body += bytes([2, 2, 0x44 | (i % 2) << 3, 0x01, 0])  # LZW: clear, colour i % 2, end
+    return bytes(body + b"\x3b")
+
+
+def webp_huge_canvas(width: int, height: int, frames: int) -> bytes:
+    """An animated WebP: a ``width``×``height`` canvas and ``frames`` 2×2 frames (a few KB)."""
+    import PIL.Image
+
+    still = _encode(PIL.Image.new("RGB", (2, 2), (250, 20, 20)), "WEBP", lossless=True)
+    bitstream = still[12:]  # the VP8L chunk of a one-frame WebP
+    vp8x = struct.pack("<B3x", 0x02) + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    chunks = _riff_chunk(b"VP8X", vp8x) + _riff_chunk(b"ANIM", struct.pack("<IH", 0xFFFFFFFF, 0))
+    for i in range(frames):
+        x, y = (i * 38) % (width - 2) // 2, (i * 92) % (height - 2) // 2  # offsets are stored halved
+        header = (x.to_bytes(3, "little") + y.to_bytes(3, "little") + (1).to_bytes(3, "little")
+                  + (1).to_bytes(3, "little") + (100).to_bytes(3, "little") + b"\x00")
+        chunks += _riff_chunk(b"ANMF", header + bitstream)
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WEBP" + chunks
+
+
 _add("gif_cut_in_frame2", "gif_cut_frame2.gif", "image",
      "a 3-frame GIF cut inside the second frame's header (the first frame is intact)", "answer",
      _derived(lambda ctx: gif_cut_in_frame2()), size=(8, 8))
@@ -424,6 +459,15 @@ _add("tiff_bad_second_ifd", "bad_ifd2.tif", "image",
 _add("dds_unknown_fourcc", "texture.dds", "image",
      "a DDS texture with a pixel format Pillow does not implement (FourCC 'XYZW')", "error",
      _derived(lambda ctx: dds_unknown_fourcc()), MEDIA)
+_add("gif_huge_canvas", "huge_canvas.gif", "image",
+     "a 7 KB GIF: 300 1×1 frames on a 4000×4000 canvas (only the first frame is decoded)",
+     "answer", _derived(lambda ctx: gif_huge_canvas(4000, 4000, 300)), size=(4000, 4000))
+_add("gif_canvas_over_limit", "canvas_9000.gif", "image",
+     "a GIF whose canvas is 9000×9000 (81 Mpixels, over MAX_PIXELS) with two 1×1 frames", "error",
+     _derived(lambda ctx: gif_huge_canvas(9000, 9000, 2)), MEDIA)
+_add("tall_1x100000", "tall_1x100000.png", "image",
+     "a 1×100000 PNG (libmtmd cannot slice it: fitted in one slice)", "answer",
+     _derived(lambda ctx: _encode(_base_rgb(1, 100_000, seed=6), "PNG")), size=(1, 100_000))
 
 
 # --- videos ------------------------------------------------------------------------------------
@@ -480,6 +524,16 @@ _add("gif_cut_in_frame2_video", "gif_cut_frame2_video.gif", "video",
 _add("tiff_bad_second_ifd_video", "bad_ifd2_video.tif", "video",
      "the TIFF whose second IFD has no dimensions, as a video", "error",
      _derived(lambda ctx: tiff_bad_second_ifd()), MEDIA)
+_add("gif_huge_canvas_video", "huge_canvas_video.gif", "video",
+     "a 7 KB GIF: 300 1×1 frames on a 4000×4000 canvas, as a video (compositing every frame "
+     "on the canvas would cost ~10^10 pixels: refused before decoding)", "error",
+     _derived(lambda ctx: gif_huge_canvas(4000, 4000, 300)), MEDIA)
+_add("webp_huge_canvas_video", "huge_canvas_video.webp", "video",
+     "a 15 KB animated WebP: 300 2×2 frames on a 4000×4000 canvas, as a video", "error",
+     _derived(lambda ctx: webp_huge_canvas(4000, 4000, 300)), MEDIA)
+_add("gif_large_canvas_video", "large_canvas_video.gif", "video",
+     "a GIF: 60 1×1 frames on a 1500×1000 canvas, as a video (within the limit: sampled)",
+     "answer", _derived(lambda ctx: gif_huge_canvas(1500, 1000, 60)))
 _add("text_as_mp4", "notes.mp4", "video", "a UTF-8 text file named .mp4", "error",
      _write("Not a video at all.\n".encode() * 50), MEDIA)
 _add("jpeg_as_mp4", "still.mp4", "video", "a JPEG named .mp4 (read as a one-frame video)", "answer",
