@@ -440,7 +440,8 @@ class Engine:
         unit = prompt.units[index]
         assert isinstance(unit, ImageUnit)
         chunk = prompt._image_chunks[index]
-        embd = self.embed_cache.get(unit.key)
+        n_values = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk)) * self.n_embd
+        embd = self.embed_cache.get(unit.key, n_values=n_values)  # a wrong-sized entry is a miss
         if embd is None:
             start = time.perf_counter()
             embd = self._encode(chunk, unit)

@@ -148,7 +148,8 @@ class TurnBuilder:
         many fit, before anything is encoded.
         """
         sampled = {id(v): sample_frames(v.source, max_frames=options.max_frames, fps=options.fps,
-                                        dedupe=options.dedupe, max_side=self.slice_size)
+                                        dedupe=options.dedupe, max_side=self.slice_size,
+                                        allow_remote=self.allow_remote_media)
                    for v in parts if isinstance(v, Video)}
         counts = FrameCounts(sampled=sum(f.sampled for f in sampled.values()),
                              dropped=sum(f.dropped for f in sampled.values()))

@@ -171,17 +171,7 @@ def cached_model(tiny, tmp_path_factory: pytest.TempPathFactory):
     model.close()
 
 
-# Without the expected length (engine.py passing n_values to get), an entry of the wrong
-# length with a valid checksum would be used: libmtmd then reads too few or too many floats.
-NEEDS_LENGTH = {"shorter", "longer"}
-
-
-@pytest.mark.parametrize("damage", [
-    pytest.param(d, id=d.__name__, marks=[pytest.mark.xfail(
-        reason="engine.py does not yet pass n_values to EmbeddingCache.get", strict=False)]
-        if d.__name__ in NEEDS_LENGTH else [])
-    for d in DAMAGE if d.__name__ != "shorter"  # too short a buffer may crash, not just fail
-])
+@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__ for d in DAMAGE])
 def test_damaged_entry_is_encoded_again_and_the_answer_is_unchanged(cached_model, damage) -> None:
     model, cache, folder = cached_model
     for old in folder.glob("*" + DISK_SUFFIX):
