@@ -116,7 +116,8 @@ class Stream(Iterator[str]):
             try:
                 return next(self._pieces)
             except StopIteration as done:
-                self.reply = done.value
+                if self.reply is None:  # a second reader past the end gets no value
+                    self.reply = done.value
                 raise
 
     def close(self) -> None:

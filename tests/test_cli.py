@@ -84,6 +84,76 @@ def test_chat_session_with_commands(tiny, picture: Path) -> None:
     assert "(no such file" in done.stderr
 
 
+def test_chat_keeps_the_session_when_the_context_fills(tiny, picture: Path) -> None:
+    """Issue 17.13: a ContextOverflowError ended `gguf-mcv chat` and the conversation was lost."""
+    questions = "".join(f"/image {picture}\nQuestion number {i}?\n" for i in range(8))
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--ctx", "512", "--max-tokens", "8",
+               stdin=questions + "Still there?\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "oldest question(s)" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stdout.strip().splitlines()) >= 9  # every question, the last one included, got an answer
+
+
+def test_chat_says_when_one_question_cannot_fit(tiny, picture: Path) -> None:
+    huge = "word " * 600
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--ctx", "256", "--max-tokens", "2",
+               stdin=f"{huge}\nshort?\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "does not fit in the context" in done.stderr and "conversation is kept" in done.stderr
+
+
+def test_invalid_utf8_in_an_argument_is_one_line(tiny) -> None:
+    """Issue 17.14: it raised a raw UnicodeEncodeError."""
+    done = subprocess.run([sys.executable, "-m", "gguf_mcv", "ask", os.fsencode(str(tiny.quants["Q4_K_M"])),
+                           b"What is \xff\xfe?", "--max-tokens", "1"], capture_output=True, timeout=180)
+    assert done.returncode == 1
+    err = done.stderr.decode(errors="replace").strip().splitlines()
+    assert len(err) == 1 and "not valid Unicode" in err[0]
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--ctx", "0"), "n_ctx must be between"),
+    (("--ctx", "-1"), "n_ctx must be between"),
+    (("--ram", "abc"), "cannot read 'abc' as a size"),
+])
+def test_plan_refuses_bad_numbers_as_load_does(args, match) -> None:
+    done = run("plan", "minicpm-v-2.6", *args)
+    assert done.returncode == 1 and match in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_ask_shows_progress_on_a_terminal_and_not_otherwise(tiny, picture: Path, tmp_path: Path) -> None:
+    """A progress line while slices are encoded, on a terminal only, and not with --quiet."""
+    import pty
+
+    big = tmp_path / "big.png"
+    PIL.Image.fromarray(np.random.default_rng(3).integers(0, 256, (900, 1344, 3), dtype=np.uint8)).save(big)
+    base = [sys.executable, "-m", "gguf_mcv", "ask", str(tiny.quants["Q4_K_M"]), str(big), "?",
+            "--max-tokens", "1", "--detail", "high"]
+
+    def stderr_on_a_tty(extra: list[str]) -> str:
+        leader, follower = pty.openpty()
+        with subprocess.Popen(base + extra, stderr=follower, stdout=subprocess.DEVNULL, env=os.environ) as proc:
+            os.close(follower)
+            chunks = []
+            while True:
+                try:
+                    data = os.read(leader, 4096)
+                except OSError:
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            proc.wait(180)
+        os.close(leader)
+        return b"".join(chunks).decode(errors="replace")
+
+    shown = stderr_on_a_tty([])
+    assert "encoding image slice 1 of" in shown and "\x1b[K" in shown
+    assert "encoding" not in stderr_on_a_tty(["--quiet"])
+    assert "encoding" not in run(*base[3:]).stderr  # not a terminal
+
+
 def test_bench_json(tiny, picture: Path) -> None:
     done = run("bench", str(tiny.quants["Q4_K_M"]), str(picture), "--max-tokens", "4", "--json")
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,70 @@
+"""Options checked once, where they are defined: the library, CLI and APIs refuse alike."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gguf_mcv import ConfigError, MediaError, Sampling
+from gguf_mcv.options import LoadOptions, check_text, max_threads, stop_list
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "finite"),
+    ({"top_p": 0}, "top_p"), ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"top_k": True}, "top_k must be an integer"), ({"seed": 1.5}, "seed must be an integer"),
+    ({"repeat_penalty": "1.1"}, "repeat_penalty must be a number"), ({"min_p": 2}, "min_p"),
+])
+def test_sampling_refuses_bad_values_naming_them(kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Sampling(**kw)
+
+
+def test_overrides_keep_unset_values_and_refuse_unknown_names() -> None:
+    s = Sampling().with_overrides(temperature=0.1, top_p=None)
+    assert (s.temperature, s.top_p) == (0.1, Sampling().top_p)
+    with pytest.raises(ConfigError, match="temprature"):
+        Sampling().with_overrides(temprature=0.1)
+
+
+def test_stop_strings() -> None:
+    assert stop_list("END") == ["END"] and stop_list(None) == [] and stop_list(["a", ""]) == ["a"]
+    with pytest.raises(ConfigError, match="stop"):
+        stop_list(b"x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="stop"):
+        stop_list([1])  # type: ignore[list-item]
+
+
+def test_load_options_bound_threads_for_this_machine() -> None:
+    assert LoadOptions(n_threads=max_threads()).n_threads == max_threads()
+    with pytest.raises(ConfigError, match="n_threads must be between 1 and"):
+        LoadOptions(n_threads=100_000)
+    with pytest.raises(ConfigError, match="n_ctx must be an integer"):
+        LoadOptions(n_ctx=4096.5)  # type: ignore[arg-type]
+
+
+def test_text_must_be_encodable() -> None:
+    with pytest.raises(ConfigError, match="surrogate"):
+        check_text("prompt", "bad \ud800 text")
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda m: m.ask("hi", max_tokens="10"), ConfigError, "max_tokens must be an integer"),
+    (lambda m: m.ask("hi", seed=1.5), ConfigError, "seed"),
+    (lambda m: m.ask("hi", top_k=2.5), ConfigError, "top_k"),
+    (lambda m: m.ask("\ud800"), ConfigError, "surrogate"),
+    (lambda m: m.ask(42), ConfigError, "prompt must be a string"),
+    (lambda m: m.ask("hi", {"url": "x.png"}), MediaError, "image"),
+    (lambda m: m.chat_completion("hi"), ConfigError, "messages must be a list"),
+    (lambda m: m.chat_completion([{"role": "user", "content": 5}]), ConfigError, "content"),
+    (lambda m: m.chat().send("hi", max_tokens=0), ConfigError, "max_tokens"),
+])
+def test_wrong_python_types_get_errors_that_name_the_argument(tiny_model, call, error, match) -> None:
+    """Issue 17.17: these raised bare TypeError/AttributeError/ctypes.ArgumentError."""
+    with pytest.raises(error, match=match):
+        call(tiny_model)
+
+
+def test_images_none_means_no_images(tiny_model) -> None:
+    assert tiny_model.ask("hi", None, max_tokens=1).usage.image_tokens == 0
