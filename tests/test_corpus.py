@@ -118,8 +118,15 @@ class _Runner:
                 pass  # the ask below must raise it too
             reply = self.shared().ask("What is in this picture?", path, max_tokens=MAX_TOKENS)
         elif kind == "video":
-            reply = self.shared().ask_video(path, "What happens?", max_frames=MAX_FRAMES,
+            reply = self.shared().ask_video("What happens?", path, max_frames=MAX_FRAMES,
                                             max_tokens=MAX_TOKENS)
+        elif kind == "prompt":
+            picture = str(Path(path).parent / bad_inputs.BASE_PICTURE)
+            question = Path(path).read_text(encoding="utf-8")
+            extra["plain_image_tokens"] = self.shared().ask("?", picture, max_tokens=1).usage.image_tokens
+            reply = self.shared().ask(question, picture, max_tokens=MAX_TOKENS)
+        elif kind == "call":
+            reply = self.call(json.loads(Path(path).read_text()), str(Path(path).parent / bad_inputs.BASE_PICTURE))
         else:
             pair = ({"model_path": path, "mmproj_path": self.tiny_mmproj} if kind == "model"
                     else {"model_path": self.tiny_model, "mmproj_path": path})
@@ -127,6 +134,16 @@ class _Runner:
             with gguf_mcv.load(**pair, n_ctx=2048, n_threads=1) as model:
                 reply = model.ask("What is in this picture?", rgb, max_tokens=MAX_TOKENS)
         return {**_answer_record(reply), **extra}
+
+
+    def call(self, spec: dict[str, Any], picture: str) -> Any:
+        """Run a ``call`` item: a method of the shared model (``send``: of a new chat)."""
+        fill = lambda v: picture if v == "$image" else (  # noqa: E731
+            {k: fill(x) for k, x in v.items()} if isinstance(v, dict) else v)
+        args, kwargs = [fill(a) for a in spec["args"]], {k: fill(v) for k, v in spec["kwargs"].items()}
+        target = self.shared().chat() if spec["method"] == "send" else self.shared()
+        kwargs.setdefault("max_tokens", MAX_TOKENS)
+        return getattr(target, spec["method"])(*args, **kwargs)
 
 
 def child_main() -> None:
@@ -238,7 +255,7 @@ def results(corpus: tuple[list[Any], Path], tiny: Any) -> dict[str, dict]:
     logs = out / "logs"
     logs.mkdir()
     found: dict[str, dict] = {}
-    for kinds in (("image",), ("video",), ("model", "mmproj")):
+    for kinds in (("image",), ("video",), ("model", "mmproj"), ("prompt", "call")):
         found.update(run_items([i for i in items if i.kind in kinds], model, mmproj, logs))
     (out / "results.json").write_text(json.dumps(found, indent=2))
     return found
@@ -268,6 +285,8 @@ def _check_answer(spec: Any, r: dict[str, Any]) -> None:
         assert v is not None and 1 <= v["used"] <= MAX_FRAMES and v["used"] <= v["sampled"], v
     if spec.size is not None:
         assert tuple(r["size"]) == tuple(spec.size), f"decoded as {r['size']}, expected {spec.size}"
+    if spec.kind == "prompt":  # typed markup adds no image and no control token
+        assert u["image_tokens"] == r["plain_image_tokens"], u
 
 
 @pytest.mark.parametrize("spec", _params())
