@@ -74,7 +74,7 @@ class Image:
     def digest(self) -> str:
         """SHA-256 of the size and pixels: equal pixels give equal digests."""
         h = hashlib.sha256(f"{self.width}x{self.height}:".encode())
-        h.update(memoryview(self.rgb).cast("B"))
+        h.update(self.rgb.data.cast("B"))
         return h.hexdigest()
 
     def resized_to(self, width: int, height: int) -> "Image":

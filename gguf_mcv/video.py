@@ -135,7 +135,7 @@ class Frame:
     image: Image = field(repr=False)
 
 
-class Frames(list):  # type: ignore[type-arg]
+class Frames(list):
     """The kept :class:`Frame` values, in order, and what the sampling found.
 
     ``sampled``: frames decoded before near-duplicate removal; ``dropped``: removed
