@@ -83,12 +83,11 @@ class MiniCPMVChatHandler:
             bos_token=_text(llama, llama.token_bos()), eos_token=_text(llama, llama.token_eos()),
         )
         builder = TurnBuilder(engine, template, n_ctx=llama.n_ctx(), vision_gpu=self.vision_gpu,
-                              allow_remote_media=self.policy.allow_remote)
+                              allow_remote_media=self.policy.allow_remote, lock=self._lock)
         budget_tokens = max_tokens if max_tokens and max_tokens > 0 else llama.n_ctx()
         messages_in = convert(messages, policy=self.policy,
                               prepare_image=lambda url, detail: builder.image(url, detail=detail))
-        with self._lock.hold():  # sampling video frames measures the prompt with the engine
-            turns, _ = builder.conversation(messages_in, max_tokens=budget_tokens)
+        turns, _ = builder.conversation(messages_in, max_tokens=budget_tokens)
         rendered = builder.render(turns)
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)

@@ -69,7 +69,7 @@ class Model:
         #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
-                                 allow_remote_media=allow_remote_media, name=info.name)
+                                 allow_remote_media=allow_remote_media, name=info.name, lock=self._lock)
 
     # -- questions ------------------------------------------------------------
 
@@ -116,10 +116,10 @@ class Model:
         slices each image is cut into (see :meth:`prepare_image`). ``on_progress``
         receives a :class:`~gguf_mcv.reply.Progress` as image slices are encoded.
         """
-        sampling = self._sampling(temperature=temperature, top_p=top_p, top_k=top_k,
+        sampling = self.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                   repeat_penalty=repeat_penalty, seed=seed)
         parts = self.turns.user_parts(prompt, images, detail=detail, max_slices=max_slices)
-        turns = self._system(system) + [self.turns.turn("user", parts)]
+        turns = self.turns.system(system) + [self.turns.turn("user", parts)]
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=sampling, on_progress=on_progress), stream)
 
@@ -178,11 +178,10 @@ class Model:
             prompt, video = video, prompt
         options = VideoOptions(max_frames, fps, dedupe, timestamps)
         check_text("prompt", prompt)
-        settings = self._sampling(**sampling)
-        head = self._system(system)
-        with self._lock.hold():  # sampling frames measures the prompt with the engine
-            user, counts = self.turns.user_turn([Video(video), prompt], history=head, options=options,
-                                                max_tokens=check_max_tokens(max_tokens), thinking=thinking)
+        settings = self.sampling.with_overrides(**sampling)
+        head = self.turns.system(system)
+        user, counts = self.turns.user_turn([Video(video), prompt], history=head, options=options,
+                                            max_tokens=check_max_tokens(max_tokens), thinking=thinking)
         return _deliver(self.answer(head + [user], thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=settings, on_progress=_either(on_progress, progress),
                                     frames=counts), stream)
@@ -207,13 +206,12 @@ class Model:
         refuses both by default). Videos are sampled and fitted to the context as in
         :meth:`ask_video`, with ``video_options``.
         """
-        settings = self._sampling(**sampling)
+        settings = self.sampling.with_overrides(**sampling)
         check_max_tokens(max_tokens)
         pairs = convert(messages, policy=policy,
                         prepare_image=lambda url, detail: self.turns.image(url, detail=detail))
-        with self._lock.hold():  # sampling frames measures the prompt with the engine
-            turns, counts = self.turns.conversation(pairs, options=video_options,
-                                                    max_tokens=max_tokens, thinking=thinking)
+        turns, counts = self.turns.conversation(pairs, options=video_options, max_tokens=max_tokens,
+                                                thinking=thinking)
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=settings, on_progress=_either(on_progress, progress),
                                     frames=counts), stream)
@@ -294,13 +292,6 @@ class Model:
         state = "closed" if self.closed else f"n_ctx={self.info.n_ctx}"
         return f"<gguf_mcv.Model {self.info.name} {self.info.quant or ''} {state}>"
 
-    # -- internals ------------------------------------------------------------
-
-    def _sampling(self, **overrides: Any) -> Sampling:
-        return self.sampling.with_overrides(**overrides)
-
-    def _system(self, system: str | None) -> list[Turn]:
-        return [] if system is None else [self.turns.turn("system", [check_text("system", system)])]
 
 
 class Chat:
@@ -340,13 +331,11 @@ class Chat:
         turns stay in the conversation.
         """
         model = self.model
-        sampling = model._sampling(temperature=temperature, top_p=top_p, top_k=top_k,
-                                   repeat_penalty=repeat_penalty, seed=seed)
+        sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                 repeat_penalty=repeat_penalty, seed=seed)
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
-        with model._lock.hold():  # sampling frames measures the prompt with the engine
-            user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
-                                                 max_tokens=check_max_tokens(max_tokens),
-                                                 thinking=self.thinking)
+        user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
+                                             max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
         pieces = self._turn(user, counts, max_tokens=max_tokens, stop=stop, sampling=sampling,
                             on_progress=_either(on_progress, progress))
         return _deliver(Stream(pieces), stream)
@@ -370,7 +359,7 @@ class Chat:
         self._turns.clear()
 
     def _all(self, *extra: Turn) -> list[Turn]:
-        return self.model._system(self.system) + self._turns + list(extra)
+        return self.model.turns.system(self.system) + self._turns + list(extra)
 
     def _turn(self, user: Turn, counts: FrameCounts, **options: Any) -> Generator[str, None, Reply]:
         def attempt() -> Stream:

@@ -10,6 +10,7 @@ came in by.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence, Union, cast
 
@@ -26,6 +27,7 @@ from .video import Frame, Frames, VideoInput, format_timestamp, sample_frames
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .generation import AnswerLock
 
 ROLES = ("system", "user", "assistant")
 Images = Union[ImageInput, Sequence[ImageInput]]
@@ -98,8 +100,10 @@ class TurnBuilder:
 
     def __init__(self, engine: "Engine", template: ChatTemplate, *, n_ctx: int, can_think: bool = False,
                  thinking_default: bool = False, vision_gpu: bool = False,
-                 allow_remote_media: bool = False, name: str = "this model") -> None:
+                 allow_remote_media: bool = False, name: str = "this model",
+                 lock: "AnswerLock | None" = None) -> None:
         self.engine = engine
+        self.lock = lock  #: held while frames are measured with the engine (it may be busy)
         self.template = template
         self.n_ctx = n_ctx
         self.can_think = can_think
@@ -127,6 +131,10 @@ class TurnBuilder:
         return [*(Video(v) for v in as_video_list(videos)), *prepared, prompt]
 
     # -- turns --------------------------------------------------------------------
+
+    def system(self, text: str | None) -> list[Turn]:
+        """The conversation's head: a system turn for ``text``, or nothing."""
+        return [] if text is None else [self.turn("system", [check_text("system", text)])]
 
     def turn(self, role: str, parts: Sequence[Part]) -> Turn:
         """A turn without videos (system, assistant, or a user turn with images only)."""
@@ -231,16 +239,19 @@ class TurnBuilder:
 
     def _room(self, turns: list[Turn], thinking: bool | None, max_tokens: int) -> int:
         rendered = self.render(turns, thinking)
-        with self.engine.tokenize(rendered.text, rendered.images) as prompt:
-            used = prompt.n_pos
-        return self.n_ctx - used - min(max_tokens, self.n_ctx // 4)
+        return self.n_ctx - self._positions(rendered.text, rendered.images) - min(max_tokens, self.n_ctx // 4)
+
+    def _positions(self, text: str, images: Sequence[Image]) -> int:
+        """Positions ``text`` and ``images`` fill, measured by the engine (between answers)."""
+        with self.lock.hold() if self.lock is not None else nullcontext():
+            with self.engine.tokenize(text, images) as prompt:
+                return prompt.n_pos
 
     def _frame_cost(self, frames: Frames, timestamps: bool) -> int:
         """Positions one frame takes in the prompt (its line, markers and image tokens)."""
         last = frames[-1]
         line = frame_line(last, self.engine.marker, timestamps)
-        with self.engine.tokenize(line + "\n", [self.frame_image(last)]) as prompt:
-            return prompt.n_pos + 1
+        return self._positions(line + "\n", [self.frame_image(last)]) + 1
 
     # -- rendering ----------------------------------------------------------------
 
