@@ -9,6 +9,7 @@ so requests pile up behind it.
 from __future__ import annotations
 
 import base64
+import http.client
 import http.server
 import io
 import json
@@ -290,6 +291,55 @@ def test_a_full_queue_answers_503_with_retry_after(small: Running, model) -> Non
         if r.status_code == 503:
             assert int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["code"] == "server_busy"
+    assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
+def start_upload(running: Running, path: str, headers: dict[str, str],
+                 first: bytes) -> http.client.HTTPConnection:
+    """A POST whose client has sent its headers and the ``first`` bytes of its body, and no more yet."""
+    host, port = running.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", path)
+    for name, value in headers.items():
+        conn.putheader(name, value)
+    conn.endheaders(first)
+    return conn
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/generate"])
+def test_a_full_queue_refuses_a_body_before_reading_it(small: Running, model, path: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+
+    def post() -> requests.Response:
+        return requests.post(small.url + "/v1/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        with holding(model):
+            futures = [pool.submit(post) for _ in range(2)]  # one answering, one waiting: full
+            wait_for(lambda: requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 1)
+            # a large upload has begun: the server answers it now, without waiting for the rest
+            conn = start_upload(small, path, {"Content-Type": "application/json",
+                                              "Content-Length": str(60 * 1024)}, b"{" + b" " * 1023)
+            try:
+                refused = conn.getresponse()
+                assert refused.status == 503 and int(refused.getheader("Retry-After")) >= 1
+                error = json.loads(refused.read())["error"]
+            finally:
+                conn.close()
+        assert [f.result(timeout=60).status_code for f in futures] == [200, 200]
+    assert error["code"] == "server_busy" if path.startswith("/v1/") else isinstance(error, str)
+    assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
+def test_a_body_is_refused_as_soon_as_it_passes_the_limit(small: Running) -> None:
+    # chunked, no Content-Length: 80 KiB sent, the end never comes; the 64 KiB limit is passed
+    conn = start_upload(small, "/api/chat", {"Transfer-Encoding": "chunked"},
+                        b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(10)))
+    try:
+        refused = conn.getresponse()
+        assert refused.status == 413 and isinstance(json.loads(refused.read())["error"], str)
+    finally:
+        conn.close()
     assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
 
 

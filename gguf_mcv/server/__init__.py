@@ -15,16 +15,18 @@ Routes (``/health`` needs no key, every other route does when a key is set):
 
 The model answers one request at a time; up to ``max_queue`` more wait, later ones get
 ``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
-it). Each answer runs on its own thread; a client that hangs up stops its generation.
+it) before their body is read. Each answer runs on its own thread; a client that hangs
+up stops its generation.
 
 Security: binds 127.0.0.1 by default. The API key (``api_key=``, else the environment
 variable ``GGUF_MCV_API_KEY``) is accepted as ``Authorization: Bearer <key>``. Request
-bodies over ``max_body_bytes`` get 413. Images and videos come inside the request
-(data: URIs, Ollama's base64); local paths and ``file://`` URLs only with
-``allow_local_files``; ``http(s)`` URLs only with ``allow_remote_media``, and then the
-server fetches them itself (size cap, timeout, at most 3 redirects) and only from
-public addresses: every address the host resolves to is checked and the connection
-goes to the checked one, so a URL cannot reach loopback, private or link-local hosts.
+bodies over ``max_body_bytes`` get 413 as soon as that much has arrived. Images and
+videos come inside the request (data: URIs, Ollama's base64); local paths and
+``file://`` URLs only with ``allow_local_files``; ``http(s)`` URLs only with
+``allow_remote_media``, and then the server fetches them itself (size cap, timeout, at
+most 3 redirects) and only from public addresses: every address the host resolves to
+is checked and the connection goes to the checked one, so a URL cannot reach loopback,
+private or link-local hosts.
 
 A request's ``model`` may be omitted; if given it must name the served model: its
 served name, catalog name or alias, Hub repo, display name or file stem, any case,
@@ -34,7 +36,8 @@ Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api
 routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
-``http_errors`` (error shapes and handlers), ``remote_media`` (the SSRF-safe fetch).
+``http_errors`` (error shapes and handlers), ``remote_media`` (the SSRF-safe fetch),
+``malloc`` (returning freed memory).
 """
 
 from __future__ import annotations

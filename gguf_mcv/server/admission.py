@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..generation import Stream
 from ..reply import Reply
+from .gate import Place
 from .http_errors import ClientGone, HTTPError, as_http_error, openai_error
 from .state import State, state_of
 
@@ -137,16 +138,27 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
-async def _begin(request: Request, start: Callable[[], Stream],
-                 shape: Callable[[Stream], Iterable[Any]]) -> _Job:
-    """Wait for the model (503 when the queue is full), start the answer, wait until it runs."""
+async def place_in_queue(request: Request) -> AsyncIterator[Place]:
+    """A dependency, declared before the body's: a place in the queue, else 503 unread.
+
+    The place is left when the request ends, unless an answer took it over.
+    """
     state = state_of(request)
-    await _or_hang_up(request, state.gate.acquire(state.metrics.retry_after()))
+    place = state.gate.admit(state.metrics.retry_after())
     try:
-        job = _Job(start, shape, partial(_finished, state))
-    except BaseException:
-        state.gate.release()
-        raise
+        yield place
+    finally:
+        if not place.handed_over:
+            place.leave()
+
+
+async def _begin(request: Request, place: Place, start: Callable[[], Stream],
+                 shape: Callable[[Stream], Iterable[Any]]) -> _Job:
+    """Wait for the model, start the answer (it leaves ``place`` when it ends), wait until it runs."""
+    state = state_of(request)
+    await _or_hang_up(request, place.turn())
+    job = _Job(start, shape, partial(_finished, state, place))
+    place.handed_over = True
     with _cancelled_on_error(job):
         await _or_hang_up(request, job.ready())
     return job
@@ -168,22 +180,22 @@ def _cancelled_on_error(job: _Job) -> Iterator[None]:
         raise
 
 
-def _finished(state: State, outcome: str, reply: Reply | None, seconds: float) -> None:
-    state.gate.release()
+def _finished(state: State, place: Place, outcome: str, reply: Reply | None, seconds: float) -> None:
+    place.leave()
     state.metrics.record(outcome, reply, seconds)
 
 
-async def answer(request: Request, start: Callable[[], Stream]) -> Reply:
+async def answer(request: Request, place: Place, start: Callable[[], Stream]) -> Reply:
     """The whole answer (the generation stops if the client hangs up)."""
-    job = await _begin(request, start, iter)
+    job = await _begin(request, place, start, iter)
     with _cancelled_on_error(job):
         return await _or_hang_up(request, job.result())
 
 
-async def answer_stream(request: Request, start: Callable[[], Stream],
+async def answer_stream(request: Request, place: Place, start: Callable[[], Stream],
                         shape: Callable[[Stream], Iterable[Any]], ndjson: bool) -> Response:
     """A streaming response of what ``shape`` makes of the answer: NDJSON lines or SSE events."""
-    job = await _begin(request, start, shape)
+    job = await _begin(request, place, start, shape)
     fmt = _ndjson_lines if ndjson else _sse_events
     return _AnswerResponse(job, fmt(job),
                            media_type="application/x-ndjson" if ndjson else "text/event-stream")

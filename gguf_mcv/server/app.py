@@ -16,6 +16,7 @@ from . import health, ollama_api, openai_api
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
+from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
 from .state import State
@@ -82,6 +83,7 @@ def serve(
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
                     allow_remote_media=allow_remote_media)
+    return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not _is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass api_key.", host, API_KEY_ENV)
