@@ -14,7 +14,9 @@ import http.server
 import io
 import json
 import logging
+import random
 import socket
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -543,6 +545,22 @@ def test_metrics_count_requests_and_the_server_is_still_healthy(srv: Running) ->
     assert after["encode_ms_total"] > before["encode_ms_total"]
     assert after["queue_length"] == 0 and after["in_flight"] == 0
     assert requests.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_metrics_stay_small_whatever_methods_and_paths_clients_invent(srv: Running) -> None:
+    rng = random.Random(0)
+
+    def invented(k: int) -> str:
+        return "".join(rng.choices(string.ascii_uppercase, k=k))
+
+    with requests.Session() as session:  # no key: refused requests are counted too
+        for i in range(1000):
+            path = "/v1/models" if i % 4 == 0 else f"/{invented(6).lower()}/{i}"
+            method = "GET" if i % 5 == 0 else invented(8)
+            assert session.request(method, srv.url + path, timeout=10).status_code in (401, 404, 405)
+    counted = metrics(srv)["requests"]
+    assert len(counted) <= 20 and len(json.dumps(counted)) < 2000, sorted(counted)
+    assert sum(counted["other (unmatched)"].values()) >= 600  # neither method nor path known
 
 
 # -- smaller pieces ----------------------------------------------------------------------------------

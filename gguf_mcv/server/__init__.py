@@ -11,7 +11,9 @@ Routes (``/health`` needs no key, every other route does when a key is set):
 * Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
-* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters).
+* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters by
+  method, route and status; other methods count as ``other``, unknown paths as
+  ``(unmatched)``).
 
 The model answers one request at a time; up to ``max_queue`` more wait, later ones get
 ``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
