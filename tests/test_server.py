@@ -589,6 +589,19 @@ def test_serve_binds_loopback_and_warns_when_exposed_without_a_key(model, monkey
     assert "without an API key" in caplog.text
 
 
+def test_serve_refuses_a_bad_port_and_a_server_that_could_not_start(model, monkeypatch) -> None:
+    from gguf_mcv.errors import ConfigError
+
+    def cannot_bind(app: Any, **kw: Any) -> None:
+        raise SystemExit(3)  # what uvicorn does when it cannot bind
+
+    monkeypatch.setattr(uvicorn, "run", cannot_bind)
+    with pytest.raises(ConfigError, match="65535"):
+        server.serve(model, port=99999)
+    with pytest.raises(ConfigError, match="could not start"):
+        server.serve(model, port=9999)
+
+
 def _reply(text: str) -> gguf_mcv.Reply:
     timings = gguf_mcv.Timings(0, 0, 0, 0, 0, 0, 0, 0)
     return gguf_mcv.Reply(text, usage=gguf_mcv.Usage(3, 0, 0, 0), timings=timings, finish_reason="stop")

@@ -55,8 +55,8 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "gguf_mcv.server needs FastAPI and uvicorn: pip install 'gguf-mcv[server]'"
     ) from exc
 
-from .app import API_KEY_ENV, build_app, serve
+from .app import API_KEY_ENV, build_app, check_bind, serve
 
 del fastapi, pydantic, starlette  # imported above only to check that they are installed
 
-__all__ = ["API_KEY_ENV", "build_app", "serve"]
+__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve"]
