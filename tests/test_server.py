@@ -491,6 +491,19 @@ def test_remote_images_are_fetched_with_a_size_cap(small: Running, monkeypatch) 
         files.server_close()
 
 
+def test_listings_name_files_without_revealing_where_they_are(srv: Running, tiny) -> None:
+    shown = requests.post(srv.url + "/api/show", headers=AUTH, json={"model": served(srv)}, timeout=10)
+    assert shown.status_code == 200
+    info = shown.json()["model_info"]
+    assert info["general.file"] == tiny.quants["Q4_K_M"].name
+    assert info["general.mmproj"] == tiny.mmproj.name
+    folders = {str(tiny.quants["Q4_K_M"].parent), str(tiny.mmproj.parent)}
+    listings = [shown] + [requests.get(srv.url + path, headers=AUTH, timeout=10)
+                          for path in ("/api/tags", "/api/ps", "/v1/models", "/health", "/metrics")]
+    for listing in listings:
+        assert not any(folder in listing.text for folder in folders), listing.url
+
+
 def test_model_names(srv: Running) -> None:
     name = served(srv)
     with pytest.raises(openai.NotFoundError):

@@ -121,8 +121,10 @@ async def show(request: Request, body: Annotated[ShowRequest, Depends(json_body(
     info = state.model.info
     capabilities = ["completion", "vision"] + (["thinking"] if info.can_think else [])
     return {"modelfile": "", "parameters": "", "template": "", "details": _details(state),
+            # file names only: where the files live is no business of the clients
             "model_info": {"general.architecture": "minicpmv", "general.name": info.name,
-                           "general.file": info.model_path, "general.mmproj": info.mmproj_path,
+                           "general.file": Path(info.model_path).name,
+                           "general.mmproj": Path(info.mmproj_path).name,
                            "minicpmv.context_length": info.n_ctx},
             "capabilities": capabilities, "modified_at": _iso(file_mtime(info.model_path))}
 
