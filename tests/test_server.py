@@ -413,6 +413,20 @@ def test_oversize_bodies_get_413(small: Running) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_unsupported_media_url_schemes_get_400_saying_what_is_allowed(srv: Running) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai(srv).chat.completions.create(model=served(srv), max_tokens=2, stream=stream,
+                                             messages=image_message("ftp://example.com/cat.png"))
+        assert err.value.body["code"] == "invalid_image"
+        message = err.value.message
+        assert "'ftp'" in message and "data: URIs" in message
+        assert "--allow-remote-media" in message and "--allow-local-files" in message
+    r = requests.post(srv.url + "/api/chat", headers=AUTH, timeout=10, json={"stream": False, "messages": [
+        {"role": "user", "content": "?", "images": ["ftp://example.com/cat.png"]}]})
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)  # Ollama's shape
+
+
 def test_wrong_or_missing_key_gets_401_but_health_does_not_need_one(srv: Running) -> None:
     with pytest.raises(openai.AuthenticationError):
         oai(srv, key="wrong").models.list()

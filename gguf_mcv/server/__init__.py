@@ -28,7 +28,7 @@ videos come inside the request (data: URIs, Ollama's base64); local paths and
 ``allow_remote_media``, and then the server fetches them itself (size cap, timeout, at
 most 3 redirects) and only from public addresses: every address the host resolves to
 is checked and the connection goes to the checked one, so a URL cannot reach loopback,
-private or link-local hosts.
+private or link-local hosts. Other URL schemes get 400 saying what is accepted.
 
 A request's ``model`` may be omitted; if given it must name the served model: its
 served name, catalog name or alias, Hub repo, display name or file stem, any case,
@@ -38,8 +38,8 @@ Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api
 routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
-``http_errors`` (error shapes and handlers), ``remote_media`` (the SSRF-safe fetch),
-``malloc`` (returning freed memory).
+``http_errors`` (error shapes and handlers), ``media_urls`` (which media URLs are
+accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body, stop_list
 from .gate import Place
 from .http_errors import HTTPError
+from .media_urls import check_media_urls
 from .remote_media import fetch_remote_media
 from .state import State, file_mtime, model_stream, state_of
 
@@ -104,6 +105,7 @@ async def chat_completions(
     name = state.name  # OpenAI answers name the model that answered
     body.check_supported()
     messages = body.message_dicts()
+    check_media_urls(messages, allow_remote=state.allow_remote, allow_files=state.policy.allow_files)
     if state.allow_remote:
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
     start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
