@@ -366,6 +366,45 @@ def test_a_hung_up_stream_frees_the_model(srv: Running) -> None:
     assert metrics(srv)["cancelled"] == before + 1
 
 
+def test_a_stream_that_has_not_started_sends_keep_alive_comments(srv: Running, model,
+                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "stream": True}
+    with holding(model):  # the answer cannot start
+        r = requests.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True,
+                          timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == next(lines) == b": keep-alive"
+    events = list(lines)
+    assert events[-1] == b"data: [DONE]"
+    answer = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1] if e.startswith(b"data: ")]
+    assert answer[-1]["usage"]["completion_tokens"] >= 1
+
+    with ThreadPoolExecutor(1) as pool, holding(model):  # the OpenAI client skips the comments
+        chunks = pool.submit(lambda: list(oai(srv).chat.completions.create(**body)))
+        time.sleep(0.5)
+    assert chunks.result(timeout=60)[-1].usage.completion_tokens >= 1
+    wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["in_flight"] == 0)
+
+
+def test_a_stream_given_up_before_it_started_frees_its_place(srv: Running, model,
+                                                             monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with holding(model):
+        r = requests.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True,
+                          timeout=30)
+        assert next(r.iter_lines()) == b": keep-alive"
+        r.close()  # hang up while the answer waits for the model
+        wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["queue_length"] == 0)
+    wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["in_flight"] == 0)
+    reply = oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
+                                             messages=[{"role": "user", "content": "Hi"}])
+    assert reply.usage.completion_tokens >= 1
+
+
 def test_a_client_that_gives_up_while_queued_costs_no_answer(srv: Running, model) -> None:
     before = metrics(srv)
     with holding(model), pytest.raises(requests.Timeout):
@@ -684,6 +723,9 @@ class _Scripted:
         question = messages[-1]["content"]
         if question == "crash":
             raise RuntimeError("a bug")
+        if question == "slow bad image":
+            time.sleep(0.5)
+            raise gguf_mcv.MediaError("a bad image")
 
         def pieces():
             yield "one "
@@ -694,14 +736,16 @@ class _Scripted:
         return gguf_mcv.Stream(pieces())
 
 
-def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog) -> None:
+def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
     running = Running(server.build_app(_Scripted(model.info), api_key=""))
     try:
         client = oai(running, key="none")
-        with pytest.raises(openai.APIError, match="llama_decode failed"):
-            for _ in client.chat.completions.create(model=served(running), stream=True,
-                                                    messages=[{"role": "user", "content": "late"}]):
-                pass
+        for question, error in (("late", "llama_decode failed"), ("slow bad image", "a bad image")):
+            with pytest.raises(openai.APIError, match=error):  # the second after keep-alives
+                for _ in client.chat.completions.create(model=served(running), stream=True,
+                                                        messages=[{"role": "user", "content": question}]):
+                    pass
         with pytest.raises(ollama.ResponseError, match="llama_decode failed"):
             for _ in oll(running, headers=None).chat(messages=[{"role": "user", "content": "late"}],
                                                      model=served(running), stream=True):
@@ -713,6 +757,6 @@ def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog) -> 
         assert "a bug" in caplog.text  # real faults are logged
         r = requests.post(running.url + "/api/generate", json={"prompt": "fine", "stream": False}, timeout=10)
         assert r.json()["response"] == "one " and r.json()["eval_count"] == 0
-        assert metrics(running, headers={})["failed"] == 3
+        assert metrics(running, headers={})["failed"] == 4
     finally:
         running.stop()

@@ -6,7 +6,8 @@
 Routes (``/health`` needs no key, every other route does when a key is set):
 
 * OpenAI: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
-  (SSE when ``stream``; usage always in the last chunk). Errors are
+  (SSE when ``stream``; usage always in the last chunk; ``: keep-alive`` comments every
+  10 s while an answer waits for the model or its images). Errors are
   ``{"error": {"message", "type", "param", "code"}}``.
 * Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.

@@ -42,15 +42,16 @@ class Gate:
 class Place:
     """One request's place in the :class:`Gate`, from admission until :meth:`leave`.
 
-    Whoever ends the request calls :meth:`leave`: the answer's thread once
-    ``handed_over`` is set, else the request's own handling.
+    Its ``owner`` calls :meth:`leave` when done with it: ``"request"`` (the request's
+    handling), then possibly ``"response"`` (a response started before the answer),
+    then ``"answer"`` (the answer's thread, when it ends).
     """
 
     def __init__(self, gate: Gate) -> None:
         self._gate = gate
         self._answering = False
         self._left = False
-        self.handed_over = False
+        self.owner = "request"
 
     async def turn(self) -> None:
         """Wait until this request may use the model."""
