@@ -15,8 +15,11 @@ import io
 import json
 import logging
 import random
+import signal
 import socket
 import string
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -627,6 +630,41 @@ def test_metrics_stay_small_whatever_methods_and_paths_clients_invent(srv: Runni
     counted = metrics(srv)["requests"]
     assert len(counted) <= 20 and len(json.dumps(counted)) < 2000, sorted(counted)
     assert sum(counted["other (unmatched)"].values()) >= 600  # neither method nor path known
+
+
+def test_the_memory_of_large_bodies_goes_back_to_the_os(tiny) -> None:
+    """``gguf-mcv serve`` keeps no memory for large bodies it is done with (glibc kept ~100 MB here)."""
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is None and _answers(url + "/health"), timeout=60)
+        image = "data:image/png;base64," + "A" * (5 * 2**20)
+        body = json.dumps({"model": "another-model", "messages": [  # read, parsed, then 404
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]})
+        before = psutil.Process(proc.pid).memory_info().rss
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(3):
+                posts = [pool.submit(requests.post, url + "/v1/chat/completions", data=body, timeout=60)
+                         for _ in range(8)]
+                assert [f.result().status_code for f in posts] == [404] * 8
+        grown = psutil.Process(proc.pid).memory_info().rss - before
+        assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MiB more after 24 bodies of 5 MiB"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).ok
+    except requests.RequestException:
+        return False
 
 
 # -- smaller pieces ----------------------------------------------------------------------------------
