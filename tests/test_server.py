@@ -332,7 +332,10 @@ def test_a_full_queue_refuses_a_body_before_reading_it(small: Running, model, pa
             finally:
                 conn.close()
         assert [f.result(timeout=60).status_code for f in futures] == [200, 200]
-    assert error["code"] == "server_busy" if path.startswith("/v1/") else isinstance(error, str)
+    if path.startswith("/v1/"):  # each API's own error shape
+        assert error["code"] == "server_busy"
+    else:
+        assert isinstance(error, str)
     assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
 
 
@@ -633,7 +636,7 @@ def test_metrics_stay_small_whatever_methods_and_paths_clients_invent(srv: Runni
 
 
 def test_the_memory_of_large_bodies_goes_back_to_the_os(tiny) -> None:
-    """``gguf-mcv serve`` keeps no memory for large bodies it is done with (glibc kept ~100 MB here)."""
+    """``gguf-mcv serve`` keeps no memory for large bodies it is done with (glibc kept 70-80 MiB)."""
     import psutil
 
     with socket.socket() as s:
