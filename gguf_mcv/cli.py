@@ -265,9 +265,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import serve  # lazy: per command
+        from .server import check_bind, serve  # lazy: per command, and an optional extra
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
+    check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
               allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media)

@@ -240,3 +240,28 @@ def test_plan_table_json_and_nothing_fits(hub, tiny) -> None:
     refused = run("plan", "acme/plan-gguf", "--ram", "10MB")
     assert refused.returncode == 1 and "No quantization fits" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "0"])
+def test_serve_refuses_a_bad_port_before_loading_the_model(port: str) -> None:
+    done = run("serve", "/no/such/model.gguf", "--port", port)  # the port is checked first
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: Port") and "65535" in lines[0]
+
+
+def test_serve_refuses_a_port_in_use_or_a_bad_host_in_one_line(tiny) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        in_use = run("serve", str(tiny.quants["Q4_K_M"]), "--port", port)
+    not_here = run("serve", str(tiny.quants["Q4_K_M"]), "--host", "192.0.2.1", "--port", port)
+    unknown = run("serve", str(tiny.quants["Q4_K_M"]), "--host", "no-such-host.invalid", "--port", port)
+    for done, words in ((in_use, "already in use"), (not_here, "not an address of this machine"),
+                        (unknown, "no-such-host.invalid")):
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: ") and words in lines[0]

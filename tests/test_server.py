@@ -9,11 +9,17 @@ so requests pile up behind it.
 from __future__ import annotations
 
 import base64
+import http.client
 import http.server
 import io
 import json
 import logging
+import random
+import signal
 import socket
+import string
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -293,6 +299,58 @@ def test_a_full_queue_answers_503_with_retry_after(small: Running, model) -> Non
     assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
 
 
+def start_upload(running: Running, path: str, headers: dict[str, str],
+                 first: bytes) -> http.client.HTTPConnection:
+    """A POST whose client has sent its headers and the ``first`` bytes of its body, and no more yet."""
+    host, port = running.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", path)
+    for name, value in headers.items():
+        conn.putheader(name, value)
+    conn.endheaders(first)
+    return conn
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/generate"])
+def test_a_full_queue_refuses_a_body_before_reading_it(small: Running, model, path: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+
+    def post() -> requests.Response:
+        return requests.post(small.url + "/v1/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        with holding(model):
+            futures = [pool.submit(post) for _ in range(2)]  # one answering, one waiting: full
+            wait_for(lambda: requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 1)
+            # a large upload has begun: the server answers it now, without waiting for the rest
+            conn = start_upload(small, path, {"Content-Type": "application/json",
+                                              "Content-Length": str(60 * 1024)}, b"{" + b" " * 1023)
+            try:
+                refused = conn.getresponse()
+                assert refused.status == 503 and int(refused.getheader("Retry-After")) >= 1
+                error = json.loads(refused.read())["error"]
+            finally:
+                conn.close()
+        assert [f.result(timeout=60).status_code for f in futures] == [200, 200]
+    if path.startswith("/v1/"):  # each API's own error shape
+        assert error["code"] == "server_busy"
+    else:
+        assert isinstance(error, str)
+    assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
+def test_a_body_is_refused_as_soon_as_it_passes_the_limit(small: Running) -> None:
+    # chunked, no Content-Length: 80 KiB sent, the end never comes; the 64 KiB limit is passed
+    conn = start_upload(small, "/api/chat", {"Transfer-Encoding": "chunked"},
+                        b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(10)))
+    try:
+        refused = conn.getresponse()
+        assert refused.status == 413 and isinstance(json.loads(refused.read())["error"], str)
+    finally:
+        conn.close()
+    assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
 def test_a_hung_up_stream_frees_the_model(srv: Running) -> None:
     before = metrics(srv)["cancelled"]
     body = {"model": served(srv), "messages": [{"role": "user", "content": "Tell a long story."}],
@@ -312,6 +370,45 @@ def test_a_hung_up_stream_frees_the_model(srv: Running) -> None:
     assert reply.usage.completion_tokens >= 1
     assert time.monotonic() - began < 5
     assert metrics(srv)["cancelled"] == before + 1
+
+
+def test_a_stream_that_has_not_started_sends_keep_alive_comments(srv: Running, model,
+                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "stream": True}
+    with holding(model):  # the answer cannot start
+        r = requests.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True,
+                          timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == next(lines) == b": keep-alive"
+    events = list(lines)
+    assert events[-1] == b"data: [DONE]"
+    answer = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1] if e.startswith(b"data: ")]
+    assert answer[-1]["usage"]["completion_tokens"] >= 1
+
+    with ThreadPoolExecutor(1) as pool, holding(model):  # the OpenAI client skips the comments
+        chunks = pool.submit(lambda: list(oai(srv).chat.completions.create(**body)))
+        time.sleep(0.5)
+    assert chunks.result(timeout=60)[-1].usage.completion_tokens >= 1
+    wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["in_flight"] == 0)
+
+
+def test_a_stream_given_up_before_it_started_frees_its_place(srv: Running, model,
+                                                             monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with holding(model):
+        r = requests.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True,
+                          timeout=30)
+        assert next(r.iter_lines()) == b": keep-alive"
+        r.close()  # hang up while the answer waits for the model
+        wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["queue_length"] == 0)
+    wait_for(lambda: requests.get(srv.url + "/health", timeout=5).json()["in_flight"] == 0)
+    reply = oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
+                                             messages=[{"role": "user", "content": "Hi"}])
+    assert reply.usage.completion_tokens >= 1
 
 
 def test_a_client_that_gives_up_while_queued_costs_no_answer(srv: Running, model) -> None:
@@ -359,6 +456,20 @@ def test_oversize_bodies_get_413(small: Running) -> None:
 
     r = requests.post(small.url + "/v1/chat/completions", data=chunked(), timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unsupported_media_url_schemes_get_400_saying_what_is_allowed(srv: Running) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai(srv).chat.completions.create(model=served(srv), max_tokens=2, stream=stream,
+                                             messages=image_message("ftp://example.com/cat.png"))
+        assert err.value.body["code"] == "invalid_image"
+        message = err.value.message
+        assert "'ftp'" in message and "data: URIs" in message
+        assert "--allow-remote-media" in message and "--allow-local-files" in message
+    r = requests.post(srv.url + "/api/chat", headers=AUTH, timeout=10, json={"stream": False, "messages": [
+        {"role": "user", "content": "?", "images": ["ftp://example.com/cat.png"]}]})
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)  # Ollama's shape
 
 
 def test_wrong_or_missing_key_gets_401_but_health_does_not_need_one(srv: Running) -> None:
@@ -439,6 +550,19 @@ def test_remote_images_are_fetched_with_a_size_cap(small: Running, monkeypatch) 
         files.server_close()
 
 
+def test_listings_name_files_without_revealing_where_they_are(srv: Running, tiny) -> None:
+    shown = requests.post(srv.url + "/api/show", headers=AUTH, json={"model": served(srv)}, timeout=10)
+    assert shown.status_code == 200
+    info = shown.json()["model_info"]
+    assert info["general.file"] == tiny.quants["Q4_K_M"].name
+    assert info["general.mmproj"] == tiny.mmproj.name
+    folders = {str(tiny.quants["Q4_K_M"].parent), str(tiny.mmproj.parent)}
+    listings = [shown] + [requests.get(srv.url + path, headers=AUTH, timeout=10)
+                          for path in ("/api/tags", "/api/ps", "/v1/models", "/health", "/metrics")]
+    for listing in listings:
+        assert not any(folder in listing.text for folder in folders), listing.url
+
+
 def test_model_names(srv: Running) -> None:
     name = served(srv)
     with pytest.raises(openai.NotFoundError):
@@ -495,6 +619,57 @@ def test_metrics_count_requests_and_the_server_is_still_healthy(srv: Running) ->
     assert requests.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
 
 
+def test_metrics_stay_small_whatever_methods_and_paths_clients_invent(srv: Running) -> None:
+    rng = random.Random(0)
+
+    def invented(k: int) -> str:
+        return "".join(rng.choices(string.ascii_uppercase, k=k))
+
+    with requests.Session() as session:  # no key: refused requests are counted too
+        for i in range(1000):
+            path = "/v1/models" if i % 4 == 0 else f"/{invented(6).lower()}/{i}"
+            method = "GET" if i % 5 == 0 else invented(8)
+            assert session.request(method, srv.url + path, timeout=10).status_code in (401, 404, 405)
+    counted = metrics(srv)["requests"]
+    assert len(counted) <= 20 and len(json.dumps(counted)) < 2000, sorted(counted)
+    assert sum(counted["other (unmatched)"].values()) >= 600  # neither method nor path known
+
+
+def test_the_memory_of_large_bodies_goes_back_to_the_os(tiny) -> None:
+    """``gguf-mcv serve`` keeps no memory for large bodies it is done with (glibc kept 70-80 MiB)."""
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is None and _answers(url + "/health"), timeout=60)
+        image = "data:image/png;base64," + "A" * (5 * 2**20)
+        body = json.dumps({"model": "another-model", "messages": [  # read, parsed, then 404
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]})
+        before = psutil.Process(proc.pid).memory_info().rss
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(3):
+                posts = [pool.submit(requests.post, url + "/v1/chat/completions", data=body, timeout=60)
+                         for _ in range(8)]
+                assert [f.result().status_code for f in posts] == [404] * 8
+        grown = psutil.Process(proc.pid).memory_info().rss - before
+        assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MiB more after 24 bodies of 5 MiB"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).ok
+    except requests.RequestException:
+        return False
+
+
 # -- smaller pieces ----------------------------------------------------------------------------------
 
 
@@ -519,6 +694,19 @@ def test_serve_binds_loopback_and_warns_when_exposed_without_a_key(model, monkey
         assert "without an API key" not in caplog.text
         server.serve(model, host="0.0.0.0")
     assert "without an API key" in caplog.text
+
+
+def test_serve_refuses_a_bad_port_and_a_server_that_could_not_start(model, monkeypatch) -> None:
+    from gguf_mcv.errors import ConfigError
+
+    def cannot_bind(app: Any, **kw: Any) -> None:
+        raise SystemExit(3)  # what uvicorn does when it cannot bind
+
+    monkeypatch.setattr(uvicorn, "run", cannot_bind)
+    with pytest.raises(ConfigError, match="65535"):
+        server.serve(model, port=99999)
+    with pytest.raises(ConfigError, match="could not start"):
+        server.serve(model, port=9999)
 
 
 def _reply(text: str) -> gguf_mcv.Reply:
@@ -576,6 +764,9 @@ class _Scripted:
         question = messages[-1]["content"]
         if question == "crash":
             raise RuntimeError("a bug")
+        if question == "slow bad image":
+            time.sleep(0.5)
+            raise gguf_mcv.MediaError("a bad image")
 
         def pieces():
             yield "one "
@@ -586,14 +777,16 @@ class _Scripted:
         return gguf_mcv.Stream(pieces())
 
 
-def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog) -> None:
+def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
     running = Running(server.build_app(_Scripted(model.info), api_key=""))
     try:
         client = oai(running, key="none")
-        with pytest.raises(openai.APIError, match="llama_decode failed"):
-            for _ in client.chat.completions.create(model=served(running), stream=True,
-                                                    messages=[{"role": "user", "content": "late"}]):
-                pass
+        for question, error in (("late", "llama_decode failed"), ("slow bad image", "a bad image")):
+            with pytest.raises(openai.APIError, match=error):  # the second after keep-alives
+                for _ in client.chat.completions.create(model=served(running), stream=True,
+                                                        messages=[{"role": "user", "content": question}]):
+                    pass
         with pytest.raises(ollama.ResponseError, match="llama_decode failed"):
             for _ in oll(running, headers=None).chat(messages=[{"role": "user", "content": "late"}],
                                                      model=served(running), stream=True):
@@ -605,6 +798,6 @@ def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog) -> 
         assert "a bug" in caplog.text  # real faults are logged
         r = requests.post(running.url + "/api/generate", json={"prompt": "fine", "stream": False}, timeout=10)
         assert r.json()["response"] == "one " and r.json()["eval_count"] == 0
-        assert metrics(running, headers={})["failed"] == 3
+        assert metrics(running, headers={})["failed"] == 4
     finally:
         running.stop()

@@ -9,6 +9,13 @@ outcome by kind and status, the server's resident memory over time, and /health 
 the end.
 
     python tools/load_server.py --clients 16 --seconds 60
+
+With ``--flood N`` it sends N requests at once instead, each with one large image
+(``--flood-mib``, 19.5 MiB of JSON by default), and reports their statuses and the
+server's resident memory before, at its peak and 10 s after: a full queue must refuse
+bodies unread, and the memory of those it took must come back.
+
+    python tools/load_server.py --flood 80
 """
 
 from __future__ import annotations
@@ -78,6 +85,48 @@ def request(kind: str, base: str, name: str, rng: random.Random, session: reques
         return f"error:{type(exc).__name__}"
 
 
+def flood_body(name: str, mib: float) -> bytes:
+    """A chat request whose one image (random pixels, so PNG cannot shrink it) makes ~``mib`` MiB."""
+    side = int((mib * 2**20 * 3 / 4 / 3) ** 0.5)  # base64 grows by 4/3; ~3 bytes per noisy pixel
+    arr = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    return json.dumps({"model": name, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def flood(base: str, name: str, proc: psutil.Process, clients: int, mib: float) -> dict:
+    """``clients`` concurrent large requests; their statuses and the server's RSS (MiB) over time."""
+    body = flood_body(name, mib)
+    statuses: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    samples = [proc.memory_info().rss]
+
+    def send() -> None:
+        try:
+            r = requests.post(f"{base}/v1/chat/completions", data=body, timeout=600,
+                              headers={"Content-Type": "application/json"})
+            outcome = str(r.status_code)
+        except requests.RequestException as exc:
+            outcome = f"error:{type(exc).__name__}"
+        with lock:
+            statuses[outcome] += 1
+
+    threads = [threading.Thread(target=send) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        samples.append(proc.memory_info().rss)
+        time.sleep(0.1)
+    time.sleep(10)
+    mib_of = [n / 2**20 for n in samples]
+    return {"clients": clients, "body_mib": round(len(body) / 2**20, 1), "statuses": dict(statuses),
+            "rss_mib": {"before": round(mib_of[0]), "peak": round(max(mib_of)),
+                        "10 s after": round(proc.memory_info().rss / 2**20)}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,6 +164,8 @@ def main() -> int:
     parser.add_argument("--model", help="a local .gguf (default: the tiny generated model)")
     parser.add_argument("--mmproj")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--flood", type=int, metavar="N", help="send N large requests at once instead")
+    parser.add_argument("--flood-mib", type=float, default=19.5, help="size of each (default 19.5)")
     args = parser.parse_args()
 
     port = free_port()
@@ -122,6 +173,15 @@ def main() -> int:
     server = start_server(args, port)
     proc = psutil.Process(server.pid)
     name = requests.get(f"{base}/health", timeout=10).json()["model"]
+    if args.flood:
+        try:
+            report = flood(base, name, proc, args.flood, args.flood_mib)
+            report["health"] = requests.get(f"{base}/health", timeout=10).json()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        print(json.dumps(report, indent=2))
+        return 0 if report["health"].get("status") == "ok" else 1
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     lock = threading.Lock()
     stop_at = time.time() + args.seconds

@@ -6,25 +6,30 @@
 Routes (``/health`` needs no key, every other route does when a key is set):
 
 * OpenAI: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``
-  (SSE when ``stream``; usage always in the last chunk). Errors are
+  (SSE when ``stream``; usage always in the last chunk; ``: keep-alive`` comments every
+  10 s while an answer waits for the model or its images). Errors are
   ``{"error": {"message", "type", "param", "code"}}``.
 * Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
-* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters).
+* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters by
+  method, route and status; other methods count as ``other``, unknown paths as
+  ``(unmatched)``).
 
 The model answers one request at a time; up to ``max_queue`` more wait, later ones get
 ``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
-it). Each answer runs on its own thread; a client that hangs up stops its generation.
+it) before their body is read. Each answer runs on its own thread; a client that hangs
+up stops its generation.
 
 Security: binds 127.0.0.1 by default. The API key (``api_key=``, else the environment
 variable ``GGUF_MCV_API_KEY``) is accepted as ``Authorization: Bearer <key>``. Request
-bodies over ``max_body_bytes`` get 413. Images and videos come inside the request
-(data: URIs, Ollama's base64); local paths and ``file://`` URLs only with
-``allow_local_files``; ``http(s)`` URLs only with ``allow_remote_media``, and then the
-server fetches them itself (size cap, timeout, at most 3 redirects) and only from
-public addresses: every address the host resolves to is checked and the connection
-goes to the checked one, so a URL cannot reach loopback, private or link-local hosts.
+bodies over ``max_body_bytes`` get 413 as soon as that much has arrived. Images and
+videos come inside the request (data: URIs, Ollama's base64); local paths and
+``file://`` URLs only with ``allow_local_files``; ``http(s)`` URLs only with
+``allow_remote_media``, and then the server fetches them itself (size cap, timeout, at
+most 3 redirects) and only from public addresses: every address the host resolves to
+is checked and the connection goes to the checked one, so a URL cannot reach loopback,
+private or link-local hosts. Other URL schemes get 400 saying what is accepted.
 
 A request's ``model`` may be omitted; if given it must name the served model: its
 served name, catalog name or alias, Hub repo, display name or file stem, any case,
@@ -34,7 +39,8 @@ Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api
 routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
-``http_errors`` (error shapes and handlers), ``remote_media`` (the SSRF-safe fetch).
+``http_errors`` (error shapes and handlers), ``media_urls`` (which media URLs are
+accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 
 from __future__ import annotations
@@ -50,8 +56,8 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "gguf_mcv.server needs FastAPI and uvicorn: pip install 'gguf-mcv[server]'"
     ) from exc
 
-from .app import API_KEY_ENV, build_app, serve
+from .app import API_KEY_ENV, build_app, check_bind, serve
 
 del fastapi, pydantic, starlette  # imported above only to check that they are installed
 
-__all__ = ["API_KEY_ENV", "build_app", "serve"]
+__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve"]

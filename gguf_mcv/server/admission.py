@@ -17,10 +17,15 @@ from starlette.types import Receive, Scope, Send
 
 from ..generation import Stream
 from ..reply import Reply
+from .gate import Place
 from .http_errors import ClientGone, HTTPError, as_http_error, openai_error
 from .state import State, state_of
 
 T = TypeVar("T")
+
+#: While a streamed SSE answer has not started (queued, or its images encoding), a
+#: comment goes out this often, so clients and proxies with read timeouts keep waiting.
+KEEPALIVE_S = 10.0
 
 
 class _Job:
@@ -137,16 +142,27 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
-async def _begin(request: Request, start: Callable[[], Stream],
-                 shape: Callable[[Stream], Iterable[Any]]) -> _Job:
-    """Wait for the model (503 when the queue is full), start the answer, wait until it runs."""
+async def place_in_queue(request: Request) -> AsyncIterator[Place]:
+    """A dependency, declared before the body's: a place in the queue, else 503 unread.
+
+    The place is left when the request ends, unless a response or an answer took it over.
+    """
     state = state_of(request)
-    await _or_hang_up(request, state.gate.acquire(state.metrics.retry_after()))
+    place = state.gate.admit(state.metrics.retry_after())
     try:
-        job = _Job(start, shape, partial(_finished, state))
-    except BaseException:
-        state.gate.release()
-        raise
+        yield place
+    finally:
+        if place.owner == "request":
+            place.leave()
+
+
+async def _begin(request: Request, place: Place, start: Callable[[], Stream],
+                 shape: Callable[[Stream], Iterable[Any]]) -> _Job:
+    """Wait for the model, start the answer (it leaves ``place`` when it ends), wait until it runs."""
+    state = state_of(request)
+    await _or_hang_up(request, place.turn())
+    job = _Job(start, shape, partial(_finished, state, place))
+    place.owner = "answer"
     with _cancelled_on_error(job):
         await _or_hang_up(request, job.ready())
     return job
@@ -168,40 +184,83 @@ def _cancelled_on_error(job: _Job) -> Iterator[None]:
         raise
 
 
-def _finished(state: State, outcome: str, reply: Reply | None, seconds: float) -> None:
-    state.gate.release()
+def _finished(state: State, place: Place, outcome: str, reply: Reply | None, seconds: float) -> None:
+    place.leave()
     state.metrics.record(outcome, reply, seconds)
 
 
-async def answer(request: Request, start: Callable[[], Stream]) -> Reply:
+async def answer(request: Request, place: Place, start: Callable[[], Stream]) -> Reply:
     """The whole answer (the generation stops if the client hangs up)."""
-    job = await _begin(request, start, iter)
+    job = await _begin(request, place, start, iter)
     with _cancelled_on_error(job):
         return await _or_hang_up(request, job.result())
 
 
-async def answer_stream(request: Request, start: Callable[[], Stream],
+async def answer_stream(request: Request, place: Place, start: Callable[[], Stream],
                         shape: Callable[[Stream], Iterable[Any]], ndjson: bool) -> Response:
-    """A streaming response of what ``shape`` makes of the answer: NDJSON lines or SSE events."""
-    job = await _begin(request, start, shape)
-    fmt = _ndjson_lines if ndjson else _sse_events
-    return _AnswerResponse(job, fmt(job),
-                           media_type="application/x-ndjson" if ndjson else "text/event-stream")
+    """A streaming response of what ``shape`` makes of the answer: NDJSON lines or SSE events.
+
+    An SSE answer that has not started within :data:`KEEPALIVE_S` (a long queue, a long
+    image encoding) gets its response started anyway, with SSE comments until it does;
+    its errors then arrive in the stream. NDJSON has no comments: it waits.
+    """
+    if ndjson:
+        job = await _begin(request, place, start, shape)
+        return _AnswerResponse(_ndjson_lines(job), "application/x-ndjson", stop=job.cancel)
+    begun = asyncio.ensure_future(_begin(request, place, start, shape))
+    try:
+        await asyncio.wait({begun}, timeout=KEEPALIVE_S)
+    except BaseException:
+        begun.cancel()
+        raise
+    if begun.done():
+        job = begun.result()
+        return _AnswerResponse(_sse_events(job), "text/event-stream", stop=job.cancel)
+    if place.owner == "request":  # else the answer has its place already
+        place.owner = "response"
+    return _AnswerResponse(_sse_once_begun(begun), "text/event-stream",
+                           stop=partial(_abandon, begun, place))
 
 
 class _AnswerResponse(StreamingResponse):
-    """A streaming answer whose generation stops however the response ends (a hang-up too)."""
+    """A streaming answer that calls ``stop`` however the response ends (a hang-up too)."""
 
-    def __init__(self, job: _Job, content: AsyncIterator[str], media_type: str) -> None:
+    def __init__(self, content: AsyncIterator[str], media_type: str, stop: Callable[[], None]) -> None:
         super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.stop = stop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            self.stop()
+
+
+def _abandon(begun: asyncio.Task[_Job], place: Place) -> None:
+    """Stop an answer whose response has ended, whether or not the answer had started."""
+    if begun.done() and not begun.cancelled() and begun.exception() is None:
+        begun.result().cancel()
+    begun.cancel()  # still waiting for the model or the prompt: give up
+    if place.owner == "response":  # no answer thread took the place over
+        place.leave()
+
+
+async def _sse_once_begun(begun: asyncio.Task[_Job]) -> AsyncIterator[str]:
+    """SSE comments until the answer has started, then its events (its errors in the stream)."""
+    while not begun.done():
+        yield ": keep-alive\n\n"
+        await asyncio.wait({begun}, timeout=KEEPALIVE_S)
+    try:
+        job = begun.result()
+    except ClientGone:
+        return
+    except Exception as exc:
+        yield _sse_error(exc)
+        yield "data: [DONE]\n\n"
+        return
+    async for event in _sse_events(job):
+        yield event
 
 
 async def _sse_events(job: _Job) -> AsyncIterator[str]:
@@ -209,8 +268,12 @@ async def _sse_events(job: _Job) -> AsyncIterator[str]:
         async for chunk in job.items():
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
     except Exception as exc:  # the response has started: the error goes in the stream
-        yield f"data: {json.dumps(openai_error(as_http_error(exc)), ensure_ascii=False)}\n\n"
+        yield _sse_error(exc)
     yield "data: [DONE]\n\n"
+
+
+def _sse_error(exc: Exception) -> str:
+    return f"data: {json.dumps(openai_error(as_http_error(exc)), ensure_ascii=False)}\n\n"
 
 
 async def _ndjson_lines(job: _Job) -> AsyncIterator[str]:

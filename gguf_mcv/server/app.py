@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
+import socket
 
 from fastapi import Depends, FastAPI
 
@@ -16,6 +18,7 @@ from . import health, ollama_api, openai_api
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
+from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
 from .state import State
@@ -76,17 +79,74 @@ def serve(
     allow_remote_media: bool = False,
     log_level: str = "info",
 ) -> None:
-    """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`)."""
+    """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`).
+
+    :class:`ConfigError` if the port is out of range or the server cannot start.
+    """
     import uvicorn
 
+    _check_port(port)
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
                     allow_remote_media=allow_remote_media)
+    return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not _is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass api_key.", host, API_KEY_ENV)
-    # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    try:  # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except SystemExit as exc:  # uvicorn exits when it cannot start, having logged why
+        if exc.code:
+            raise ConfigError(f"The server could not start on {host}:{port} (see the log above).") from None
+        raise
+
+
+def check_bind(host: str, port: int) -> None:
+    """Raise :class:`ConfigError` unless a server could listen on ``host``:``port`` now.
+
+    Checks what uvicorn will do (resolve ``host``, bind each of its addresses), so a
+    command can refuse a bad address or a port in use before it loads a model.
+    """
+    _check_port(port)
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"Cannot serve on host {host!r}: {exc.strerror}. Use an address of this "
+                          "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all).") from None
+    errors = [error for error in map(_try_bind, addresses) if error is not None]
+    # as asyncio does, an address family this machine lacks is skipped if another one binds
+    serious = [e for e in errors if e.errno != errno.EADDRNOTAVAIL]
+    if serious or len(errors) == len(addresses):
+        raise ConfigError(_bind_failure(host, port, (serious or errors)[0]))
+
+
+def _check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"Port {port} is out of range: use a port from 1 to 65535.")
+
+
+def _try_bind(address: tuple) -> OSError | None:
+    """Bind a socket as asyncio's server would (reusing the address, IPv6 only on IPv6); the error."""
+    family, kind, proto, _, sockaddr = address
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _bind_failure(host: str, port: int, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return f"Port {port} on {host} is already in use: stop what uses it or pass another --port."
+    if error.errno == errno.EACCES:
+        return f"Not allowed to listen on port {port}: ports below 1024 need privileges; use another --port."
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine: use one of its addresses, or 0.0.0.0 for all."
+    return f"Cannot listen on {host}:{port}: {error.strerror or error}."
 
 
 def _is_loopback(host: str) -> bool:

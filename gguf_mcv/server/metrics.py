@@ -64,8 +64,20 @@ class Metrics:
         }
 
 
+#: Methods counted under their own name; any other method string counts as ``other``.
+COUNTED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: The path counted for requests no route matched, whatever their path.
+UNMATCHED = "(unmatched)"
+
+
+def request_label(scope: Scope) -> str:
+    """``"METHOD /route/template"``, from a bounded set: clients choose methods and paths freely."""
+    method = scope["method"] if scope["method"] in COUNTED_METHODS else "other"
+    return f"{method} {getattr(scope.get('route'), 'path', UNMATCHED)}"
+
+
 class CountRequests:
-    """ASGI middleware counting requests by route and status (unmatched paths together)."""
+    """ASGI middleware counting requests by method, route and status (unknown ones folded)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -85,5 +97,4 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_counting)
         finally:
-            path = getattr(scope.get("route"), "path", "(unmatched)")
-            self.metrics.requests[(f"{scope['method']} {path}", status)] += 1
+            self.metrics.requests[(request_label(scope), status)] += 1

@@ -20,8 +20,9 @@ from pydantic import Field
 from ..errors import MediaError
 from ..generation import Stream
 from ..reply import Reply
-from .admission import answer, answer_stream
+from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body, stop_list
+from .gate import Place
 from .http_errors import HTTPError
 from .state import State, file_mtime, model_stream, state_of
 
@@ -120,8 +121,10 @@ async def show(request: Request, body: Annotated[ShowRequest, Depends(json_body(
     info = state.model.info
     capabilities = ["completion", "vision"] + (["thinking"] if info.can_think else [])
     return {"modelfile": "", "parameters": "", "template": "", "details": _details(state),
+            # file names only: where the files live is no business of the clients
             "model_info": {"general.architecture": "minicpmv", "general.name": info.name,
-                           "general.file": info.model_path, "general.mmproj": info.mmproj_path,
+                           "general.file": Path(info.model_path).name,
+                           "general.mmproj": Path(info.mmproj_path).name,
                            "minicpmv.context_length": info.n_ctx},
             "capabilities": capabilities, "modified_at": _iso(file_mtime(info.model_path))}
 
@@ -148,6 +151,7 @@ def _details(state: State) -> dict[str, Any]:
 
 @router.post("/api/generate")
 async def generate(request: Request,
+                   place: Annotated[Place, Depends(place_in_queue)],  # before the body (see openai_api)
                    body: Annotated[GenerateRequest, Depends(json_body(GenerateRequest))]) -> Any:
     state = state_of(request)
     name = state.check_model(body.model)
@@ -160,11 +164,12 @@ async def generate(request: Request,
         system = [] if not body.system else [{"role": "system", "content": body.system}]
         return system + [_ollama_user("user", prompt, images)]
 
-    return await _ollama_answer(request, body, name, messages, chat=False)
+    return await _ollama_answer(request, place, body, name, messages, chat=False)
 
 
 @router.post("/api/chat")
 async def chat(request: Request,
+               place: Annotated[Place, Depends(place_in_queue)],  # before the body (see openai_api)
                body: Annotated[OllamaChatRequest, Depends(json_body(OllamaChatRequest))]) -> Any:
     state = state_of(request)
     name = state.check_model(body.model)
@@ -176,10 +181,10 @@ async def chat(request: Request,
     def messages() -> list[dict[str, Any]]:
         return [_ollama_user(m.role, m.content or "", m.images or []) for m in given]
 
-    return await _ollama_answer(request, body, name, messages, chat=True)
+    return await _ollama_answer(request, place, body, name, messages, chat=True)
 
 
-async def _ollama_answer(request: Request, body: _OllamaRequest, name: str,
+async def _ollama_answer(request: Request, place: Place, body: _OllamaRequest, name: str,
                          messages: Callable[[], list[dict[str, Any]]], *, chat: bool) -> Any:
     """Answer ``messages()`` (made on the answer's thread: base64 decoding is not free)."""
     state = state_of(request)
@@ -191,8 +196,8 @@ async def _ollama_answer(request: Request, body: _OllamaRequest, name: str,
 
     if body.stream is not False:
         shape = partial(_ollama_chunks, model=name, chat=chat, began=began)
-        return await answer_stream(request, start, shape, ndjson=True)
-    reply = await answer(request, start)
+        return await answer_stream(request, place, start, shape, ndjson=True)
+    reply = await answer(request, place, start)
     return _ollama_final(name, reply, chat=chat, began=began, text=str(reply))
 
 

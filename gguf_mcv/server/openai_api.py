@@ -10,9 +10,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from ..openai_compat import completion, completion_chunks
-from .admission import answer, answer_stream
+from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body, stop_list
+from .gate import Place
 from .http_errors import HTTPError
+from .media_urls import check_media_urls
 from .remote_media import fetch_remote_media
 from .state import State, file_mtime, model_stream, state_of
 
@@ -94,16 +96,20 @@ def _model_card(state: State) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    request: Request, body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+    request: Request,
+    place: Annotated[Place, Depends(place_in_queue)],  # before the body: a full queue refuses it unread
+    body: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
 ) -> Any:
     state = state_of(request)
     state.check_model(body.model)
     name = state.name  # OpenAI answers name the model that answered
     body.check_supported()
     messages = body.message_dicts()
+    check_media_urls(messages, allow_remote=state.allow_remote, allow_files=state.policy.allow_files)
     if state.allow_remote:
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
     start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
     if body.stream:
-        return await answer_stream(request, start, partial(completion_chunks, model=name), ndjson=False)
-    return completion(await answer(request, start), model=name)
+        return await answer_stream(request, place, start, partial(completion_chunks, model=name),
+                                   ndjson=False)
+    return completion(await answer(request, place, start), model=name)

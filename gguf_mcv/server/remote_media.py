@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import MediaError
+from .media_urls import part_url
 
 #: Connect and per-read timeout when fetching a remote image or video.
 REMOTE_TIMEOUT_S = 10.0
@@ -21,12 +22,12 @@ MAX_REDIRECTS = 3
 def fetch_remote_media(messages: list[dict[str, Any]], max_bytes: int) -> list[dict[str, Any]]:
     """``messages`` with each http(s) image or video URL replaced by a data: URI of its bytes."""
     def part(p: Any) -> Any:
-        kind = p.get("type") if isinstance(p, dict) else None
-        value = p.get(kind) if kind in ("image_url", "video_url") else None
-        url = value.get("url") if isinstance(value, dict) else value
-        if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        url = part_url(p)
+        if url is None or urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
             return p
         data = "data:;base64," + base64.b64encode(_fetch_public(url, max_bytes=max_bytes)).decode()
+        kind = p["type"]
+        value = p[kind]
         return {**p, kind: {**value, "url": data} if isinstance(value, dict) else data}
 
     return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list)
