@@ -68,6 +68,13 @@ class Sampling:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def check_sampling(**settings: Any) -> dict[str, Any]:
+    """``settings`` (sampling keywords, ``None`` for unset) checked as :class:`Sampling` checks
+    them; returned unchanged. For the edges (CLI, HTTP) that pass them on later."""
+    Sampling().with_overrides(**settings)
+    return settings
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an int within [low, high]; ConfigError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):

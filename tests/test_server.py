@@ -444,6 +444,21 @@ def test_bad_images_get_400(srv: Running) -> None:
     assert err.value.status_code == 400
 
 
+@pytest.mark.parametrize("setting,value", [("temperature", 7.0), ("top_p", 0.0), ("top_k", 2.5),
+                                           ("repeat_penalty", -1.0)])
+def test_both_apis_refuse_sampling_values_as_the_library_does(srv: Running, setting: str, value: float) -> None:
+    """One check for every edge: gguf_mcv.options.Sampling (the OpenAI route allowed temperature <= 2
+    and the Ollama route any temperature before)."""
+    with pytest.raises(gguf_mcv.ConfigError, match=setting):
+        gguf_mcv.Sampling().with_overrides(**{setting: value})
+    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], setting: value, "max_tokens": 1})
+    assert r.status_code == 400 and setting in r.json()["error"]["message"]
+    r = requests.post(srv.url + "/api/generate", headers=AUTH, timeout=30,
+                      json={"prompt": "hi", "stream": False, "options": {setting: value, "num_predict": 1}})
+    assert r.status_code == 400 and setting in r.json()["error"]
+
+
 def test_oversize_bodies_get_413(small: Running) -> None:
     big = {"prompt": "x" * (100 * 1024), "stream": False}
     r = requests.post(small.url + "/api/generate", json=big, timeout=30)

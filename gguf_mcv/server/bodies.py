@@ -74,8 +74,3 @@ class Body(BaseModel):
     """Request bodies accept unknown fields: clients send many this server does not use."""
 
     model_config = ConfigDict(extra="allow")
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    """A request's ``stop`` (one string, a list or nothing) as a list."""
-    return [stop] if isinstance(stop, str) else list(stop or [])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..catalog import CatalogEntry, lookup
 from ..errors import GgufMcvError
 from ..model import Model
+from ..quants import is_known_quant
 
 
 def model_names(model: Model, model_name: str | None) -> tuple[str, frozenset[str]]:
@@ -23,14 +25,11 @@ def model_names(model: Model, model_name: str | None) -> tuple[str, frozenset[st
     return served, frozenset(normal_name(n) for n in names)
 
 
-def _catalog_entry(name: str, repo: str | None):
-    from ..catalog import load_catalog
-
+def _catalog_entry(name: str, repo: str | None) -> CatalogEntry | None:
     try:
-        catalog = load_catalog()
-    except (GgufMcvError, OSError):
+        return lookup(repo) or lookup(name)
+    except (GgufMcvError, OSError):  # a broken user catalog must not stop the server
         return None
-    return (catalog.by_repo(repo) if repo else None) or catalog.find(name)
 
 
 def normal_name(name: str) -> str:
@@ -38,8 +37,6 @@ def normal_name(name: str) -> str:
     name = name.strip().casefold()
     base, sep, tag = name.rpartition(":")
     if sep and "/" not in tag:
-        from ..quants import is_known_quant
-
         if tag == "latest" or is_known_quant(tag):
             return base
     return name

@@ -15,13 +15,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import Field
 
 from ..errors import MediaError
 from ..generation import Stream
+from ..options import check_sampling, stop_list
 from ..reply import Reply
 from .admission import answer, answer_stream, place_in_queue
-from .bodies import Body, json_body, stop_list
+from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError
 from .state import State, file_mtime, model_stream, state_of
@@ -31,13 +31,14 @@ OLLAMA_API_VERSION = "0.12.0"
 
 
 class OllamaOptions(Body):
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    # sampling values are checked by gguf_mcv.options, as everywhere else
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     num_predict: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    repeat_penalty: float | None = Field(default=None, gt=0)
+    repeat_penalty: float | None = None
 
 
 class _OllamaRequest(Body):
@@ -58,10 +59,11 @@ class _OllamaRequest(Body):
         """Keyword arguments for :meth:`Model.chat_completion`."""
         o = self.options or OllamaOptions()
         think = self.think if not isinstance(self.think, str) else self.think.lower() not in ("", "false")
+        sampling = check_sampling(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                                  repeat_penalty=o.repeat_penalty,
+                                  seed=o.seed if o.seed is None or o.seed >= 0 else None)  # Ollama: -1 = random
         return dict(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else n_ctx,
-                    stop=stop_list(o.stop), thinking=think, temperature=o.temperature, top_p=o.top_p,
-                    top_k=o.top_k, repeat_penalty=o.repeat_penalty,
-                    seed=o.seed if o.seed is None or o.seed >= 0 else None)
+                    stop=stop_list(o.stop), thinking=think, **sampling)
 
 
 class GenerateRequest(_OllamaRequest):

@@ -10,8 +10,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from ..openai_compat import completion, completion_chunks
+from ..options import check_sampling, stop_list
 from .admission import answer, answer_stream, place_in_queue
-from .bodies import Body, json_body, stop_list
+from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError
 from .media_urls import check_media_urls
@@ -37,10 +38,11 @@ class ChatCompletionRequest(Body):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    repeat_penalty: float | None = Field(default=None, gt=0)
+    # sampling values are checked by gguf_mcv.options, as everywhere else
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repeat_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -63,10 +65,11 @@ class ChatCompletionRequest(Body):
     def options(self, n_ctx: int) -> dict[str, Any]:
         """Keyword arguments for :meth:`Model.chat_completion`."""
         thinking = (self.chat_template_kwargs or {}).get("enable_thinking")
+        sampling = check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  repeat_penalty=self.repeat_penalty, seed=self.seed)
         return dict(max_tokens=self.max_completion_tokens or self.max_tokens or n_ctx,
                     stop=stop_list(self.stop), thinking=None if thinking is None else bool(thinking),
-                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    repeat_penalty=self.repeat_penalty, seed=self.seed)
+                    **sampling)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         # "developer" is what newer OpenAI clients call the system role
