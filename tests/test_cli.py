@@ -111,6 +111,13 @@ def test_invalid_utf8_in_an_argument_is_one_line(tiny) -> None:
     assert len(err) == 1 and "not valid Unicode" in err[0]
 
 
+def test_absurd_thread_counts_are_refused_before_llama_cpp_sees_them(tiny, picture: Path) -> None:
+    """Issue 17.2: --threads 100000 crashed inside llama.cpp or libgomp."""
+    done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "?", "--threads", "100000")
+    assert done.returncode == 1 and "n_threads must be between 1 and" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args,match", [
     (("--ctx", "0"), "n_ctx must be between"),
     (("--ctx", "-1"), "n_ctx must be between"),
