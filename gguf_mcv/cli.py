@@ -242,14 +242,13 @@ def _chat(args: argparse.Namespace) -> int:
                 (images if command == "/image" else videos).append(rest.strip())
                 print(f"({command[1:]} added to the next question)", file=sys.stderr)
             elif line:
-                before = sum(t["role"] == "user" for t in chat.history)
                 try:
                     stream = chat.send(line, images, videos=videos, stream=True,
                                        max_tokens=args.max_tokens, on_progress=_progress_line(args))
                     for piece in stream:
                         print(piece, end="", flush=True)
                     print()
-                    dropped = before + 1 - sum(t["role"] == "user" for t in chat.history)
+                    dropped = stream.reply.dropped_turns if stream.reply is not None else 0
                     if dropped > 0:
                         print(f"(the context was full: the {dropped} oldest question(s) and their "
                               "answers were dropped)", file=sys.stderr)

@@ -34,6 +34,9 @@ from .options import Sampling
 IMAGE_SENTINEL = -1
 #: how many recent tokens the repeat penalty looks at
 PENALTY_LAST_N = 64
+#: a stretch dropped from the middle of the cache is shifted out (not re-evaluated) only when
+#: at least this many units after it are reused (or all that remain)
+MIN_SHIFT_MATCH = 8
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class Engine:
         self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
+        self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
 
@@ -317,14 +321,16 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, *, reserve: int = 0,
+    def prefill(self, prompt: Prompt, *, reserve: int = 0, shift: bool = False,
                 progress: Callable[[int, int, int], None] | None = None) -> PrefillStats:
         """Make the KV cache hold ``prompt``, evaluating only what is not there yet.
 
         ``reserve`` positions must stay free after the prompt (for the answer);
         :class:`ContextOverflowError` is raised before anything is evaluated otherwise.
         ``progress(done, total, cached)`` is called before the first image chunk and after
-        each one (``cached`` of the ``done`` chunks came from the embedding cache).
+        each one (``cached`` of the ``done`` chunks came from the embedding cache). With
+        ``shift``, a stretch the prompt no longer has (dropped turns) is removed from the
+        cache and what follows it shifted back, where the model's cache can shift.
         """
         self._check_open()
         units = prompt.units
@@ -341,6 +347,8 @@ class Engine:
         start = time.perf_counter()
         self._sync_with_llama()
         common = self._realign(prompt, _common_prefix(self._units, units))
+        if shift:
+            common = self._shift_out(prompt, common)
         if prompt.n_pos + reserve > self.n_ctx:  # realigning can change the count a little
             raise ContextOverflowError(
                 f"The prompt needs {prompt.n_pos} positions but n_ctx is {self.n_ctx}."
@@ -389,6 +397,40 @@ class Engine:
             prompt.replace_units(common, j, kv[common:i])
             common = i + _common_prefix(kv[i:], new[i:])
         return common
+
+    def _shift_out(self, prompt: Prompt, common: int) -> int:
+        """Remove a stretch of the cache the prompt skips (dropped turns) and shift the rest back.
+
+        llama.cpp's sequence remove + add (a RoPE shift of the cached keys) instead of
+        evaluating everything after the stretch again. Only for caches that can shift
+        (attention-only text models); returns the new common prefix length.
+        """
+        kv, new = self._units, prompt.units
+        if common >= len(kv) or common >= len(new):
+            return common
+        mem = self._lc.llama_get_memory(self.llama.ctx)
+        if not self._lc.llama_memory_can_shift(mem):
+            return common
+        rest = new[common:]
+        best_k, best_n = 0, 0
+        for k in range(common + 1, len(kv)):
+            n = _common_prefix(kv[k:], rest)
+            if n > best_n:
+                best_k, best_n = k, n
+        if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k) or best_n == 0:
+            return common
+        self._truncate(best_k + best_n)  # what follows the reused stretch goes first
+        start, stop, end = _n_pos(kv[:common]), _n_pos(kv[:best_k]), self.n_past
+        delta = stop - start
+        if not self._lc.llama_memory_seq_rm(mem, 0, start, stop):
+            return common
+        self._lc.llama_memory_seq_add(mem, 0, stop, -1, -delta)
+        ids = self.llama.input_ids
+        ids[start:end - delta] = ids[stop:end].copy()
+        self.llama.n_tokens = end - delta
+        del self._units[common:best_k]
+        self.shifted_positions += delta
+        return common + best_n
 
     def _same_text(self, kv: Sequence[Unit], new: Sequence[Unit], start: int,
                    limit: int = 4096) -> tuple[int, int] | None:

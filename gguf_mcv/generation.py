@@ -156,17 +156,19 @@ def respond(
     reasoning: bool = False,
     on_progress: ProgressCallback | None = None,
     on_prefill: Callable[[PrefillStats], None] | None = None,
+    shift: bool = False,
 ) -> Generator[str, None, Reply]:
     """Generate the answer to ``prompt_text``; yields text pieces, returns the Reply.
 
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
     and only the answer is yielded. ``on_progress`` follows image encoding;
-    ``on_prefill`` receives the prefill's statistics.
+    ``on_prefill`` receives the prefill's statistics. ``shift`` lets the prefill shift a
+    stretch the prompt dropped out of the KV cache (see :meth:`Engine.prefill`).
     """
     with lock.hold():
         start = time.perf_counter()
         with engine.tokenize(prompt_text, images) as prompt:
-            stats = engine.prefill(prompt, reserve=1, progress=_progress(on_progress, start))
+            stats = engine.prefill(prompt, reserve=1, shift=shift, progress=_progress(on_progress, start))
         if on_prefill is not None:
             on_prefill(stats)
         assembler = TextAssembler(stop)

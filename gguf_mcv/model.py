@@ -20,13 +20,16 @@ from .errors import ConfigError, ContextOverflowError, ModelClosedError
 from .generation import AnswerLock, ProgressCallback, Stream, respond
 from .media import Image, ImageInput
 from .messages import MediaPolicy, convert
-from .options import DEFAULT_MAX_TOKENS, Sampling, check_max_tokens, check_text, stop_list
+from .options import DEFAULT_MAX_TOKENS, Sampling, check_int, check_max_tokens, check_text, stop_list
 from .reply import Reply, VideoStats
 from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .templates import ChatTemplate
 from .video import VideoInput
 
 __all__ = ["Chat", "Model", "ModelInfo", "VideoOptions", "DEFAULT_MAX_TOKENS"]
+
+#: Positions a turn's template markup may add beyond its text and images (role headers, ends).
+TEMPLATE_SLACK = 16
 
 
 @dataclass(frozen=True)
@@ -219,18 +222,20 @@ class Model:
     def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
                sampling: Sampling | None = None, on_progress: ProgressCallback | None = None,
-               frames: FrameCounts | None = None) -> Stream:
+               frames: FrameCounts | None = None, shift: bool = False) -> Stream:
         """Answer a conversation of built turns (see :attr:`turns`); a :class:`Stream`.
 
         The lower-level door every question goes through: nothing is evaluated until
-        the stream's first piece is read.
+        the stream's first piece is read. ``shift`` allows shifting a stretch these turns no
+        longer have (dropped turns) out of the KV cache instead of evaluating what follows it
+        again — faster, but the kept turns' cached states still saw the dropped ones.
         """
         rendered = self.turns.render(turns, thinking)
         encoded: list[str] = []
         pieces = respond(
             self.engine, rendered.text, rendered.images, sampling=sampling or self.sampling,
             max_tokens=check_max_tokens(max_tokens), stop=stop_list(stop), reasoning=rendered.reasoning,
-            lock=self._lock, on_progress=on_progress,
+            lock=self._lock, on_progress=on_progress, shift=shift,
             on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
         )
         if frames is not None and frames.keys:
@@ -238,9 +243,11 @@ class Model:
         return Stream(pieces)
 
     def chat(self, system: str | None = None, thinking: bool | None = None, *,
-             overflow: str = "error") -> "Chat":
-        """Start a conversation. ``overflow="drop_oldest"`` drops old turns when the context fills."""
-        return Chat(self, system=system, thinking=thinking, overflow=overflow)
+             overflow: str = "drop_oldest", keep_first: int = 0, context_shift: bool = True) -> "Chat":
+        """Start a conversation (see :class:`Chat` for ``overflow``, ``keep_first`` and
+        ``context_shift``)."""
+        return Chat(self, system=system, thinking=thinking, overflow=overflow, keep_first=keep_first,
+                    context_shift=context_shift)
 
     def prepare_image(self, image: ImageInput, *, detail: str = "auto",
                       max_slices: int | None = None) -> Image:
@@ -297,18 +304,31 @@ class Model:
 class Chat:
     """A conversation with a :class:`Model`; each turn reuses what the previous ones evaluated.
 
+    When the next turn would not fit (its prompt plus room for the answer), ``overflow=
+    "drop_oldest"`` (the default) drops the oldest questions with their answers, whole turns
+    at a time — never the system prompt, the first ``keep_first`` questions (say, the photo
+    the conversation is about) or the newest one; ``reply.dropped_turns`` counts them. Where
+    the model's cache can shift and ``context_shift`` is on (the default), the dropped span is
+    removed from it and the rest shifted back instead of evaluated again (as llama.cpp's
+    context shift does: the kept turns' cached states still saw the dropped ones, so an answer
+    may differ from a fresh chat's); with ``context_shift=False`` the kept turns are evaluated
+    again and the answer is exactly a fresh chat's. No image is encoded again because of a
+    drop. ``overflow="error"`` raises :class:`ContextOverflowError` instead.
     One ``Chat`` holds one conversation and is meant for one thread at a time.
     """
 
     def __init__(self, model: Model, *, system: str | None = None, thinking: bool | None = None,
-                 overflow: str = "error") -> None:
+                 overflow: str = "drop_oldest", keep_first: int = 0, context_shift: bool = True) -> None:
         if overflow not in ("error", "drop_oldest"):
             raise ConfigError("overflow must be 'error' or 'drop_oldest'.")
         self.model = model
         self.system = system
         self.thinking = thinking
         self.overflow = overflow
+        self.keep_first = check_int("keep_first", keep_first, low=0)
+        self.context_shift = bool(context_shift)
         self._turns: list[Turn] = []
+        self._used = 0  # positions the conversation filled after its last answer (0: unknown)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -336,34 +356,62 @@ class Chat:
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
         user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
-        pieces = self._turn(user, counts, max_tokens=max_tokens, stop=stop, sampling=sampling,
+        dropped = self._make_room(user, check_max_tokens(max_tokens))
+        pieces = self._turn(user, counts, dropped, max_tokens=max_tokens, stop=stop, sampling=sampling,
                             on_progress=_either(on_progress, progress))
         return _deliver(Stream(pieces), stream)
 
+    def _make_room(self, user: Turn, max_tokens: int) -> int:
+        """Drop the oldest turns until ``user`` and an answer fit; how many questions were dropped."""
+        turns = self.model.turns
+        if self.overflow != "drop_oldest" or not self._turns:
+            return 0
+        if self._used and (self._used + turns.positions_of(user) + TEMPLATE_SLACK
+                           + turns.answer_room(max_tokens) <= turns.n_ctx):
+            return 0  # surely fits: no need to measure the whole conversation
+        head = turns.system(self.system)
+        kept, dropped = turns.fit(head + self._turns + [user], max_tokens=max_tokens,
+                                  thinking=self.thinking, keep_first=self.keep_first)
+        self._turns = kept[len(head):-1]
+        return dropped
+
     def undo(self) -> None:
         """Drop the last user turn and its answer (the next turn reuses the cache up to there)."""
+        self._used = 0
         while self._turns:
             if self._turns.pop().role == "user":
                 break
 
     def undo_oldest(self) -> None:
-        """Drop the oldest user turn and its answer."""
-        if not self._turns:
+        """Drop the oldest user turn and its answer (pinned turns included)."""
+        self._drop_oldest(keep_first=0)
+
+    def _droppable(self) -> bool:
+        return sum(t.role == "user" for t in self._turns) > self.keep_first
+
+    def _drop_oldest(self, keep_first: int | None = None) -> None:
+        """Drop the oldest unpinned user turn and what follows it up to the next user turn."""
+        pinned = self.keep_first if keep_first is None else keep_first
+        users = [i for i, t in enumerate(self._turns) if t.role == "user"]
+        if len(users) <= pinned:
             return
-        del self._turns[0]
-        while self._turns and self._turns[0].role != "user":
-            del self._turns[0]
+        first = users[pinned]
+        end = users[pinned + 1] if len(users) > pinned + 1 else len(self._turns)
+        del self._turns[first:end]
+        self._used = 0
 
     def reset(self) -> None:
         """Forget the conversation."""
         self._turns.clear()
+        self._used = 0
 
     def _all(self, *extra: Turn) -> list[Turn]:
         return self.model.turns.system(self.system) + self._turns + list(extra)
 
-    def _turn(self, user: Turn, counts: FrameCounts, **options: Any) -> Generator[str, None, Reply]:
+    def _turn(self, user: Turn, counts: FrameCounts, dropped: int, **options: Any) -> Generator[str, None, Reply]:
         def attempt() -> Stream:
-            return self.model.answer(self._all(user), thinking=self.thinking, frames=counts, **options)
+            return self.model.answer(self._all(user), thinking=self.thinking, frames=counts,
+                                     shift=self.context_shift and dropped > 0, **options)
 
         pieces = attempt()
         produced: list[str] = []
@@ -372,13 +420,19 @@ class Chat:
                 try:
                     piece = next(pieces)
                 except StopIteration:
-                    assert pieces.reply is not None
-                    self._remember(user, pieces.reply)
-                    return pieces.reply
+                    reply = pieces.reply
+                    assert reply is not None
+                    reply.dropped_turns = dropped
+                    self._remember(user, reply)
+                    self._used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                    return reply
                 except ContextOverflowError:
-                    if produced or self.overflow != "drop_oldest" or not self._turns:
+                    # the measure before the answer keeps room for it; this is the last resort
+                    # when the prompt itself came out longer (re-tokenized answers)
+                    if produced or self.overflow != "drop_oldest" or not self._droppable():
                         raise
-                    self.undo_oldest()
+                    self._drop_oldest()
+                    dropped += 1
                     pieces = attempt()
                     continue
                 produced.append(piece)
@@ -387,6 +441,7 @@ class Chat:
             # a cancelled stream: the partial answer is what the model said
             pieces.close()
             self._remember(user, "".join(produced))
+            self._used = 0
             raise
 
     def _remember(self, user: Turn, answer: str) -> None:

@@ -73,14 +73,15 @@ class VideoStats:
 
 
 class Reply(str):
-    """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning``, ``finish_reason``
-    and, for questions about videos, ``video`` (:class:`VideoStats`)."""
+    """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning``, ``finish_reason``,
+    ``dropped_turns`` and, for questions about videos, ``video`` (:class:`VideoStats`)."""
 
     usage: Usage
     timings: Timings
     reasoning: str
     finish_reason: str
     video: VideoStats | None = None
+    dropped_turns: int = 0  #: older questions (with their answers) a Chat dropped to make room
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str

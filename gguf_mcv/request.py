@@ -237,9 +237,41 @@ class TurnBuilder:
         allowed = room // cost
         return {k: thin(f, max(1, allowed * len(f) // total)) for k, f in sampled.items()}
 
+    def answer_room(self, max_tokens: int) -> int:
+        """Positions kept free for an answer: ``max_tokens``, at most a quarter of the context."""
+        return min(max_tokens, self.n_ctx // 4)
+
+    def positions_of(self, turn: Turn) -> int:
+        """Positions one turn's text and images fill (without the template's markup)."""
+        return self._positions(turn.text, turn.images)
+
+    def fit(self, turns: Sequence[Turn], *, max_tokens: int, thinking: bool | None = None,
+            keep_first: int = 0) -> tuple[list[Turn], int]:
+        """``turns`` with their oldest user turns (each with its answers) dropped, whole turns at a
+        time, until the prompt and :meth:`answer_room` fit in the context; also how many user
+        turns were dropped. System turns, the first ``keep_first`` user turns and the newest turn
+        are never dropped: :class:`ContextOverflowError` when those alone do not fit.
+        """
+        kept, dropped = list(turns), 0
+        while (room := self._room(kept, thinking, max_tokens)) < 0:
+            users = [i for i, t in enumerate(kept[:-1]) if t.role == "user"]
+            if len(users) <= keep_first:
+                pinned = f" with the {keep_first} pinned turn(s)" if keep_first else ""
+                raise ContextOverflowError(
+                    f"The newest question{pinned} needs {self.n_ctx - room} positions with room for an "
+                    f"answer, but n_ctx is {self.n_ctx}: nothing older is left to drop. Ask a shorter "
+                    "question, use fewer or lower-detail images, pin fewer turns, or load the model "
+                    "with a larger n_ctx."
+                )
+            first = users[keep_first]
+            end = next((i for i in range(first + 1, len(kept)) if kept[i].role == "user"), len(kept) - 1)
+            del kept[first:end]
+            dropped += 1
+        return kept, dropped
+
     def _room(self, turns: list[Turn], thinking: bool | None, max_tokens: int) -> int:
         rendered = self.render(turns, thinking)
-        return self.n_ctx - self._positions(rendered.text, rendered.images) - min(max_tokens, self.n_ctx // 4)
+        return self.n_ctx - self._positions(rendered.text, rendered.images) - self.answer_room(max_tokens)
 
     def _positions(self, text: str, images: Sequence[Image]) -> int:
         """Positions ``text`` and ``images`` fill, measured by the engine (between answers)."""

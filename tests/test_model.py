@@ -268,3 +268,73 @@ def test_chat_completion_with_a_video_part(tiny_model, tmp_path: Path) -> None:
         {"type": "video_url", "video_url": {"url": uri}}, {"type": "text", "text": "What moves?"}]}],
         max_tokens=2)
     assert reply.usage.image_tokens == 3 * 64
+
+
+# --- long conversations: dropping the oldest turns (issue 18) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_ctx(tiny):
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512) as m:
+        yield m
+
+
+def _long_chat(chat, model, turns: int, on_drop=None) -> list:
+    replies = []
+    for i in range(turns):
+        image = picture(100 + i, (200, 200)) if i % 5 == 0 else ()
+        calls = model.engine.encoder_calls
+        reply = chat.send(f"Question {i}: what now?", image, max_tokens=12, temperature=0)
+        # a drop never sends an image through the encoder again: at most this turn's new image
+        assert model.engine.encoder_calls <= calls + (1 if i % 5 == 0 else 0), i
+        if reply.dropped_turns and on_drop is not None:
+            on_drop(i, reply, image)
+        replies.append(reply)
+    return replies
+
+
+def test_a_long_chat_keeps_going_when_the_context_fills(small_ctx) -> None:
+    chat = small_ctx.chat()  # drop_oldest is the default
+    replies = _long_chat(chat, small_ctx, 20)
+    assert sum(r.dropped_turns for r in replies) >= 5
+    assert all(r.usage.prompt_tokens + 12 <= 512 for r in replies)
+    questions = [t["content"].split("\n")[-1] for t in chat.history if t["role"] == "user"]
+    assert questions[-1] == "Question 19: what now?" and "Question 0: what now?" not in questions
+    with pytest.raises(ContextOverflowError):
+        _long_chat(small_ctx.chat(overflow="error"), small_ctx, 20)
+
+
+def test_without_shifting_an_answer_after_a_drop_is_a_fresh_chats(small_ctx) -> None:
+    chat = small_ctx.chat(context_shift=False)
+    compared = []
+
+    def compare(i: int, reply, image) -> None:
+        fresh = small_ctx.chat()
+        fresh._turns = list(chat._turns[:-2])  # exactly the kept turns, before this question
+        small_ctx.engine.reset()  # nothing reused: every kept turn evaluated anew
+        again = fresh.send(f"Question {i}: what now?", image, max_tokens=12, temperature=0)
+        compared.append(str(again) == str(reply))
+
+    _long_chat(chat, small_ctx, 14, on_drop=compare)
+    assert compared and all(compared)
+
+
+def test_shifting_reuses_the_kept_turns(small_ctx) -> None:
+    chat = small_ctx.chat()
+    shifted = small_ctx.engine.shifted_positions
+    reused = []
+    _long_chat(chat, small_ctx, 14, on_drop=lambda i, r, image: reused.append(r.usage.cached_tokens
+                                                                               / r.usage.prompt_tokens))
+    assert small_ctx.engine.shifted_positions > shifted
+    assert reused and max(reused) > 0.5  # most of the prompt came from the shifted cache
+
+
+def test_pinned_turns_stay_and_a_question_too_big_alone_is_refused(small_ctx) -> None:
+    chat = small_ctx.chat(keep_first=1)
+    _long_chat(chat, small_ctx, 14)
+    first = chat.history[0]
+    assert first["content"].endswith("Question 0: what now?") and len(first["images"]) == 1
+    with pytest.raises(ContextOverflowError, match="pinned"):
+        chat.send("word " * 400, max_tokens=12)
+    with pytest.raises(gguf_mcv.ConfigError, match="keep_first"):
+        small_ctx.chat(keep_first=-1)
