@@ -201,13 +201,17 @@ class Model:
         video_options: VideoOptions = VideoOptions(),
         progress: Callable[[int, int], None] | None = None,
         on_progress: ProgressCallback | None = None,
+        truncate: bool = False,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
 
         ``policy`` says whether local paths and remote URLs may be named (a server
         refuses both by default). Videos are sampled and fitted to the context as in
-        :meth:`ask_video`, with ``video_options``.
+        :meth:`ask_video`, with ``video_options``. The messages are answered as given;
+        with ``truncate`` the oldest questions (with their answers) are dropped, whole,
+        until the prompt and room for the answer fit, as :class:`Chat` does
+        (``reply.dropped_turns`` counts them).
         """
         settings = self.sampling.with_overrides(**sampling)
         check_max_tokens(max_tokens)
@@ -215,9 +219,14 @@ class Model:
                         prepare_image=lambda url, detail: self.turns.image(url, detail=detail))
         turns, counts = self.turns.conversation(pairs, options=video_options, max_tokens=max_tokens,
                                                 thinking=thinking)
-        return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
-                                    sampling=settings, on_progress=_either(on_progress, progress),
-                                    frames=counts), stream)
+        dropped = 0
+        if truncate:
+            turns, dropped = self.turns.fit(turns, max_tokens=max_tokens, thinking=thinking)
+        answer = self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop, sampling=settings,
+                             on_progress=_either(on_progress, progress), frames=counts)
+        if dropped:
+            answer = Stream(_with_dropped(answer, dropped))
+        return _deliver(answer, stream)
 
     def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
@@ -474,6 +483,14 @@ def _count_frames(pieces: Generator[str, None, Reply], counts: FrameCounts,
     reply.video = VideoStats(sampled=counts.sampled, dropped=counts.dropped, thinned=counts.thinned,
                              used=len(counts.keys), encoded=sum(k in done for k in counts.keys))
     return reply
+
+
+def _with_dropped(pieces: Stream, dropped: int) -> Generator[str, None, Reply]:
+    """Pass ``pieces`` through; note on the reply how many questions were dropped."""
+    yield from pieces
+    assert pieces.reply is not None
+    pieces.reply.dropped_turns = dropped
+    return pieces.reply
 
 
 def _deliver(stream: Stream, as_stream: bool) -> Reply | Stream:
