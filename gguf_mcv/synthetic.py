@@ -163,6 +163,7 @@ class SyntheticSpec:
     ssm_heads: int = 4  #: qwen35 linear-attention heads (key heads = value heads here)
     ssm_head_dim: int = 64  #: qwen35 linear-attention head size (ssm.state_size)
     merger_layer: int = 0  #: minicpmv4_6: the ViT block after which the window merger runs
+    tied_embeddings: bool = False  #: no output.weight: llama.cpp reuses token_embd (Qwen3.5 ties them)
     name: str = "MiniCPM-V 2.6"
 
     @property
@@ -237,8 +238,9 @@ _O26 = dict(minicpmv_version=4, name="MiniCPM-o 2.6")
 _V40 = dict(text_arch="minicpm", tokenizer="spm", minicpmv_version=5, n_vocab=640, name="MiniCPM-V 4.0")
 _V45 = dict(text_arch="qwen3", chat_template="qwen3", minicpmv_version=6, n_ctx_train=40960,
             name="MiniCPM-V 4.5")
+# MiniCPM-V 4.6's config.json: insert_layer_id 6, tie_word_embeddings true, Qwen3.5-0.8B text
 _V46 = dict(text_arch="qwen35", tokenizer="qwen35", chat_template="qwen3", projector="minicpmv4_6",
-            n_layer=4, n_ctx_train=262144, rope_theta=10_000_000.0, name="MiniCPM-V 4.6")
+            tied_embeddings=True, n_layer=4, n_ctx_train=262144, rope_theta=10_000_000.0, name="MiniCPM-V 4.6")
 _V46_BENCH = dict(n_embd=1024, n_layer=24, n_head=8, n_head_kv=2, head_dim=256, n_ff=3584,
                   n_vocab=248320, ssm_heads=16, ssm_head_dim=128, merger_layer=6)
 _BENCH_VISION = dict(v_embd=1152, v_layer=27, v_head=16, v_ff=4304, n_merges=1000)
@@ -398,7 +400,8 @@ def text_tensors(spec: SyntheticSpec) -> list[_Plan]:
     plans: list[_Plan] = [("token_embd.weight", (spec.n_vocab, d), np.float16, "normal")]
     for i in range(spec.n_layer):
         plans += _block(spec, f"blk.{i}", recurrent=_is_recurrent(spec, i))
-    return plans + _rms_norm("output_norm", d) + [("output.weight", (spec.n_vocab, d), np.float16, "normal")]
+    plans += _rms_norm("output_norm", d)
+    return plans if spec.tied_embeddings else plans + [("output.weight", (spec.n_vocab, d), np.float16, "normal")]
 
 
 def _is_recurrent(spec: SyntheticSpec, layer: int) -> bool:

@@ -209,6 +209,15 @@ def test_catalog_refuses_another_generations_projector(built: dict[str, syntheti
         gguf_mcv.load(model_path=built["4.5"].quants["Q4_K_M"], mmproj_path=built["o-2.6"].mmproj)
 
 
+@pytest.mark.parametrize(("text", "projector"), [("2.6", "4.0"), ("4.5", "4.6"), ("4.6", "4.5"), ("2.6", "2.5")])
+def test_projector_refuses_another_generations_text_model(
+    built: dict[str, synthetic.SyntheticModel], text: str, projector: str
+) -> None:
+    # same width, no catalog name: only the projector's generation tells them apart
+    with pytest.raises(IncompatibleProjectorError, match="text model is"):
+        gguf_mcv.load(model_path=built[text].quants["Q4_K_M"], mmproj_path=built[projector].mmproj)
+
+
 # --- the oracle: libmtmd's own evaluation + llama.cpp greedy ------------------------
 
 ORACLE_TOKENS = 8
