@@ -336,3 +336,15 @@ def test_command_line_builds_a_generation_preset(tmp_path: Path) -> None:
     kv = _fields(tmp_path / "ggml-model-Q8_0.gguf")
     assert kv["general.architecture"] == "qwen3" and kv["general.name"].startswith("X ")
     assert tool.main(["--preset", "2.6", "--out", str(tmp_path / "b"), "--text-arch", "gpt9"]) == 2
+
+
+def test_every_preset_is_a_valid_spec() -> None:
+    for name, spec in synthetic.PRESETS.items():
+        spec.validate()  # raises ConfigError naming the problem
+        assert spec.n_embd % 256 == 0 or name.endswith("bench"), name  # K-quants need rows of 256
+
+
+def test_hybrid_preset_quantizes_to_the_whole_ladder(tmp_path: Path) -> None:
+    built = build(tmp_path, synthetic.PRESETS["4.6"])
+    sizes = [built.quants[q].stat().st_size for q in LADDER] + [built.f16.stat().st_size]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), sizes
