@@ -267,3 +267,84 @@ def test_command_line_overrides_preset(tmp_path: Path, capsys: pytest.CaptureFix
     assert "ggml-model-Q4_0.gguf" in capsys.readouterr().out
     assert _fields(tmp_path / "ggml-model-Q4_0.gguf")["qwen2.embedding_length"] == 384
     assert tool.main(["--out", str(tmp_path), "--n-embd", "200"]) == 2
+
+
+# --- one preset per MiniCPM-V generation ---------------------------------------
+
+#: generation -> (text architecture, tokenizer.ggml.model, projector type, minicpmv_version, tokens per slice)
+EXPECTED = {
+    "2.5": ("llama", "gpt2", "resampler", 2, 96),
+    "2.6": ("qwen2", "gpt2", "resampler", 3, 64),
+    "o-2.6": ("qwen2", "gpt2", "resampler", 4, 64),
+    "4.0": ("minicpm", "llama", "resampler", 5, 64),
+    "4.5": ("qwen3", "gpt2", "resampler", 6, 64),
+    "4.6": ("qwen35", "gpt2", "minicpmv4_6", None, 64),
+    "4.6-thinking": ("qwen35", "gpt2", "minicpmv4_6", None, 64),
+}
+
+
+def test_every_generation_has_a_tiny_and_a_bench_preset() -> None:
+    assert set(synthetic.GENERATIONS) == set(EXPECTED)
+    for generation, (tiny, bench) in synthetic.GENERATIONS.items():
+        assert synthetic.PRESETS[generation] == tiny and synthetic.PRESETS[f"{generation}-bench"] == bench
+        arch, _, projector, _, _ = EXPECTED[generation]
+        assert (tiny.text_arch, tiny.projector) == (bench.text_arch, bench.projector) == (arch, projector)
+        assert bench.v_embd == 1152 and bench.v_layer == 27  # the real SigLIP-400M tower
+    assert synthetic.PRESETS["2.6"] == synthetic.PRESETS["tiny"] == TINY
+
+
+@pytest.mark.parametrize("generation", sorted(EXPECTED))
+def test_generation_preset_loads_in_llama_cpp_and_libmtmd(generation: str, tmp_path: Path) -> None:
+    arch, tokenizer, projector, version, per_slice = EXPECTED[generation]
+    built = build(tmp_path, synthetic.PRESETS[generation], ["Q4_K_M"])
+    text, proj = _fields(built.quants["Q4_K_M"]), _fields(built.mmproj)
+    assert text["general.architecture"] == arch and text["tokenizer.ggml.model"] == tokenizer
+    assert proj["clip.projector_type"] == projector and proj.get("clip.minicpmv_version") == version
+    llm = llama_cpp.Llama(model_path=str(built.quants["Q4_K_M"]), n_ctx=1024, n_threads=2, verbose=False)
+    try:
+        assert llm.metadata["general.architecture"] == arch
+        ctx = _mtmd_init(built.mmproj, llm)
+        assert ctx is not None
+        try:
+            chunks, kinds = _tokenize(ctx, 300, 200)  # fits one slice: the overview alone
+            assert [n for kind, n in kinds if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE] == [per_slice]
+            mtmd.mtmd_input_chunks_free(chunks)
+        finally:
+            mtmd.mtmd_free(ctx)
+    finally:
+        llm.close()
+
+
+def test_qwen35_preset_mixes_recurrent_and_attention_layers(tmp_path: Path) -> None:
+    spec = synthetic.PRESETS["4.6"]
+    names = set(_tensors(synthetic.write_text_model(tmp_path / "t.gguf", spec)))
+    attention = [i for i in range(spec.n_layer) if f"blk.{i}.attn_output.weight" in names]
+    recurrent = [i for i in range(spec.n_layer) if f"blk.{i}.ssm_out.weight" in names]
+    assert attention == [spec.full_attention_interval - 1] and len(recurrent) == spec.n_layer - 1
+    assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.3.attn_q_norm.weight"} <= names
+
+
+def test_command_line_builds_a_generation_preset(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "make_test_model.py"
+    loader = importlib.util.spec_from_file_location("make_test_model", path)
+    assert loader is not None and loader.loader is not None
+    tool = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(tool)
+    assert tool.main(["--preset", "4.5", "--out", str(tmp_path), "--quants", "Q8_0", "--name", "X"]) == 0
+    kv = _fields(tmp_path / "ggml-model-Q8_0.gguf")
+    assert kv["general.architecture"] == "qwen3" and kv["general.name"].startswith("X ")
+    assert tool.main(["--preset", "2.6", "--out", str(tmp_path / "b"), "--text-arch", "gpt9"]) == 2
+
+
+def test_every_preset_is_a_valid_spec() -> None:
+    for name, spec in synthetic.PRESETS.items():
+        spec.validate()  # raises ConfigError naming the problem
+        assert spec.n_embd % 256 == 0 or name.endswith("bench"), name  # K-quants need rows of 256
+
+
+def test_hybrid_preset_quantizes_to_the_whole_ladder(tmp_path: Path) -> None:
+    built = build(tmp_path, synthetic.PRESETS["4.6"])
+    sizes = [built.quants[q].stat().st_size for q in LADDER] + [built.f16.stat().st_size]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), sizes

@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
-"""Write a random-weight MiniCPM-V 2.6 GGUF pair (text quant ladder + mmproj) for tests and benchmarks.
+"""Write a random-weight MiniCPM-V GGUF pair (text quant ladder + mmproj) for tests and benchmarks.
+
+Presets: "tiny" and "bench" are MiniCPM-V 2.6; every generation has its own, tiny as
+"<generation>" and bench-sized as "<generation>-bench" (2.5, 2.6, o-2.6, 4.0, 4.5, 4.6,
+4.6-thinking), with that generation's text architecture, tokenizer and projector.
 
 Examples:
     python tools/make_test_model.py --out /tmp/tiny
     python tools/make_test_model.py --preset bench --out /tmp/bench --quants Q4_K_M,Q8_0
+    python tools/make_test_model.py --preset 4.6 --out /tmp/v46 --quants Q4_K_M
     python tools/make_test_model.py --out /tmp/wide --n-embd 384 --minicpmv-version 2 --query-num 96
 
 Every field of ``gguf_mcv.synthetic.SyntheticSpec`` is a flag (``n_embd`` -> ``--n-embd``);
@@ -34,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's quantizer log and per-file timings")
     shapes = ap.add_argument_group("shapes (override the preset)")
     for field in dataclasses.fields(SyntheticSpec):
-        kind = float if field.type in (float, "float") else int
+        kind = {float: float, "float": float, str: str, "str": str}.get(field.type, int)
         shapes.add_argument("--" + field.name.replace("_", "-"), type=kind, metavar=kind.__name__.upper())
     return ap.parse_args(argv)
 
