@@ -151,6 +151,8 @@ class Engine:
         self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        # SentencePiece puts "▁" before the text that starts a tokenization (add_space_prefix)
+        self._spm = llama_cpp.llama_vocab_type(self._vocab) == llama_cpp.LLAMA_VOCAB_TYPE_SPM
 
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = vision_on_gpu
@@ -230,8 +232,7 @@ class Engine:
         try:
             for segment, is_plain in segments:
                 if is_plain:
-                    prompt.units.extend(self.llama.tokenize(segment.encode("utf-8"), add_bos=add_bos,
-                                                            special=False))
+                    prompt.units.extend(self._plain_tokens(segment, add_bos))
                 else:
                     n = segment.count(self.marker)
                     self._tokenize_markup(prompt, segment, images[ordinal:ordinal + n], ordinal, add_bos)
@@ -241,6 +242,20 @@ class Engine:
             prompt.close()
             raise
         return prompt
+
+    def _plain_tokens(self, text: str, add_bos: bool) -> list[int]:
+        """Tokens of user-written ``text`` inside a prompt: no special tokens, and no
+        SentencePiece "▁" that only the start of a tokenization gets (libmtmd's tokenization
+        of the whole prompt has none there)."""
+        data = text.encode("utf-8")
+        bos = [self.llama.token_bos()] if add_bos and self.llama.token_bos() >= 0 else []
+        if not self._spm:
+            return bos + self.llama.tokenize(data, add_bos=False, special=False)
+        lead = self.llama.tokenize(b"\n", add_bos=False, special=False)  # "▁", "\n"
+        tokens = self.llama.tokenize(b"\n" + data, add_bos=False, special=False)
+        if tokens[:len(lead)] == lead:
+            return bos + tokens[len(lead):]
+        return bos + self.llama.tokenize(data, add_bos=False, special=False)
 
     def _tokenize_markup(self, prompt: Prompt, text: str, images: Sequence[Image], first: int,
                          add_bos: bool) -> None:

@@ -255,7 +255,9 @@ def read_projector_header(path: str | os.PathLike) -> ProjectorHeader:
             f"{path} is not a vision projector (architecture "
             f"{fields.get('general.architecture')!r}, expected 'clip')."
         )
-    proj = shapes.get("resampler.proj.weight")
+    # the tensor whose rows are the text model's width: the resampler's projection (2.5-4.5),
+    # the merger's down projection (4.6, minicpmv4_6)
+    proj = shapes.get("resampler.proj.weight") or shapes.get("mm.down.weight")
     version = fields.get("clip.minicpmv_version")
     header = ProjectorHeader(
         path=os.fspath(path),
@@ -323,15 +325,22 @@ _TEXT_ARCH_BY_PROJECTOR = {"minicpmv4_6": "qwen35"}
 
 
 def check_pair(
-    text: TextHeader, projector: ProjectorHeader, *, minicpmv_version: int | None = None
+    text: TextHeader, projector: ProjectorHeader, *, minicpmv_version: int | None = None,
+    projector_type: str | None = None,
 ) -> None:
     """Refuse a text model / projector pair that llama.cpp would crash on or mis-run.
 
-    ``minicpmv_version`` is what the catalog says this model family uses, when known.
+    ``minicpmv_version`` and ``projector_type`` are what the catalog says this model family
+    uses, when known.
     """
     names = f"text model {text.path} and projector {projector.path}"
     if not projector.has_vision:
         raise IncompatibleProjectorError(f"The projector has no vision encoder ({names}).")
+    if projector_type and projector.projector_type and projector.projector_type != projector_type:
+        raise IncompatibleProjectorError(
+            f"The projector is a {projector.projector_type!r} projector but this model uses "
+            f"{projector_type!r} ones ({names}). Use the mmproj from the model's repository."
+        )
     if projector.n_embd_out is not None and projector.n_embd_out != text.shape.n_embd:
         raise IncompatibleProjectorError(
             f"The projector outputs {projector.n_embd_out}-wide embeddings but the text model "

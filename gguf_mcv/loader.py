@@ -87,7 +87,8 @@ def load(
         name = entry.display_name if entry is not None else (files.repo or str(model))
     text = read_text_header(model_path)
     projector = read_projector_header(mmproj_path)
-    check_pair(text, projector, minicpmv_version=entry.minicpmv_version if entry is not None else None)
+    check_pair(text, projector, minicpmv_version=entry.minicpmv_version if entry is not None else None,
+               projector_type=entry.projector_type if entry is not None else None)
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
                              kv_cache_type=kv_cache_type)

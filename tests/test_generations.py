@@ -49,17 +49,10 @@ HYBRID = {"4.6", "4.6-thinking"}  # qwen35: recurrent (gated delta net) layers +
 HYBRID_REWIND = ("engine.py Engine._truncate: llama_memory_seq_rm fails on the qwen35 hybrid memory when the "
                  "re-rendered history differs from the cache in its last tokens, so the cache is cleared and "
                  "the whole conversation re-evaluated (needs turn-boundary state checkpoints)")
-# Engine.tokenize (gguf_mcv/engine.py) tokenizes each plain-text segment with its own
-# llama.tokenize call; a SentencePiece vocabulary (MiniCPM4, add_space_prefix) then gets a
-# "▁" before every segment, which libmtmd's tokenization of the same text does not have.
-SPM_SPACE = ("engine.py Engine.tokenize: each plain segment is tokenized alone, and llama.cpp's SentencePiece "
-             "tokenizer (add_space_prefix) puts a '▁' token before each one, e.g. '\\nDescribe' becomes "
-             "[▁, \\n, D, ...] where libmtmd has [\\n, D, ...]")
 #: generations whose follow-up re-evaluates more than the new turn, and why
 REWIND_GAPS = {
     "2.5": ("the Llama-3 template trims every message ('| trim') and this random model's answer starts with "
             "a space, so the re-rendered answer differs from the generated tokens and is evaluated again"),
-    "4.0": SPM_SPACE + "; the re-rendered answer is evaluated again",
     "4.5": ("the Qwen3 template renders an earlier answer without the empty <think></think> block that "
             "its generation prompt held (thinking off), so the cache diverges there and the previous "
             "answer is evaluated again (the image is not)"),
@@ -207,6 +200,16 @@ def test_catalog_refuses_another_generations_projector(built: dict[str, syntheti
         gguf_mcv.load("minicpm-v-4.5", model_path=built["4.5"].quants["Q4_K_M"], mmproj_path=built["2.6"].mmproj)
     with pytest.raises(IncompatibleProjectorError):  # a Qwen3 text model under a 2.6 projector
         gguf_mcv.load(model_path=built["4.5"].quants["Q4_K_M"], mmproj_path=built["o-2.6"].mmproj)
+    # 4.6 has no minicpmv_version: the catalog's projector type tells a 2.6 pair apart
+    with pytest.raises(IncompatibleProjectorError, match="'resampler' projector but this model uses 'minicpmv4_6'"):
+        gguf_mcv.load("minicpm-v-4.6", model_path=built["2.6"].quants["Q4_K_M"], mmproj_path=built["2.6"].mmproj)
+
+
+def test_the_46_projector_names_its_output_width(built: dict[str, synthetic.SyntheticModel]) -> None:
+    from gguf_mcv.headers import read_projector_header
+
+    header = read_projector_header(built["4.6"].mmproj)
+    assert header.projector_type == "minicpmv4_6" and header.n_embd_out == built["4.6"].spec.n_embd
 
 
 @pytest.mark.parametrize(("text", "projector"), [("2.6", "4.0"), ("4.5", "4.6"), ("4.6", "4.5"), ("2.6", "2.5")])
@@ -293,7 +296,7 @@ def _greedy(llm) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("generation", with_known_gaps({"4.0": SPM_SPACE}), indirect=True)
+@pytest.mark.parametrize("generation", sorted(CATALOG_NAMES), indirect=True)
 def test_oracle_libmtmd_and_engine_give_the_same_greedy_tokens(
     model: Model, generation: str, built: dict[str, synthetic.SyntheticModel]
 ) -> None:
