@@ -231,20 +231,20 @@ BENCH = SyntheticSpec(
 # One tiny and one bench spec per MiniCPM-V generation: the text architecture, tokenizer
 # kind, chat template and projector of the official GGUFs (catalog: models.toml), with
 # small widths. The bench sizes keep the real SigLIP-400M tower and vocabulary sizes.
-_V25 = dict(text_arch="llama", tokenizer="llama3", chat_template="llama3", minicpmv_version=2,
+_V25: dict[str, Any] = dict(text_arch="llama", tokenizer="llama3", chat_template="llama3", minicpmv_version=2,
             query_num=96, rope_theta=500_000.0, n_ctx_train=8192, name="MiniCPM-Llama3-V 2.5")
-_O26 = dict(minicpmv_version=4, name="MiniCPM-o 2.6")
+_O26: dict[str, Any] = dict(minicpmv_version=4, name="MiniCPM-o 2.6")
 # MiniCPM4's vocabulary is SentencePiece (73448 pieces); scale_emb 12, scale_depth 1.4.
-_V40 = dict(text_arch="minicpm", tokenizer="spm", minicpmv_version=5, n_vocab=640, name="MiniCPM-V 4.0")
-_V45 = dict(text_arch="qwen3", chat_template="qwen3", minicpmv_version=6, n_ctx_train=40960,
+_V40: dict[str, Any] = dict(text_arch="minicpm", tokenizer="spm", minicpmv_version=5, n_vocab=640, name="MiniCPM-V 4.0")
+_V45: dict[str, Any] = dict(text_arch="qwen3", chat_template="qwen3", minicpmv_version=6, n_ctx_train=40960,
             name="MiniCPM-V 4.5")
 # MiniCPM-V 4.6's config.json: insert_layer_id 6, tie_word_embeddings true, Qwen3.5-0.8B text
-_V46 = dict(text_arch="qwen35", tokenizer="qwen35", chat_template="qwen3", projector="minicpmv4_6",
+_V46: dict[str, Any] = dict(text_arch="qwen35", tokenizer="qwen35", chat_template="qwen3", projector="minicpmv4_6",
             tied_embeddings=True, n_layer=4, n_ctx_train=262144, rope_theta=10_000_000.0, name="MiniCPM-V 4.6")
-_V46_BENCH = dict(n_embd=1024, n_layer=24, n_head=8, n_head_kv=2, head_dim=256, n_ff=3584,
+_V46_BENCH: dict[str, Any] = dict(n_embd=1024, n_layer=24, n_head=8, n_head_kv=2, head_dim=256, n_ff=3584,
                   n_vocab=248320, ssm_heads=16, ssm_head_dim=128, merger_layer=6)
-_BENCH_VISION = dict(v_embd=1152, v_layer=27, v_head=16, v_ff=4304, n_merges=1000)
-_BENCH_TEXT = dict(n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864)
+_BENCH_VISION: dict[str, Any] = dict(v_embd=1152, v_layer=27, v_head=16, v_ff=4304, n_merges=1000)
+_BENCH_TEXT: dict[str, Any] = dict(n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864)
 
 #: generation -> (tiny, bench) spec
 GENERATIONS: dict[str, tuple[SyntheticSpec, SyntheticSpec]] = {
