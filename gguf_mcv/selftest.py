@@ -3,8 +3,10 @@
 Builds (or reuses) the tiny random-weight model in the cache folder, then runs
 the whole pipeline on it through llama.cpp: load, an image answer, a follow-up
 that must not re-run the vision encoder, streaming, and a bad image that must be
-refused with :class:`~gguf_mcv.errors.MediaError`. Random weights give gibberish
-text; what is checked is behaviour, never wording.
+refused with :class:`~gguf_mcv.errors.MediaError`; then the same image question
+on a tiny model of the default generation, MiniCPM-V 4.6 (hybrid qwen35 text model,
+minicpmv4_6 projector). Random weights give gibberish text; what is checked is
+behaviour, never wording.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def run(report: Callable[[str], None] = print, model_dir: Path | None = None) ->
         ("follow-up reuses the image", _follow_up),
         ("streaming", _stream),
         ("bad image refused", _bad_image),
+        ("MiniCPM-V 4.6 layout answers", lambda s: _default_generation(s, model_dir)),
     ]
     for name, step in steps:
         start = time.perf_counter()
@@ -112,6 +115,21 @@ def _bad_image(state: dict) -> str:
     except MediaError as exc:
         return f"MediaError: {str(exc)[:40]}…"
     raise AssertionError("a broken image was accepted")
+
+
+def _default_generation(state: dict, model_dir: Path | None) -> str:
+    from .loader import load  # lazy: the self-test alone needs it
+    from .synthetic import GENERATIONS, build  # lazy: the self-test alone needs it
+
+    folder = (model_dir or constants.cache_dir() / "selftest-model").with_name("selftest-model-4.6")
+    files = build(folder, GENERATIONS["4.6"][0], quants=("Q4_K_M",))
+    with load("minicpm-v-4.6", model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=2048) as model:
+        reply = model.ask("What is in this picture?", EXAMPLE_IMAGE, max_tokens=4, seed=1)
+        _expect(reply.timings.slices_encoded >= 1, "the vision encoder did not run")
+        calls = model.engine.encoder_calls
+        model.ask("And the colours?", EXAMPLE_IMAGE, max_tokens=2, seed=1)
+        _expect(model.engine.encoder_calls == calls, "the vision encoder ran again")
+    return f"{reply.usage.image_tokens} image tokens, template {model.info.template_origin}"
 
 
 def _expect(condition: bool, message: str) -> None:
