@@ -34,6 +34,11 @@ from .options import Sampling
 IMAGE_SENTINEL = -1
 #: how many recent tokens the repeat penalty looks at
 PENALTY_LAST_N = 64
+#: recurrent caches: a checkpoint is kept this many units before the end of each prompt, where
+#: the next turn's prompt still agrees (its re-rendered generation prompt and answer follow)
+CHECKPOINT_TAIL = 32
+#: and at most this many checkpoints are kept (each a copy of the recurrent state)
+MAX_CHECKPOINTS = 2
 #: a stretch dropped from the middle of the cache is shifted out (not re-evaluated) only when
 #: at least this many units after it are reused (or all that remain)
 MIN_SHIFT_MATCH = 8
@@ -101,6 +106,15 @@ class Prompt:
         self.close()
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """The recurrent part of the sequence state after ``n_units`` units (``n_pos`` positions)."""
+
+    n_units: int
+    n_pos: int
+    data: bytes
+
+
 def _n_pos(units: Sequence[Unit]) -> int:
     return sum(1 if isinstance(u, int) else u.n_pos for u in units)
 
@@ -149,6 +163,11 @@ class Engine:
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
         self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
+        self.restored_checkpoints = 0  #: rewinds of a recurrent cache served by a checkpoint
+        self._checkpoints: list[_Checkpoint] = []
+        # hybrid and recurrent text models (MiniCPM-V 4.6's qwen35) cannot rewind their cache
+        self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llama.model)
+                               or llama_cpp.llama_model_is_hybrid(llama.model))
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
         # SentencePiece puts "▁" before the text that starts a tokenization (add_space_prefix)
@@ -371,17 +390,23 @@ class Engine:
         if common == len(units):
             common -= 1  # re-evaluate the last token: sampling needs fresh logits
         self._truncate(common)
+        common = len(self._units)  # a recurrent cache may only go back to a checkpoint, or to 0
         stats.reused_tokens = self.n_past
         todo = sum(1 for u in units[common:] if isinstance(u, ImageUnit))
         done = 0
         if progress is not None and todo:
             progress(0, todo, 0)
         i = common
+        checkpoint_at = self._checkpoint_point(units) if self._recurrent else -1
         while i < len(units):
             if isinstance(units[i], int):
                 j = i
                 while j < len(units) and isinstance(units[j], int):
                     j += 1
+                if i <= checkpoint_at < j:  # the next turn re-renders this prompt's last tokens
+                    self._eval_tokens(cast(Sequence[int], units[i:checkpoint_at]))
+                    self._save_checkpoint()
+                    i = checkpoint_at
                 self._eval_tokens(cast(Sequence[int], units[i:j]))
                 i = j
             else:
@@ -535,14 +560,51 @@ class Engine:
         return embd
 
     def _truncate(self, n_units: int) -> None:
-        """Keep only the first ``n_units`` units in the KV cache."""
+        """Keep the first ``n_units`` units in the cache — or, where the cache is recurrent and
+        cannot go back (llama.cpp refuses a partial rewind of recurrent state), the units up to
+        the latest checkpoint before them, or nothing."""
+        self._checkpoints = [c for c in self._checkpoints if c.n_units <= n_units]
         pos = _n_pos(self._units[:n_units])
         mem = self._lc.llama_get_memory(self.llama.ctx)
-        if not self._lc.llama_memory_seq_rm(mem, -1, pos, -1):
-            self._lc.llama_memory_clear(mem, True)
-            n_units, pos = 0, 0
+        if n_units < len(self._units) and not self._lc.llama_memory_seq_rm(mem, 0, pos, -1):
+            n_units, pos = self._restore_checkpoint(mem)
         del self._units[n_units:]
         self.llama.n_tokens = pos
+
+    @staticmethod
+    def _checkpoint_point(units: Sequence[Unit]) -> int:
+        """Where a prompt's checkpoint goes: CHECKPOINT_TAIL units before its end, never
+        before its last image (an image is never evaluated again because of a rewind)."""
+        last_image = max((k for k, u in enumerate(units) if not isinstance(u, int)), default=-1)
+        return max(len(units) - CHECKPOINT_TAIL, last_image + 1)
+
+    def _save_checkpoint(self) -> None:
+        """Keep the recurrent part of the sequence state here (llama.cpp's PARTIAL_ONLY state,
+        as llama-server's context checkpoints do); at most MAX_CHECKPOINTS are kept."""
+        lc = self._lc
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(lc.llama_state_seq_get_size_ext(self.llama.ctx, 0, flags))
+        data = (ctypes.c_uint8 * size)()
+        if int(lc.llama_state_seq_get_data_ext(self.llama.ctx, data, size, 0, flags)) != size:
+            return  # no checkpoint: a rewind re-evaluates from the start, as before
+        self._checkpoints = [*self._checkpoints[-(MAX_CHECKPOINTS - 1):],
+                             _Checkpoint(len(self._units), self.n_past, bytes(data))]
+
+    def _restore_checkpoint(self, mem) -> tuple[int, int]:
+        """Go back to the latest checkpoint still valid; (units kept, positions kept)."""
+        lc = self._lc
+        while self._checkpoints:
+            c = self._checkpoints.pop()
+            buf = (ctypes.c_uint8 * len(c.data)).from_buffer_copy(c.data)
+            restored = lc.llama_state_seq_set_data_ext(self.llama.ctx, buf, len(c.data), 0,
+                                                       lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            # the recurrent state now ends at the checkpoint: attention cells after it can go
+            if restored and lc.llama_memory_seq_rm(mem, 0, c.n_pos, -1):
+                self._checkpoints.append(c)
+                self.restored_checkpoints += 1
+                return c.n_units, c.n_pos
+        lc.llama_memory_clear(mem, True)
+        return 0, 0
 
     def _sync_with_llama(self) -> None:
         """Agree with the ``Llama`` object when someone else used it in between."""

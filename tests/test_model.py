@@ -338,3 +338,17 @@ def test_pinned_turns_stay_and_a_question_too_big_alone_is_refused(small_ctx) ->
         chat.send("word " * 400, max_tokens=12)
     with pytest.raises(gguf_mcv.ConfigError, match="keep_first"):
         small_ctx.chat(keep_first=-1)
+
+
+def test_a_hybrid_model_drops_turns_without_encoding_again(tmp_path) -> None:
+    """MiniCPM-V 4.6's qwen35 text model cannot shift its cache: the kept turns are evaluated
+    again, their images fed from the embedding cache."""
+    from gguf_mcv.synthetic import GENERATIONS, build
+
+    files = build(tmp_path / "v46", GENERATIONS["4.6"][0], quants=("Q4_K_M",))
+    with gguf_mcv.load("minicpm-v-4.6", model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,
+                       n_ctx=512) as m:
+        chat = m.chat()
+        replies = _long_chat(chat, m, 14)
+        assert sum(r.dropped_turns for r in replies) >= 2
+        assert m.engine.shifted_positions == 0  # nothing shifted: re-evaluated instead
