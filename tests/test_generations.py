@@ -322,3 +322,15 @@ def test_a_hybrid_follow_up_rewinds_to_a_checkpoint_not_to_the_start(model: Mode
     assert second.usage.evaluated_tokens <= new_turn + first.usage.completion_tokens + CHECKPOINT_TAIL
     # either nothing had to be rewound, or a checkpoint served the rewind (not a restart)
     assert second.usage.cached_tokens >= first.usage.prompt_tokens or model.engine.restored_checkpoints > restored
+
+
+@pytest.mark.parametrize("generation", sorted(HYBRID), indirect=True)
+def test_a_hybrid_rewind_with_no_checkpoint_evaluates_the_whole_prompt(model: Model) -> None:
+    """A rewind before every checkpoint clears the cache; the prompt must then be evaluated from
+    its start (it used to be evaluated from the old common prefix, at position 0: wrong answers)."""
+    model.ask("Describe the picture.", WIDE, max_tokens=2, temperature=0, system="Be brief.")
+    other = model.ask("Describe the picture.", WIDE, max_tokens=6, temperature=0, system="Be long.")
+    held = model.engine.n_past  # positions in the cache: the whole prompt and the answer
+    model.engine.reset()
+    fresh = model.ask("Describe the picture.", WIDE, max_tokens=6, temperature=0, system="Be long.")
+    assert held == model.engine.n_past and str(other) == str(fresh)
