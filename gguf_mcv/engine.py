@@ -510,15 +510,20 @@ class Engine:
 
     # -- generate --------------------------------------------------------------
 
-    def generate(self, sampling: Sampling, max_tokens: int) -> Generator[int, None, None]:
+    def generate(self, sampling: Sampling, max_tokens: int, *, grammar: str | None = None,
+                 grammar_after: str | None = None) -> Generator[int, None, None]:
         """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
 
         Each token is evaluated into the KV cache only when the consumer asks for the
         next one, so stopping early (a stop string, a cancelled stream) leaves the
         cache holding exactly what was used. ``self.finish_reason`` says why it ended.
+        ``grammar`` (GBNF, checked with :meth:`check_grammar`) constrains the tokens —
+        from the start, or only once the text ``grammar_after`` (``</think>``) was generated.
         """
         lc = self._lc
-        sampler = self._sampler(sampling)
+        waiting = grammar_after.encode() if grammar and grammar_after else None
+        sampler = self._sampler(sampling, None if waiting else grammar)
+        recent = b""  # the end of the text so far, to spot `grammar_after`
         self.finish_reason = "length"
         try:
             for _ in range(max_tokens):
@@ -530,13 +535,39 @@ class Engine:
                 if self.n_past >= self.n_ctx:
                     return
                 self._eval_tokens([token])
+                if waiting is not None:
+                    recent = (recent + self._piece(token))[-2 * len(waiting) - 64:]
+                    if waiting in recent:  # the reasoning ended: the answer is constrained
+                        old, sampler, waiting = sampler, None, None
+                        lc.llama_sampler_free(old)
+                        sampler = self._sampler(sampling, grammar)
         finally:
-            lc.llama_sampler_free(sampler)
+            if sampler is not None:
+                lc.llama_sampler_free(sampler)
 
-    def _sampler(self, s: Sampling):
+    def check_grammar(self, grammar: str) -> None:
+        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``)."""
+        self._check_open()
+        self._lc.llama_sampler_free(self._grammar_sampler(grammar))
+
+    def _grammar_sampler(self, grammar: str):
+        native.clear_recent()
+        sampler = self._lc.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), b"root")
+        if not sampler:  # llama.cpp logs why and returns NULL
+            raise ConfigError(f"llama.cpp could not use the grammar: {native.recent_errors() or 'no details logged'}."
+                              " Check the schema (or GBNF) for rules that refer to themselves first.")
+        return sampler
+
+    def _sampler(self, s: Sampling, grammar: str | None = None):
         lc = self._lc
+        # the grammar is made first: a grammar llama.cpp refuses leaves no half-built chain
+        constrain = self._grammar_sampler(grammar) if grammar else None
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        if constrain is not None:
+            # first, on the whole vocabulary: after the top-k shortcut below, every candidate
+            # left could be one the grammar forbids, and a chain with no token left aborts
+            add(constrain)
         keep = 1 if s.temperature <= 0 else s.top_k
         if s.repeat_penalty != 1.0:
             if s.repeat_penalty > 1.0 and keep > 0:

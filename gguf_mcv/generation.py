@@ -17,6 +17,7 @@ from .errors import ModelBusyError, ModelClosedError
 from .media import Image
 from .options import Sampling
 from .reply import Progress, Reply, Timings, Usage
+from .structured import Constraint
 from .templates import THINK_OPEN
 from .textstream import ReasoningFilter, TextAssembler
 
@@ -156,12 +157,15 @@ def respond(
     reasoning: bool = False,
     on_progress: ProgressCallback | None = None,
     on_prefill: Callable[[PrefillStats], None] | None = None,
+    constraint: Constraint | None = None,
 ) -> Generator[str, None, Reply]:
     """Generate the answer to ``prompt_text``; yields text pieces, returns the Reply.
 
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
     and only the answer is yielded. ``on_progress`` follows image encoding;
-    ``on_prefill`` receives the prefill's statistics.
+    ``on_prefill`` receives the prefill's statistics. A ``constraint`` (checked by the
+    caller) holds the answer to its grammar — after the reasoning, which stays free —
+    and fills ``Reply.parsed``.
     """
     with lock.hold():
         start = time.perf_counter()
@@ -170,11 +174,14 @@ def respond(
         if on_prefill is not None:
             on_prefill(stats)
         assembler = TextAssembler(stop)
-        thinking = ReasoningFilter(active=reasoning, inside=prompt_text.rstrip().endswith(THINK_OPEN))
+        inside = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
+        thinking = ReasoningFilter(active=reasoning, inside=inside)
         answer: list[str] = []
         first_token_at = None
         n_generated = 0
-        tokens = engine.generate(sampling, max_tokens)  # a generator: closed below
+        grammar = constraint.grammar if constraint is not None else None
+        tokens = engine.generate(sampling, max_tokens, grammar=grammar,  # a generator: closed below
+                                 grammar_after=ReasoningFilter.CLOSE if inside else None)
         try:
             for token in tokens:
                 n_generated += 1
@@ -212,10 +219,13 @@ def respond(
             completion_tokens=n_generated,
         )
         finish = "stop" if assembler.stopped else engine.finish_reason
-        return Reply(
+        reply = Reply(
             "".join(answer), usage=usage, timings=timings,
             reasoning=thinking.reasoning, finish_reason=finish,
         )
+        if constraint is not None:
+            reply.parsed, reply.parse_error = constraint.parse(reply, finish)
+        return reply
 
 
 def _progress(callback: ProgressCallback | None, start: float) -> Callable[[int, int, int], None] | None:

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
 
-from . import native
+from . import native, structured
 from .engine import Engine
 from .errors import ConfigError, ContextOverflowError, ModelClosedError
 from .generation import AnswerLock, ProgressCallback, Stream, respond
@@ -23,6 +23,7 @@ from .messages import MediaPolicy, convert
 from .options import DEFAULT_MAX_TOKENS, Sampling, check_max_tokens, check_text, stop_list
 from .reply import Reply, VideoStats
 from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
+from .structured import Constraint
 from .templates import ChatTemplate
 from .video import VideoInput
 
@@ -79,6 +80,7 @@ class Model:
         top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
         stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
         detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+        schema: Any = ..., format: str | dict[str, Any] | None = ...,
     ) -> Reply: ...
 
     @overload
@@ -87,6 +89,7 @@ class Model:
         top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
         stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
         detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+        schema: Any = ..., format: str | dict[str, Any] | None = ...,
     ) -> Stream: ...
 
     def ask(
@@ -107,6 +110,8 @@ class Model:
         detail: str = "auto",
         max_slices: int | None = None,
         on_progress: ProgressCallback | None = None,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
     ) -> Reply | Stream:
         """Answer ``prompt`` about ``images``; a :class:`Reply` (a ``str``), or a :class:`Stream`.
 
@@ -115,20 +120,24 @@ class Model:
         recommended ones. ``detail`` and ``max_slices`` bound how many 448-pixel
         slices each image is cut into (see :meth:`prepare_image`). ``on_progress``
         receives a :class:`~gguf_mcv.reply.Progress` as image slices are encoded.
+        ``schema`` (a JSON-schema dict, a pydantic model class or a dataclass) or
+        ``format="json"`` constrains the answer to JSON; ``reply.parsed`` holds the value.
         """
         sampling = self.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                   repeat_penalty=repeat_penalty, seed=seed)
+        shape = self.constraint(schema, format)
         parts = self.turns.user_parts(prompt, images, detail=detail, max_slices=max_slices)
         turns = self.turns.system(system) + [self.turns.turn("user", parts)]
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
-                                    sampling=sampling, on_progress=on_progress), stream)
+                                    sampling=sampling, on_progress=on_progress, constraint=shape), stream)
 
     @overload
     def ask_video(self, prompt: str, video: VideoInput, *, stream: Literal[False] = ...,
         max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
-        on_progress: ProgressCallback | None = ..., **sampling: Any,
+        on_progress: ProgressCallback | None = ..., schema: Any = ...,
+        format: str | dict[str, Any] | None = ..., **sampling: Any,
     ) -> Reply: ...
 
     @overload
@@ -136,7 +145,8 @@ class Model:
         max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
-        on_progress: ProgressCallback | None = ..., **sampling: Any,
+        on_progress: ProgressCallback | None = ..., schema: Any = ...,
+        format: str | dict[str, Any] | None = ..., **sampling: Any,
     ) -> Stream: ...
 
     def ask_video(
@@ -155,6 +165,8 @@ class Model:
         thinking: bool | None = None,
         progress: Callable[[int, int], None] | None = None,
         on_progress: ProgressCallback | None = None,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
@@ -167,7 +179,7 @@ class Model:
         is raised before anything is encoded. ``on_progress`` (or the older
         ``progress(done, total)``) follows the encoding. Sampling keywords
         (``temperature``, ``top_p``, ``top_k``, ``repeat_penalty``, ``seed``) as in
-        :meth:`ask`; ``reply.video`` counts the frames.
+        :meth:`ask`; ``reply.video`` counts the frames; ``schema``/``format`` as in :meth:`ask`.
 
         The argument order matches :meth:`ask` (prompt first); the older
         ``ask_video(video, prompt)`` still works, with a ``DeprecationWarning``.
@@ -179,12 +191,13 @@ class Model:
         options = VideoOptions(max_frames, fps, dedupe, timestamps)
         check_text("prompt", prompt)
         settings = self.sampling.with_overrides(**sampling)
+        shape = self.constraint(schema, format)
         head = self.turns.system(system)
         user, counts = self.turns.user_turn([Video(video), prompt], history=head, options=options,
                                             max_tokens=check_max_tokens(max_tokens), thinking=thinking)
         return _deliver(self.answer(head + [user], thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=settings, on_progress=_either(on_progress, progress),
-                                    frames=counts), stream)
+                                    frames=counts, constraint=shape), stream)
 
     def chat_completion(
         self,
@@ -198,15 +211,20 @@ class Model:
         video_options: VideoOptions = VideoOptions(),
         progress: Callable[[int, int], None] | None = None,
         on_progress: ProgressCallback | None = None,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
+        grammar: Constraint | None = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
 
         ``policy`` says whether local paths and remote URLs may be named (a server
         refuses both by default). Videos are sampled and fitted to the context as in
-        :meth:`ask_video`, with ``video_options``.
+        :meth:`ask_video`, with ``video_options``. ``schema``/``format`` as in :meth:`ask`;
+        ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`.
         """
         settings = self.sampling.with_overrides(**sampling)
+        shape = self.constraint(schema, format) if grammar is None else self.checked(grammar)
         check_max_tokens(max_tokens)
         pairs = convert(messages, policy=policy,
                         prepare_image=lambda url, detail: self.turns.image(url, detail=detail))
@@ -214,16 +232,16 @@ class Model:
                                                 thinking=thinking)
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=settings, on_progress=_either(on_progress, progress),
-                                    frames=counts), stream)
+                                    frames=counts, constraint=shape), stream)
 
     def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
                sampling: Sampling | None = None, on_progress: ProgressCallback | None = None,
-               frames: FrameCounts | None = None) -> Stream:
+               frames: FrameCounts | None = None, constraint: Constraint | None = None) -> Stream:
         """Answer a conversation of built turns (see :attr:`turns`); a :class:`Stream`.
 
         The lower-level door every question goes through: nothing is evaluated until
-        the stream's first piece is read.
+        the stream's first piece is read. ``constraint`` comes from :meth:`constraint`.
         """
         rendered = self.turns.render(turns, thinking)
         encoded: list[str] = []
@@ -231,11 +249,22 @@ class Model:
             self.engine, rendered.text, rendered.images, sampling=sampling or self.sampling,
             max_tokens=check_max_tokens(max_tokens), stop=stop_list(stop), reasoning=rendered.reasoning,
             lock=self._lock, on_progress=on_progress,
-            on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
+            on_prefill=lambda stats: encoded.extend(stats.encoded_keys), constraint=constraint,
         )
         if frames is not None and frames.keys:
             pieces = _count_frames(pieces, frames, encoded)
         return Stream(pieces)
+
+    def constraint(self, schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
+        """The checked :class:`~gguf_mcv.structured.Constraint` for ``schema`` or ``format``
+        (None for neither); :class:`ConfigError` for an invalid schema, before anything runs."""
+        made = structured.constraint(schema, format)
+        return None if made is None else self.checked(made)
+
+    def checked(self, made: Constraint) -> Constraint:
+        """``made``, once llama.cpp has parsed its grammar (ConfigError if it cannot)."""
+        self.engine.check_grammar(made.grammar)
+        return made
 
     def chat(self, system: str | None = None, thinking: bool | None = None, *,
              overflow: str = "error") -> "Chat":
@@ -323,21 +352,23 @@ class Chat:
              max_slices: int | None = None, videos: VideoInput | Sequence[VideoInput] = (),
              video_options: VideoOptions = VideoOptions(),
              progress: Callable[[int, int], None] | None = None,
-             on_progress: ProgressCallback | None = None) -> Reply | Stream:
+             on_progress: ProgressCallback | None = None, schema: Any = None,
+             format: str | dict[str, Any] | None = None) -> Reply | Stream:
         """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
 
         ``videos`` (one video or a list) are sampled into frames as in
         :meth:`Model.ask_video`, with ``video_options``; images and videos of earlier
-        turns stay in the conversation.
+        turns stay in the conversation. ``schema``/``format`` as in :meth:`Model.ask`.
         """
         model = self.model
         sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                                  repeat_penalty=repeat_penalty, seed=seed)
+        shape = model.constraint(schema, format)
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
         user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
         pieces = self._turn(user, counts, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                            on_progress=_either(on_progress, progress))
+                            on_progress=_either(on_progress, progress), constraint=shape)
         return _deliver(Stream(pieces), stream)
 
     def undo(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,20 @@ class VideoStats:
 
 class Reply(str):
     """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning``, ``finish_reason``
-    and, for questions about videos, ``video`` (:class:`VideoStats`)."""
+    and, for questions about videos, ``video`` (:class:`VideoStats`).
+
+    With ``schema=`` or ``format="json"``, ``parsed`` holds the validated value (an instance
+    of the pydantic model class or dataclass given) — or None, and ``parse_error`` says why
+    (the answer was cut by ``max_tokens``, or did not validate).
+    """
 
     usage: Usage
     timings: Timings
     reasoning: str
     finish_reason: str
     video: VideoStats | None = None
+    parsed: Any = None
+    parse_error: str | None = None
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str
