@@ -271,7 +271,7 @@ def _gbnf(schema: dict[str, Any]) -> str:
                                                  raw_pattern=False)
     try:
         # a copy: the converter rewrites $ref values in place
-        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "input")
+        resolved = converter.resolve_refs(_root_inlined(json.loads(json.dumps(schema))), "input")
         converter.visit(resolved, "")
         grammar = converter.format_grammar()
     except RecursionError:
@@ -282,6 +282,20 @@ def _gbnf(schema: dict[str, Any]) -> str:
         raise ConfigError(f"The schema makes a grammar of {len(grammar)} bytes (at most {MAX_GRAMMAR_BYTES}): "
                           "use fewer enum values, shorter bounded ranges or a smaller schema.")
     return grammar
+
+
+def _root_inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with a ``$ref`` at its root replaced by what it points to (the converter
+    does not look for further ``$ref``s beside a root one)."""
+    for _ in range(8):
+        if "$ref" not in schema:
+            return schema
+        target = _resolve(schema["$ref"], schema, "$")
+        if not isinstance(target, dict):
+            break
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        schema = {**{k: v for k, v in target.items()}, **defs}
+    raise ConfigError("The schema's root $ref leads only to other $refs: point it at a real schema.")
 
 
 _CONVERTER: type | None = None
