@@ -293,8 +293,8 @@ def _root_inlined(schema: dict[str, Any]) -> dict[str, Any]:
         target = _resolve(schema["$ref"], schema, "$")
         if not isinstance(target, dict):
             break
-        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-        schema = {**{k: v for k, v in target.items()}, **defs}
+        defs: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        schema = {**target, **defs}
     raise ConfigError("The schema's root $ref leads only to other $refs: point it at a real schema.")
 
 
