@@ -232,3 +232,38 @@ def test_check_value_names_the_path() -> None:
     with pytest.raises(ValueError, match="not allowed"):
         structured.check_value({"meter": {"reading": 1, "unit": "m3"}, "tags": ["a"], "level": 1, "z": 0},
                                NESTED)
+
+
+# -- the llama-cpp-python chat handler ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def handler_llama(tiny):
+    import llama_cpp
+
+    from gguf_mcv import MiniCPMVChatHandler
+
+    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=2048, verbose=False,
+                            chat_handler=MiniCPMVChatHandler(str(tiny.mmproj)))
+    yield llama
+    llama.close()
+
+
+def test_the_chat_handler_takes_response_format_and_grammar(handler_llama) -> None:
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    messages = [{"role": "user", "content": "Door?"}]
+    door = structured.schema_of(Door)
+    for response_format in ({"type": "json_object", "schema": door},
+                            {"type": "json_schema", "json_schema": {"name": "door", "schema": door}}):
+        out = handler_llama.create_chat_completion(messages=messages, response_format=response_format,
+                                                   max_tokens=100, seed=1)
+        Door(**json.loads(out["choices"][0]["message"]["content"]))
+    chunks = handler_llama.create_chat_completion(messages=messages, max_tokens=100, seed=2, stream=True,
+                                                  response_format={"type": "json_object", "schema": door})
+    Door(**json.loads("".join(c["choices"][0]["delta"].get("content", "") for c in chunks)))
+    out = handler_llama.create_chat_completion(messages=messages, max_tokens=20, seed=3,
+                                               grammar=LlamaGrammar.from_string('root ::= "yes" | "no"'))
+    assert out["choices"][0]["message"]["content"] in ("yes", "no")
+    with pytest.raises(ConfigError, match="response_format"):
+        handler_llama.create_chat_completion(messages=messages, response_format={"type": "xml"})

@@ -48,8 +48,8 @@ class _OllamaRequest(Body):
     format: str | dict[str, Any] | None = None
 
     def check_supported(self, **refused: Any) -> None:
-        if self.format:
-            raise HTTPError(400, "format (JSON output) is not supported by this server.")
+        if isinstance(self.format, str) and self.format not in ("", "json"):
+            raise HTTPError(400, f"format must be 'json' or a JSON schema, not {self.format!r}.")
         for name, value in refused.items():
             if value:
                 raise HTTPError(400, f"{name} is not supported by this server.")
@@ -61,7 +61,7 @@ class _OllamaRequest(Body):
         return dict(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else n_ctx,
                     stop=stop_list(o.stop), thinking=think, temperature=o.temperature, top_p=o.top_p,
                     top_k=o.top_k, repeat_penalty=o.repeat_penalty,
-                    seed=o.seed if o.seed is None or o.seed >= 0 else None)
+                    seed=o.seed if o.seed is None or o.seed >= 0 else None, format=self.format or None)
 
 
 class GenerateRequest(_OllamaRequest):

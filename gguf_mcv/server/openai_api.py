@@ -56,9 +56,25 @@ class ChatCompletionRequest(Body):
             raise HTTPError(400, "logprobs are not supported.", param="logprobs")
         if self.tools:
             raise HTTPError(400, "Tools are not supported by this server.", param="tools")
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise HTTPError(400, "Only response_format type 'text' is supported.",
-                            param="response_format")
+        self.output_format()
+
+    def output_format(self) -> dict[str, Any]:
+        """``schema=``/``format=`` for :meth:`Model.chat_completion` from ``response_format``."""
+        spec = self.response_format or {}
+        kind = spec.get("type", "text")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"format": "json"}
+        if kind == "json_schema":
+            schema = (spec.get("json_schema") or {}).get("schema") if isinstance(spec.get("json_schema"), dict) \
+                else None
+            if not isinstance(schema, dict):
+                raise HTTPError(400, "response_format of type json_schema needs json_schema.schema, a JSON "
+                                     "schema object.", param="response_format")
+            return {"schema": schema}
+        raise HTTPError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not "
+                             f"{kind!r}.", param="response_format")
 
     def options(self, n_ctx: int) -> dict[str, Any]:
         """Keyword arguments for :meth:`Model.chat_completion`."""
@@ -66,7 +82,7 @@ class ChatCompletionRequest(Body):
         return dict(max_tokens=self.max_completion_tokens or self.max_tokens or n_ctx,
                     stop=stop_list(self.stop), thinking=None if thinking is None else bool(thinking),
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    repeat_penalty=self.repeat_penalty, seed=self.seed)
+                    repeat_penalty=self.repeat_penalty, seed=self.seed, **self.output_format())
 
     def message_dicts(self) -> list[dict[str, Any]]:
         # "developer" is what newer OpenAI clients call the system role
