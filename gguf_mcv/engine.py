@@ -19,7 +19,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Sequence, Union, cast
+from typing import Any, Callable, Generator, Sequence, Union, cast
 
 import numpy as np
 
@@ -522,12 +522,13 @@ class Engine:
         """
         lc = self._lc
         waiting = grammar_after.encode() if grammar and grammar_after else None
-        sampler = self._sampler(sampling, None if waiting else grammar)
+        sampler = self._sampler(sampling)
+        constrain = None if grammar is None or waiting else self._grammar_sampler(grammar)
         recent = b""  # the end of the text so far, to spot `grammar_after`
         self.finish_reason = "length"
         try:
             for _ in range(max_tokens):
-                token = int(lc.llama_sampler_sample(sampler, self.llama.ctx, -1))
+                token = self._sample(sampler, constrain)
                 if lc.llama_vocab_is_eog(self._vocab, token):
                     self.finish_reason = "stop"
                     return
@@ -538,12 +539,51 @@ class Engine:
                 if waiting is not None:
                     recent = (recent + self._piece(token))[-2 * len(waiting) - 64:]
                     if waiting in recent:  # the reasoning ended: the answer is constrained
-                        old, sampler, waiting = sampler, None, None
-                        lc.llama_sampler_free(old)
-                        sampler = self._sampler(sampling, grammar)
+                        waiting = None
+                        constrain = self._grammar_sampler(cast(str, grammar))
         finally:
-            if sampler is not None:
-                lc.llama_sampler_free(sampler)
+            lc.llama_sampler_free(sampler)
+            if constrain is not None:
+                lc.llama_sampler_free(constrain)
+
+    def _sample(self, chain, constrain) -> int:
+        """The next token from ``chain``, within the grammar ``constrain`` when there is one.
+
+        As llama.cpp's own common sampler does: sample as usual, check only that token
+        against the grammar, and only if the grammar refuses it run the grammar over the
+        whole vocabulary and sample again. Checking every token of a 150k vocabulary
+        against the grammar costs more than the model's forward pass; most sampled tokens
+        are allowed (a grammar only rules out what the model rarely wants).
+        """
+        lc = self._lc
+        if constrain is None:
+            return int(lc.llama_sampler_sample(chain, self.llama.ctx, -1))
+        candidates = self._candidates()
+        lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+        token = int(candidates.array.data[candidates.array.selected].id)
+        one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
+        single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
+        lc.llama_sampler_apply(constrain, ctypes.byref(single))
+        if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
+            candidates = self._candidates()
+            lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
+            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+            token = int(candidates.array.data[candidates.array.selected].id)
+        lc.llama_sampler_accept(constrain, token)
+        lc.llama_sampler_accept(chain, token)
+        return token
+
+    def _candidates(self) -> "_Candidates":
+        """Every token with its logit from the last evaluation, as a llama.cpp candidate array."""
+        n_vocab = self.llama.n_vocab()
+        logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llama.ctx, -1), shape=(n_vocab,))
+        data = np.empty(n_vocab, dtype=_TOKEN_DATA)
+        data["id"] = np.arange(n_vocab, dtype=np.int32)
+        data["logit"] = logits
+        data["p"] = 0.0
+        pointer = data.ctypes.data_as(ctypes.POINTER(self._lc.llama_token_data))
+        array = self._lc.llama_token_data_array(data=pointer, size=n_vocab, selected=-1, sorted=False)
+        return _Candidates(data, array)
 
     def check_grammar(self, grammar: str) -> None:
         """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``)."""
@@ -558,16 +598,13 @@ class Engine:
                               " Check the schema (or GBNF) for rules that refer to themselves first.")
         return sampler
 
-    def _sampler(self, s: Sampling, grammar: str | None = None):
+    def _sampler(self, s: Sampling):
+        # A grammar is not part of this chain: see _sample. (Inside it, it would have to come
+        # first, on the whole vocabulary: after the top-k shortcut below, every candidate
+        # left could be one the grammar forbids.)
         lc = self._lc
-        # the grammar is made first: a grammar llama.cpp refuses leaves no half-built chain
-        constrain = self._grammar_sampler(grammar) if grammar else None
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
-        if constrain is not None:
-            # first, on the whole vocabulary: after the top-k shortcut below, every candidate
-            # left could be one the grammar forbids, and a chain with no token left aborts
-            add(constrain)
         keep = 1 if s.temperature <= 0 else s.top_k
         if s.repeat_penalty != 1.0:
             if s.repeat_penalty > 1.0 and keep > 0:
@@ -592,6 +629,18 @@ class Engine:
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token stands for (control tokens give none)."""
         return self.llama.detokenize([token], special=False)
+
+
+#: llama.cpp's ``llama_token_data``: id, logit, p
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+@dataclass
+class _Candidates:
+    """A candidate array for llama.cpp and the numpy buffer it points into (kept alive with it)."""
+
+    data: np.ndarray
+    array: Any
 
 
 def _decoded(data: bytes) -> tuple[str, bool]:
