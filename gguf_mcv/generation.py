@@ -164,8 +164,8 @@ def respond(
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
     and only the answer is yielded. ``on_progress`` follows image encoding;
     ``on_prefill`` receives the prefill's statistics. A ``constraint`` (checked by the
-    caller) holds the answer to its grammar — after the reasoning, which stays free —
-    and fills ``Reply.parsed``.
+    caller) holds the answer to its grammar and fills ``Reply.parsed``; when the prompt
+    opened a think block the reasoning stays free and the grammar starts after ``</think>``.
     """
     with lock.hold():
         start = time.perf_counter()
