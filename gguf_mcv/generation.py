@@ -181,7 +181,7 @@ def respond(
         n_generated = 0
         grammar = constraint.grammar if constraint is not None else None
         tokens = engine.generate(sampling, max_tokens, grammar=grammar,  # a generator: closed below
-                                 grammar_after=ReasoningFilter.CLOSE if inside else None)
+                                 grammar_after=_grammar_after(constraint, inside))
         try:
             for token in tokens:
                 n_generated += 1
@@ -224,8 +224,29 @@ def respond(
             reasoning=thinking.reasoning, finish_reason=finish,
         )
         if constraint is not None:
-            reply.parsed, reply.parse_error = constraint.parse(reply, finish)
+            reply = _read_back(reply, constraint)
         return reply
+
+
+def _grammar_after(constraint: Constraint | None, inside_thinking: bool) -> str | None:
+    """The text after which the grammar starts: a tool call's tag, the end of the reasoning, or none."""
+    if constraint is not None and constraint.after:
+        return constraint.after
+    return ReasoningFilter.CLOSE if inside_thinking else None
+
+
+def _read_back(reply: Reply, constraint: Constraint) -> Reply:
+    """``reply`` with its parsed value, or its tool calls taken out of the text."""
+    if constraint.tools is None:
+        reply.parsed, reply.parse_error = constraint.parse(reply, reply.finish_reason)
+        return reply
+    text, calls = constraint.tools.calls(str(reply))
+    if not calls:
+        return reply
+    out = Reply(text, usage=reply.usage, timings=reply.timings, reasoning=reply.reasoning,
+                finish_reason="tool_calls")
+    out.tool_calls = calls
+    return out
 
 
 def _progress(callback: ProgressCallback | None, start: float) -> Callable[[int, int, int], None] | None:

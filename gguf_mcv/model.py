@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
 
 from . import native, structured
+from . import tools as tooling
 from .engine import Engine
 from .errors import ConfigError, ContextOverflowError, ModelClosedError
 from .generation import AnswerLock, ProgressCallback, Stream, respond
@@ -214,6 +215,8 @@ class Model:
         schema: Any = None,
         format: str | dict[str, Any] | None = None,
         grammar: Constraint | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
@@ -221,9 +224,19 @@ class Model:
         ``policy`` says whether local paths and remote URLs may be named (a server
         refuses both by default). Videos are sampled and fitted to the context as in
         :meth:`ask_video`, with ``video_options``. ``schema``/``format`` as in :meth:`ask`;
-        ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`.
+        ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`. ``tools``
+        (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
+        a function) let the model call a function (:mod:`gguf_mcv.tools`): ``reply.tool_calls``;
+        ``role: "tool"`` messages carry the results back.
         """
         settings = self.sampling.with_overrides(**sampling)
+        box = tooling.toolbox(tools, tool_choice)
+        if box is not None and (schema is not None or format or grammar is not None):
+            raise ConfigError("Give tools or a schema/format/grammar, not both.")
+        messages = tooling.plain_messages(messages)
+        if box is not None:
+            messages = tooling.with_tools_prompt(messages, box)
+            grammar = box.constraint()
         shape = self.constraint(schema, format) if grammar is None else self.checked(grammar)
         check_max_tokens(max_tokens)
         pairs = convert(messages, policy=policy,
@@ -338,6 +351,7 @@ class Chat:
         self.thinking = thinking
         self.overflow = overflow
         self._turns: list[Turn] = []
+        self._tools: tooling.Toolbox | None = None  # the tools of the turn being answered
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -353,17 +367,27 @@ class Chat:
              video_options: VideoOptions = VideoOptions(),
              progress: Callable[[int, int], None] | None = None,
              on_progress: ProgressCallback | None = None, schema: Any = None,
-             format: str | dict[str, Any] | None = None) -> Reply | Stream:
+             format: str | dict[str, Any] | None = None, tools: Sequence[dict[str, Any]] | None = None,
+             tool_choice: Any = None, tool_result: bool = False) -> Reply | Stream:
         """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
 
         ``videos`` (one video or a list) are sampled into frames as in
         :meth:`Model.ask_video`, with ``video_options``; images and videos of earlier
-        turns stay in the conversation. ``schema``/``format`` as in :meth:`Model.ask`.
+        turns stay in the conversation. ``schema``/``format`` as in :meth:`Model.ask`;
+        ``tools``/``tool_choice`` as in :meth:`Model.chat_completion` (pass the same tools each
+        turn: they are part of the system turn, so the KV cache is reused). ``tool_result=True``
+        sends ``prompt`` as the result of the last call (a ``role: "tool"`` message).
         """
         model = self.model
         sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                                  repeat_penalty=repeat_penalty, seed=seed)
-        shape = model.constraint(schema, format)
+        box = tooling.toolbox(tools, tool_choice)
+        if box is not None and (schema is not None or format):
+            raise ConfigError("Give tools or a schema/format, not both.")
+        shape = model.checked(box.constraint()) if box is not None else model.constraint(schema, format)
+        self._tools = box
+        if tool_result:
+            prompt = tooling.plain_messages([{"role": "tool", "content": check_text("prompt", prompt)}])[0]["content"]
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
         user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
@@ -390,7 +414,10 @@ class Chat:
         self._turns.clear()
 
     def _all(self, *extra: Turn) -> list[Turn]:
-        return self.model.turns.system(self.system) + self._turns + list(extra)
+        system = self.system
+        if self._tools is not None:
+            system = f"{system}\n\n{self._tools.system_prompt()}" if system else self._tools.system_prompt()
+        return self.model.turns.system(system) + self._turns + list(extra)
 
     def _turn(self, user: Turn, counts: FrameCounts, **options: Any) -> Generator[str, None, Reply]:
         def attempt() -> Stream:
@@ -421,7 +448,9 @@ class Chat:
             raise
 
     def _remember(self, user: Turn, answer: str) -> None:
-        self._turns += [user, self.model.turns.turn("assistant", [str(answer)])]
+        calls = [tooling.render_call(call) for call in getattr(answer, "tool_calls", ())]
+        text = "\n".join([str(answer), *calls]).strip() if calls else str(answer)
+        self._turns += [user, self.model.turns.turn("assistant", [text])]
 
 
 def _video_first(prompt: Any, video: Any) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,9 @@ class Reply(str):
 
     With ``schema=`` or ``format="json"``, ``parsed`` holds the validated value (an instance
     of the pydantic model class or dataclass given) — or None, and ``parse_error`` says why
-    (the answer was cut by ``max_tokens``, or did not validate).
+    (the answer was cut by ``max_tokens``, or did not validate). With ``tools=``, the calls
+    the model made are in ``tool_calls`` (the text holds the rest) and ``finish_reason`` is
+    ``"tool_calls"``.
     """
 
     usage: Usage
@@ -89,6 +91,7 @@ class Reply(str):
     video: VideoStats | None = None
     parsed: Any = None
     parse_error: str | None = None
+    tool_calls: Sequence[Any] = ()  #: :class:`~gguf_mcv.tools.ToolCall` values, when tools were given
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str

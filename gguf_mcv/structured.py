@@ -59,6 +59,8 @@ class Constraint:
     schema: dict[str, Any] | None = None
     target: Any = None
     json: bool = True  #: the answer is JSON (False for a caller's own grammar)
+    after: str | None = None  #: the grammar starts once this text was generated (a tool call's tag)
+    tools: Any = None  #: the :class:`~gguf_mcv.tools.Toolbox` whose calls the answer may hold
 
     def parse(self, text: str, finish_reason: str = "stop") -> tuple[Any, str | None]:
         """``(value, None)`` for a valid answer, ``(None, why)`` otherwise; never half a value."""
