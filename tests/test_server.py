@@ -877,3 +877,54 @@ def test_invalid_schemas_and_formats_get_a_clean_400(srv: Running) -> None:
     assert r.status_code == 400
     assert oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
                                             messages=[{"role": "user", "content": "?"}]).choices  # still fine
+
+
+# -- tool calling ---------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                   "required": ["city"]}}}
+
+
+def test_openai_tool_round_trip(srv: Running) -> None:
+    client = oai(srv)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                       tool_choice="required", max_tokens=100, seed=1)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    chunks = list(client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                                 tool_choice="required", max_tokens=100, seed=1, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed[0].function.name == "get_weather"
+    assert streamed[0].function.arguments == call.function.arguments
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                            tool_choice="none", max_tokens=6, seed=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "rm"}})
+
+
+def test_ollama_tool_round_trip(srv: Running) -> None:
+    client = oll(srv)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                    options={"num_predict": 100, "seed": 1})
+    assert r.done
+    calls = r.message.tool_calls or []  # "auto": random weights rarely open a call, but any call is valid
+    assert all(c.function.name == "get_weather" and "city" in c.function.arguments for c in calls)
+    fake = {"function": {"name": "get_weather", "arguments": {"city": "paris"}}}
+    messages += [{"role": "assistant", "content": "", "tool_calls": [fake]},
+                 {"role": "tool", "content": '{"temperature": 21}'}]
+    answer = client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                         options={"num_predict": 6, "seed": 2})
+    assert answer.done and isinstance(answer.message.content, str)
+    parts = list(client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL], stream=True,
+                             options={"num_predict": 6, "seed": 2}))
+    assert parts[-1].done

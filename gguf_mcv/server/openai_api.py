@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
-from ..openai_compat import completion, completion_chunks
+from ..generation import Stream
+from ..openai_compat import completion, completion_chunks, new_id, usage
+from ..reply import Reply
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body, stop_list
 from .gate import Place
@@ -46,6 +50,7 @@ class ChatCompletionRequest(Body):
     n: int | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -54,8 +59,6 @@ class ChatCompletionRequest(Body):
             raise HTTPError(400, "Only n=1 is supported.", param="n")
         if self.logprobs:
             raise HTTPError(400, "logprobs are not supported.", param="logprobs")
-        if self.tools:
-            raise HTTPError(400, "Tools are not supported by this server.", param="tools")
         self.output_format()
 
     def output_format(self) -> dict[str, Any]:
@@ -82,7 +85,8 @@ class ChatCompletionRequest(Body):
         return dict(max_tokens=self.max_completion_tokens or self.max_tokens or n_ctx,
                     stop=stop_list(self.stop), thinking=None if thinking is None else bool(thinking),
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    repeat_penalty=self.repeat_penalty, seed=self.seed, **self.output_format())
+                    repeat_penalty=self.repeat_penalty, seed=self.seed, tools=self.tools,
+                    tool_choice=self.tool_choice, **self.output_format())
 
     def message_dicts(self) -> list[dict[str, Any]]:
         # "developer" is what newer OpenAI clients call the system role
@@ -126,6 +130,37 @@ async def chat_completions(
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
     start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
     if body.stream:
-        return await answer_stream(request, place, start, partial(completion_chunks, model=name),
-                                   ndjson=False)
-    return completion(await answer(request, place, start), model=name)
+        shape = _tool_chunks if body.tools and body.tool_choice != "none" else completion_chunks
+        return await answer_stream(request, place, start, partial(shape, model=name), ndjson=False)
+    reply = await answer(request, place, start)
+    return _with_tool_calls(completion(reply, model=name), reply)
+
+
+def _with_tool_calls(body: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    """A ``chat.completion`` with the reply's tool calls in its message (content None if empty)."""
+    if reply.tool_calls:
+        message = body["choices"][0]["message"]
+        message["content"] = str(reply) or None
+        message["tool_calls"] = [call.openai() for call in reply.tool_calls]
+    return body
+
+
+def _tool_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
+    """Chunks of an answer that may call a tool: the text is sent once the answer is known (a call
+    must not reach the client as text), then the calls, then the finish."""
+    base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": finish}], **extra}
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        reply = stream.result()
+        if str(reply):
+            yield chunk({"content": str(reply)})
+        if reply.tool_calls:
+            yield chunk({"tool_calls": [{"index": i, **call.openai()} for i, call in enumerate(reply.tool_calls)]})
+        yield chunk({}, reply.finish_reason, usage=usage(reply))
+    finally:
+        stream.close()
