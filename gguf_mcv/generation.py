@@ -10,7 +10,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence, cast
 
 from .engine import Engine, PrefillStats
 from .errors import ModelBusyError, ModelClosedError
@@ -164,8 +164,9 @@ def respond(
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
     and only the answer is yielded. ``on_progress`` follows image encoding;
     ``on_prefill`` receives the prefill's statistics. A ``constraint`` (checked by the
-    caller) holds the answer to its grammar and fills ``Reply.parsed``; when the prompt
-    opened a think block the reasoning stays free and the grammar starts after ``</think>``.
+    caller) holds the answer to its grammar and fills ``Reply.parsed``; with ``reasoning``
+    on, a think block (opened by the prompt, or by the model as its first words) stays
+    free and the grammar starts after ``</think>``.
     """
     with lock.hold():
         start = time.perf_counter()
@@ -181,12 +182,14 @@ def respond(
         n_generated = 0
         grammar = constraint.grammar if constraint is not None else None
         tokens = engine.generate(sampling, max_tokens, grammar=grammar,  # a generator: closed below
-                                 grammar_after=_grammar_after(constraint, inside))
+                                 grammar_after=_grammar_after(constraint, reasoning),
+                                 may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
+                                 must_answer=not _tool_auto(constraint))
         try:
             for token in tokens:
                 n_generated += 1
                 first_token_at = first_token_at or time.perf_counter()
-                piece = thinking.feed(assembler.feed(engine.token_bytes(token)))
+                piece = thinking.feed(assembler.feed(_token_text(engine, token, reasoning)))
                 if piece:
                     answer.append(piece)
                     yield piece
@@ -228,11 +231,29 @@ def respond(
         return reply
 
 
-def _grammar_after(constraint: Constraint | None, inside_thinking: bool) -> str | None:
+def _token_text(engine: Engine, token: int, reasoning: bool) -> bytes:
+    """A token's bytes; with reasoning on, think tags that the vocabulary made control tokens too
+    (the reasoning filter must see where the reasoning ends)."""
+    data = engine.token_bytes(token)
+    if not data and reasoning:
+        markup = engine.token_markup(token)
+        if markup in (_OPEN, _CLOSE):
+            return markup
+    return data
+
+
+_OPEN, _CLOSE = ReasoningFilter.OPEN.encode(), ReasoningFilter.CLOSE.encode()
+
+
+def _grammar_after(constraint: Constraint | None, reasoning: bool) -> str | None:
     """The text after which the grammar starts: a tool call's tag, the end of the reasoning, or none."""
-    if constraint is not None and constraint.after:
-        return constraint.after
-    return ReasoningFilter.CLOSE if inside_thinking else None
+    if _tool_auto(constraint):
+        return cast(Constraint, constraint).after
+    return ReasoningFilter.CLOSE if reasoning else None
+
+
+def _tool_auto(constraint: Constraint | None) -> bool:
+    return constraint is not None and constraint.after is not None
 
 
 def _read_back(reply: Reply, constraint: Constraint) -> Reply:
