@@ -604,6 +604,10 @@ class Engine:
         if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
             candidates = self._candidates()
             lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
+            if not np.isfinite(candidates.data["logit"]).any():
+                # sampling on would pick a token the grammar refuses, and llama.cpp aborts
+                raise EngineError("The grammar allows no token of this model's vocabulary here: "
+                                  "simplify the schema (or GBNF).")
             lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
             token = int(candidates.array.data[candidates.array.selected].id)
         lc.llama_sampler_accept(constrain, token)

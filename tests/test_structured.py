@@ -275,3 +275,4 @@ def test_the_chat_handler_takes_response_format_and_grammar(handler_llama) -> No
     assert out["choices"][0]["message"]["content"] in ("yes", "no")
     with pytest.raises(ConfigError, match="response_format"):
         handler_llama.create_chat_completion(messages=messages, response_format={"type": "xml"})
+

@@ -121,7 +121,7 @@ async def show(request: Request, body: Annotated[ShowRequest, Depends(json_body(
     state = state_of(request)
     state.check_model(body.model or body.name or state.name)
     info = state.model.info
-    capabilities = ["completion", "vision"] + (["thinking"] if info.can_think else [])
+    capabilities = ["completion", "vision", "tools"] + (["thinking"] if info.can_think else [])
     return {"modelfile": "", "parameters": "", "template": "", "details": _details(state),
             # file names only: where the files live is no business of the clients
             "model_info": {"general.architecture": "minicpmv", "general.name": info.name,
