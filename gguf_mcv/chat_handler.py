@@ -7,7 +7,9 @@
 Unlike llama-cpp-python's ``MiniCPMv26ChatHandler`` it keeps the KV cache between
 calls (each call evaluates only what follows the longest common prefix), feeds
 images seen before from the embedding cache, renders the GGUF's own chat
-template, and reports usage correctly.
+template, and reports usage correctly. ``response_format`` (``{"type": "json_object"}``,
+optionally with a ``"schema"``, as llama-cpp-python takes it, or ``{"type": "json_schema",
+"json_schema": {"schema": ...}}``) and ``grammar`` (a ``LlamaGrammar``) constrain the answer.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from .messages import MediaPolicy, convert
 from .openai_compat import completion, completion_chunks
 from .options import Sampling, stop_list
 from .request import TurnBuilder
+from .structured import Constraint, constraint, grammar_constraint
 from .templates import choose_template
 
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "grammar", "logits_processor",
-                "response_format")
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logits_processor")
 
 
 class MiniCPMVChatHandler:
@@ -72,12 +74,16 @@ class MiniCPMVChatHandler:
                  temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
                  min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
                  stop: str | list[str] | None = None, max_tokens: int | None = None,
-                 model: str | None = None, **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+                 model: str | None = None, response_format: dict[str, Any] | None = None,
+                 grammar: Any = None, **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Answer ``messages``; an OpenAI ``chat.completion`` dict, or an iterator of chunks."""
         for name in _UNSUPPORTED:
             if kwargs.get(name):
                 raise ConfigError(f"{name} is not supported by MiniCPMVChatHandler.")
+        shape = _constraint(response_format, grammar)
         engine = self.engine_for(llama)
+        if shape is not None:
+            engine.check_grammar(shape.grammar)
         template = choose_template(
             llama.metadata.get("tokenizer.chat_template"), self.template_family,
             bos_token=_text(llama, llama.token_bos()), eos_token=_text(llama, llama.token_eos()),
@@ -92,9 +98,29 @@ class MiniCPMVChatHandler:
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
         pieces = Stream(respond(engine, rendered.text, rendered.images, sampling=sampling,
-                                max_tokens=budget_tokens, stop=stop_list(stop), lock=self._lock))
+                                max_tokens=budget_tokens, stop=stop_list(stop), lock=self._lock,
+                                constraint=shape))
         name = model or os.path.basename(llama.model_path)
         return completion_chunks(pieces, model=name) if stream else completion(pieces.result(), model=name)
+
+
+def _constraint(response_format: dict[str, Any] | None, grammar: Any) -> Constraint | None:
+    """The constraint for llama-cpp-python's ``response_format`` or ``grammar`` arguments."""
+    if grammar is not None:
+        return grammar_constraint(grammar)
+    spec = response_format or {}
+    if not isinstance(spec, dict):
+        raise ConfigError("response_format must be a dict such as {'type': 'json_object'}.")
+    kind = spec.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return constraint(spec.get("schema"), None if spec.get("schema") is not None else "json")
+    schema = spec["json_schema"].get("schema") if isinstance(spec.get("json_schema"), dict) else None
+    if kind == "json_schema" and schema is not None:
+        return constraint(schema)
+    raise ConfigError(f"response_format must be of type text, json_object or json_schema (with "
+                      f"json_schema.schema), not {spec!r:.80}.")
 
 
 def _text(llama, token: int) -> str:

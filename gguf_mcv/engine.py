@@ -19,7 +19,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Sequence, Union, cast
+from typing import Any, Callable, Generator, Sequence, Union, cast
 
 import numpy as np
 
@@ -629,30 +629,126 @@ class Engine:
 
     # -- generate --------------------------------------------------------------
 
-    def generate(self, sampling: Sampling, max_tokens: int) -> Generator[int, None, None]:
+    def generate(self, sampling: Sampling, max_tokens: int, *, grammar: str | None = None,
+                 grammar_after: str | None = None, may_open: str | None = None,
+                 must_answer: bool = True) -> Generator[int, None, None]:
         """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
 
         Each token is evaluated into the KV cache only when the consumer asks for the
         next one, so stopping early (a stop string, a cancelled stream) leaves the
         cache holding exactly what was used. ``self.finish_reason`` says why it ended.
+        ``grammar`` (GBNF, checked with :meth:`check_grammar`) constrains the tokens — from
+        the start, or only once the text ``grammar_after`` (``</think>``) was generated. With
+        ``may_open`` (``<think>``) the answer may instead begin with that text, and is then
+        free until ``grammar_after``. With ``must_answer``, a model that ends inside the free
+        block gets ``grammar_after`` written for it, and must then give the constrained answer.
         """
         lc = self._lc
+        opener = may_open.encode() if grammar and grammar_after and may_open else None
+        waiting = grammar_after.encode() if grammar and grammar_after and not opener else None
         sampler = self._sampler(sampling)
+        constrain = None
+        if grammar is not None and opener is not None:
+            either = f'{grammar}\n{_GRAMMAR_OR_OPENER} ::= "{may_open}" | root'
+            constrain = self._grammar_sampler(either, root=_GRAMMAR_OR_OPENER)
+        elif grammar is not None and waiting is None:
+            constrain = self._grammar_sampler(grammar)
+        recent = b""  # the end of the text so far, to spot `may_open` and `grammar_after`
         self.finish_reason = "length"
         try:
             for _ in range(max_tokens):
-                token = int(lc.llama_sampler_sample(sampler, self.llama.ctx, -1))
+                token = self._sample(sampler, constrain)
                 if lc.llama_vocab_is_eog(self._vocab, token):
-                    self.finish_reason = "stop"
-                    return
+                    if waiting is None or not must_answer or self.n_past + len(waiting) >= self.n_ctx:
+                        self.finish_reason = "stop"
+                        return
+                    # the reasoning ended without its closing tag: close it, then the answer
+                    for closing in self.llama.tokenize(waiting, add_bos=False, special=True):
+                        yield closing
+                        self._eval_tokens([closing])
+                    waiting, recent = None, b""
+                    constrain = self._grammar_sampler(cast(str, grammar))
+                    continue
                 yield token
                 if self.n_past >= self.n_ctx:
                     return
                 self._eval_tokens([token])
+                if opener is None and waiting is None:
+                    continue
+                recent = (recent + self._piece(token))[-2 * len(opener or waiting or b"") - 64:]
+                if opener is not None and opener in recent:  # a free block opened: the grammar waits
+                    lc.llama_sampler_free(constrain)
+                    constrain, opener, waiting, recent = None, None, grammar_after.encode(), b""  # type: ignore[union-attr]
+                elif opener is not None and not opener.startswith(recent.lstrip()):
+                    opener = None  # the answer itself began
+                elif waiting is not None and waiting in recent:  # the free block ended
+                    waiting = None
+                    constrain = self._grammar_sampler(cast(str, grammar))
         finally:
             lc.llama_sampler_free(sampler)
+            if constrain is not None:
+                lc.llama_sampler_free(constrain)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``)."""
+        self._check_open()
+        self._lc.llama_sampler_free(self._grammar_sampler(grammar))
+
+    def _grammar_sampler(self, grammar: str, root: str = "root"):
+        native.clear_recent()
+        sampler = self._lc.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), root.encode())
+        if not sampler:  # llama.cpp logs why and returns NULL
+            raise ConfigError(f"llama.cpp could not use the grammar: {native.recent_errors() or 'no details logged'}."
+                              " Check the schema (or GBNF) for rules that refer to themselves first.")
+        return sampler
+
+    def _sample(self, chain, constrain) -> int:
+        """The next token from ``chain``, within the grammar ``constrain`` when there is one.
+
+        As llama.cpp's own common sampler does: sample as usual, check only that token
+        against the grammar, and only if the grammar refuses it run the grammar over the
+        whole vocabulary and sample again. Checking every token of a 150k vocabulary
+        against the grammar costs more than the model's forward pass; most sampled tokens
+        are allowed (a grammar only rules out what the model rarely wants).
+        """
+        lc = self._lc
+        if constrain is None:
+            return int(lc.llama_sampler_sample(chain, self.llama.ctx, -1))
+        candidates = self._candidates()
+        lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+        token = int(candidates.array.data[candidates.array.selected].id)
+        one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
+        single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
+        lc.llama_sampler_apply(constrain, ctypes.byref(single))
+        if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
+            candidates = self._candidates()
+            lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
+            if not np.isfinite(candidates.data["logit"]).any():
+                # sampling on would pick a token the grammar refuses, and llama.cpp aborts
+                raise EngineError("The grammar allows no token of this model's vocabulary here: "
+                                  "simplify the schema (or GBNF).")
+            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+            token = int(candidates.array.data[candidates.array.selected].id)
+        lc.llama_sampler_accept(constrain, token)
+        lc.llama_sampler_accept(chain, token)
+        return token
+
+    def _candidates(self) -> "_Candidates":
+        """Every token with its logit from the last evaluation, as a llama.cpp candidate array."""
+        n_vocab = self.llama.n_vocab()
+        logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llama.ctx, -1), shape=(n_vocab,))
+        data = np.empty(n_vocab, dtype=_TOKEN_DATA)
+        data["id"] = np.arange(n_vocab, dtype=np.int32)
+        data["logit"] = logits
+        data["p"] = 0.0
+        pointer = data.ctypes.data_as(ctypes.POINTER(self._lc.llama_token_data))
+        array = self._lc.llama_token_data_array(data=pointer, size=n_vocab, selected=-1, sorted=False)
+        return _Candidates(data, array)
 
     def _sampler(self, s: Sampling):
+        # A grammar is not part of this chain: see _sample. (Inside it, it would have to come
+        # first, on the whole vocabulary: after the top-k shortcut below, every candidate
+        # left could be one the grammar forbids.)
         lc = self._lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
@@ -680,6 +776,24 @@ class Engine:
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token stands for (control tokens give none)."""
         return self.llama.detokenize([token], special=False)
+
+    def token_markup(self, token: int) -> bytes:
+        """The text of a token, control tokens included (``<think>`` in some vocabularies)."""
+        return self._piece(token)
+
+
+#: the root rule of "the grammar's answer, or the opening of a free block" (a name no converter makes)
+_GRAMMAR_OR_OPENER = "gguf-mcv-answer-or-opener"
+#: llama.cpp's ``llama_token_data``: id, logit, p
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+@dataclass
+class _Candidates:
+    """A candidate array for llama.cpp and the numpy buffer it points into (kept alive with it)."""
+
+    data: np.ndarray
+    array: Any
 
 
 def _decoded(data: bytes) -> tuple[str, bool]:

@@ -10,13 +10,14 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence, cast
 
 from .engine import Engine, PrefillStats
 from .errors import ModelBusyError, ModelClosedError
 from .media import Image
 from .options import Sampling
 from .reply import Progress, Reply, Timings, Usage
+from .structured import Constraint
 from .templates import THINK_OPEN
 from .textstream import ReasoningFilter, TextAssembler
 
@@ -157,13 +158,17 @@ def respond(
     on_progress: ProgressCallback | None = None,
     on_prefill: Callable[[PrefillStats], None] | None = None,
     shift: bool = False,
+    constraint: Constraint | None = None,
 ) -> Generator[str, None, Reply]:
     """Generate the answer to ``prompt_text``; yields text pieces, returns the Reply.
 
     With ``reasoning`` on, text up to ``</think>`` is kept apart (``Reply.reasoning``)
     and only the answer is yielded. ``on_progress`` follows image encoding;
     ``on_prefill`` receives the prefill's statistics. ``shift`` lets the prefill shift a
-    stretch the prompt dropped out of the KV cache (see :meth:`Engine.prefill`).
+    stretch the prompt dropped out of the KV cache (see :meth:`Engine.prefill`). A
+    ``constraint`` (checked by the caller) holds the answer to its grammar and fills
+    ``Reply.parsed``; with ``reasoning`` on, a think block (opened by the prompt, or by the
+    model as its first words) stays free and the grammar starts after ``</think>``.
     """
     with lock.hold():
         start = time.perf_counter()
@@ -172,16 +177,21 @@ def respond(
         if on_prefill is not None:
             on_prefill(stats)
         assembler = TextAssembler(stop)
-        thinking = ReasoningFilter(active=reasoning, inside=prompt_text.rstrip().endswith(THINK_OPEN))
+        inside = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
+        thinking = ReasoningFilter(active=reasoning, inside=inside)
         answer: list[str] = []
         first_token_at = None
         n_generated = 0
-        tokens = engine.generate(sampling, max_tokens)  # a generator: closed below
+        grammar = constraint.grammar if constraint is not None else None
+        tokens = engine.generate(sampling, max_tokens, grammar=grammar,  # a generator: closed below
+                                 grammar_after=_grammar_after(constraint, reasoning),
+                                 may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
+                                 must_answer=not _tool_auto(constraint))
         try:
             for token in tokens:
                 n_generated += 1
                 first_token_at = first_token_at or time.perf_counter()
-                piece = thinking.feed(assembler.feed(engine.token_bytes(token)))
+                piece = thinking.feed(assembler.feed(_token_text(engine, token, reasoning)))
                 if piece:
                     answer.append(piece)
                     yield piece
@@ -214,10 +224,52 @@ def respond(
             completion_tokens=n_generated,
         )
         finish = "stop" if assembler.stopped else engine.finish_reason
-        return Reply(
+        reply = Reply(
             "".join(answer), usage=usage, timings=timings,
             reasoning=thinking.reasoning, finish_reason=finish,
         )
+        if constraint is not None:
+            reply = _read_back(reply, constraint)
+        return reply
+
+
+def _token_text(engine: Engine, token: int, reasoning: bool) -> bytes:
+    """A token's bytes; with reasoning on, think tags that the vocabulary made control tokens too
+    (the reasoning filter must see where the reasoning ends)."""
+    data = engine.token_bytes(token)
+    if not data and reasoning:
+        markup = engine.token_markup(token)
+        if markup in (_OPEN, _CLOSE):
+            return markup
+    return data
+
+
+_OPEN, _CLOSE = ReasoningFilter.OPEN.encode(), ReasoningFilter.CLOSE.encode()
+
+
+def _grammar_after(constraint: Constraint | None, reasoning: bool) -> str | None:
+    """The text after which the grammar starts: a tool call's tag, the end of the reasoning, or none."""
+    if _tool_auto(constraint):
+        return cast(Constraint, constraint).after
+    return ReasoningFilter.CLOSE if reasoning else None
+
+
+def _tool_auto(constraint: Constraint | None) -> bool:
+    return constraint is not None and constraint.after is not None
+
+
+def _read_back(reply: Reply, constraint: Constraint) -> Reply:
+    """``reply`` with its parsed value, or its tool calls taken out of the text."""
+    if constraint.tools is None:
+        reply.parsed, reply.parse_error = constraint.parse(reply, reply.finish_reason)
+        return reply
+    text, calls = constraint.tools.calls(str(reply))
+    if not calls:
+        return reply
+    out = Reply(text, usage=reply.usage, timings=reply.timings, reasoning=reply.reasoning,
+                finish_reason="tool_calls")
+    out.tool_calls = calls
+    return out
 
 
 def _progress(callback: ProgressCallback | None, start: float) -> Callable[[int, int, int], None] | None:

@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
 
-from . import native
+from . import native, structured
+from . import tools as tooling
 from .engine import Engine
 from .errors import ConfigError, ContextOverflowError, ModelClosedError
 from .generation import AnswerLock, ProgressCallback, Stream, respond
@@ -23,6 +24,7 @@ from .messages import MediaPolicy, convert
 from .options import DEFAULT_MAX_TOKENS, Sampling, check_int, check_max_tokens, check_text, stop_list
 from .reply import Reply, VideoStats
 from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
+from .structured import Constraint
 from .templates import ChatTemplate
 from .video import VideoInput
 
@@ -82,6 +84,7 @@ class Model:
         top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
         stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
         detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+        schema: Any = ..., format: str | dict[str, Any] | None = ...,
     ) -> Reply: ...
 
     @overload
@@ -90,6 +93,7 @@ class Model:
         top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
         stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
         detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+        schema: Any = ..., format: str | dict[str, Any] | None = ...,
     ) -> Stream: ...
 
     def ask(
@@ -110,6 +114,8 @@ class Model:
         detail: str = "auto",
         max_slices: int | None = None,
         on_progress: ProgressCallback | None = None,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
     ) -> Reply | Stream:
         """Answer ``prompt`` about ``images``; a :class:`Reply` (a ``str``), or a :class:`Stream`.
 
@@ -118,20 +124,24 @@ class Model:
         recommended ones. ``detail`` and ``max_slices`` bound how many 448-pixel
         slices each image is cut into (see :meth:`prepare_image`). ``on_progress``
         receives a :class:`~gguf_mcv.reply.Progress` as image slices are encoded.
+        ``schema`` (a JSON-schema dict, a pydantic model class or a dataclass) or
+        ``format="json"`` constrains the answer to JSON; ``reply.parsed`` holds the value.
         """
         sampling = self.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                   repeat_penalty=repeat_penalty, seed=seed)
+        shape = self.constraint(schema, format)
         parts = self.turns.user_parts(prompt, images, detail=detail, max_slices=max_slices)
         turns = self.turns.system(system) + [self.turns.turn("user", parts)]
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
-                                    sampling=sampling, on_progress=on_progress), stream)
+                                    sampling=sampling, on_progress=on_progress, constraint=shape), stream)
 
     @overload
     def ask_video(self, prompt: str, video: VideoInput, *, stream: Literal[False] = ...,
         max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
-        on_progress: ProgressCallback | None = ..., **sampling: Any,
+        on_progress: ProgressCallback | None = ..., schema: Any = ...,
+        format: str | dict[str, Any] | None = ..., **sampling: Any,
     ) -> Reply: ...
 
     @overload
@@ -139,7 +149,8 @@ class Model:
         max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
-        on_progress: ProgressCallback | None = ..., **sampling: Any,
+        on_progress: ProgressCallback | None = ..., schema: Any = ...,
+        format: str | dict[str, Any] | None = ..., **sampling: Any,
     ) -> Stream: ...
 
     def ask_video(
@@ -158,6 +169,8 @@ class Model:
         thinking: bool | None = None,
         progress: Callable[[int, int], None] | None = None,
         on_progress: ProgressCallback | None = None,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
@@ -170,7 +183,7 @@ class Model:
         is raised before anything is encoded. ``on_progress`` (or the older
         ``progress(done, total)``) follows the encoding. Sampling keywords
         (``temperature``, ``top_p``, ``top_k``, ``repeat_penalty``, ``seed``) as in
-        :meth:`ask`; ``reply.video`` counts the frames.
+        :meth:`ask`; ``reply.video`` counts the frames; ``schema``/``format`` as in :meth:`ask`.
 
         The argument order matches :meth:`ask` (prompt first); the older
         ``ask_video(video, prompt)`` still works, with a ``DeprecationWarning``.
@@ -182,12 +195,13 @@ class Model:
         options = VideoOptions(max_frames, fps, dedupe, timestamps)
         check_text("prompt", prompt)
         settings = self.sampling.with_overrides(**sampling)
+        shape = self.constraint(schema, format)
         head = self.turns.system(system)
         user, counts = self.turns.user_turn([Video(video), prompt], history=head, options=options,
                                             max_tokens=check_max_tokens(max_tokens), thinking=thinking)
         return _deliver(self.answer(head + [user], thinking=thinking, max_tokens=max_tokens, stop=stop,
                                     sampling=settings, on_progress=_either(on_progress, progress),
-                                    frames=counts), stream)
+                                    frames=counts, constraint=shape), stream)
 
     def chat_completion(
         self,
@@ -202,6 +216,11 @@ class Model:
         progress: Callable[[int, int], None] | None = None,
         on_progress: ProgressCallback | None = None,
         truncate: bool = False,
+        schema: Any = None,
+        format: str | dict[str, Any] | None = None,
+        grammar: Constraint | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
@@ -211,9 +230,22 @@ class Model:
         :meth:`ask_video`, with ``video_options``. The messages are answered as given;
         with ``truncate`` the oldest questions (with their answers) are dropped, whole,
         until the prompt and room for the answer fit, as :class:`Chat` does
-        (``reply.dropped_turns`` counts them).
+        (``reply.dropped_turns`` counts them). ``schema``/``format`` as in :meth:`ask`;
+        ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`. ``tools``
+        (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
+        a function) let the model call a function (:mod:`gguf_mcv.tools`): ``reply.tool_calls``;
+        ``role: "tool"`` messages carry the results back.
         """
         settings = self.sampling.with_overrides(**sampling)
+        box = tooling.toolbox(tools, tool_choice)
+        if box is not None and (schema is not None or format or grammar is not None):
+            raise ConfigError("Give tools or a schema/format/grammar, not both.")
+        if isinstance(messages, (list, tuple)):  # anything else is refused by convert() below
+            messages = tooling.plain_messages(messages)
+        if box is not None:
+            messages = tooling.with_tools_prompt(list(messages), box)
+            grammar = box.constraint()
+        shape = self.constraint(schema, format) if grammar is None else self.checked(grammar)
         check_max_tokens(max_tokens)
         pairs = convert(messages, policy=policy,
                         prepare_image=lambda url, detail: self.turns.image(url, detail=detail))
@@ -223,7 +255,7 @@ class Model:
         if truncate:
             turns, dropped = self.turns.fit(turns, max_tokens=max_tokens, thinking=thinking)
         answer = self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop, sampling=settings,
-                             on_progress=_either(on_progress, progress), frames=counts)
+                             on_progress=_either(on_progress, progress), frames=counts, constraint=shape)
         if dropped:
             answer = Stream(_with_dropped(answer, dropped))
         return _deliver(answer, stream)
@@ -231,13 +263,15 @@ class Model:
     def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
                sampling: Sampling | None = None, on_progress: ProgressCallback | None = None,
-               frames: FrameCounts | None = None, shift: bool = False) -> Stream:
+               frames: FrameCounts | None = None, constraint: Constraint | None = None,
+               shift: bool = False) -> Stream:
         """Answer a conversation of built turns (see :attr:`turns`); a :class:`Stream`.
 
         The lower-level door every question goes through: nothing is evaluated until
-        the stream's first piece is read. ``shift`` allows shifting a stretch these turns no
-        longer have (dropped turns) out of the KV cache instead of evaluating what follows it
-        again — faster, but the kept turns' cached states still saw the dropped ones.
+        the stream's first piece is read. ``constraint`` comes from :meth:`constraint`.
+        ``shift`` allows shifting a stretch these turns no longer have (dropped turns) out of
+        the KV cache instead of evaluating what follows it again — faster, but the kept
+        turns' cached states still saw the dropped ones.
         """
         rendered = self.turns.render(turns, thinking)
         encoded: list[str] = []
@@ -245,11 +279,22 @@ class Model:
             self.engine, rendered.text, rendered.images, sampling=sampling or self.sampling,
             max_tokens=check_max_tokens(max_tokens), stop=stop_list(stop), reasoning=rendered.reasoning,
             lock=self._lock, on_progress=on_progress, shift=shift,
-            on_prefill=lambda stats: encoded.extend(stats.encoded_keys),
+            on_prefill=lambda stats: encoded.extend(stats.encoded_keys), constraint=constraint,
         )
         if frames is not None and frames.keys:
             pieces = _count_frames(pieces, frames, encoded)
         return Stream(pieces)
+
+    def constraint(self, schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
+        """The checked :class:`~gguf_mcv.structured.Constraint` for ``schema`` or ``format``
+        (None for neither); :class:`ConfigError` for an invalid schema, before anything runs."""
+        made = structured.constraint(schema, format)
+        return None if made is None else self.checked(made)
+
+    def checked(self, made: Constraint) -> Constraint:
+        """``made``, once llama.cpp has parsed its grammar (ConfigError if it cannot)."""
+        self.engine.check_grammar(made.grammar)
+        return made
 
     def chat(self, system: str | None = None, thinking: bool | None = None, *,
              overflow: str = "drop_oldest", keep_first: int = 0, context_shift: bool = True) -> "Chat":
@@ -338,6 +383,7 @@ class Chat:
         self.context_shift = bool(context_shift)
         self._turns: list[Turn] = []
         self._used = 0  # positions the conversation filled after its last answer (0: unknown)
+        self._tools: tooling.Toolbox | None = None  # the tools of the turn being answered
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -352,22 +398,34 @@ class Chat:
              max_slices: int | None = None, videos: VideoInput | Sequence[VideoInput] = (),
              video_options: VideoOptions = VideoOptions(),
              progress: Callable[[int, int], None] | None = None,
-             on_progress: ProgressCallback | None = None) -> Reply | Stream:
+             on_progress: ProgressCallback | None = None, schema: Any = None,
+             format: str | dict[str, Any] | None = None, tools: Sequence[dict[str, Any]] | None = None,
+             tool_choice: Any = None, tool_result: bool = False) -> Reply | Stream:
         """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
 
         ``videos`` (one video or a list) are sampled into frames as in
         :meth:`Model.ask_video`, with ``video_options``; images and videos of earlier
-        turns stay in the conversation.
+        turns stay in the conversation. ``schema``/``format`` as in :meth:`Model.ask`;
+        ``tools``/``tool_choice`` as in :meth:`Model.chat_completion` (pass the same tools each
+        turn: they are part of the system turn, so the KV cache is reused). ``tool_result=True``
+        sends ``prompt`` as the result of the last call (a ``role: "tool"`` message).
         """
         model = self.model
         sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                                  repeat_penalty=repeat_penalty, seed=seed)
+        box = tooling.toolbox(tools, tool_choice)
+        if box is not None and (schema is not None or format):
+            raise ConfigError("Give tools or a schema/format, not both.")
+        shape = model.checked(box.constraint()) if box is not None else model.constraint(schema, format)
+        self._tools = box
+        if tool_result:
+            prompt = tooling.plain_messages([{"role": "tool", "content": check_text("prompt", prompt)}])[0]["content"]
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
         user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
         dropped = self._make_room(user, check_max_tokens(max_tokens))
         pieces = self._turn(user, counts, dropped, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                            on_progress=_either(on_progress, progress))
+                            on_progress=_either(on_progress, progress), constraint=shape)
         return _deliver(Stream(pieces), stream)
 
     def _make_room(self, user: Turn, max_tokens: int) -> int:
@@ -378,7 +436,7 @@ class Chat:
         if self._used and (self._used + turns.positions_of(user) + TEMPLATE_SLACK
                            + turns.answer_room(max_tokens) <= turns.n_ctx):
             return 0  # surely fits: no need to measure the whole conversation
-        head = turns.system(self.system)
+        head = self._head()
         kept, dropped = turns.fit(head + self._turns + [user], max_tokens=max_tokens,
                                   thinking=self.thinking, keep_first=self.keep_first)
         self._turns = kept[len(head):-1]
@@ -414,8 +472,15 @@ class Chat:
         self._turns.clear()
         self._used = 0
 
+    def _head(self) -> list[Turn]:
+        """The system turn: the system prompt and, with tools, their description."""
+        system = self.system
+        if self._tools is not None:
+            system = f"{system}\n\n{self._tools.system_prompt()}" if system else self._tools.system_prompt()
+        return self.model.turns.system(system)
+
     def _all(self, *extra: Turn) -> list[Turn]:
-        return self.model.turns.system(self.system) + self._turns + list(extra)
+        return self._head() + self._turns + list(extra)
 
     def _turn(self, user: Turn, counts: FrameCounts, dropped: int, **options: Any) -> Generator[str, None, Reply]:
         def attempt() -> Stream:
@@ -454,7 +519,9 @@ class Chat:
             raise
 
     def _remember(self, user: Turn, answer: str) -> None:
-        self._turns += [user, self.model.turns.turn("assistant", [str(answer)])]
+        calls = [tooling.render_call(call) for call in getattr(answer, "tool_calls", ())]
+        text = "\n".join([str(answer), *calls]).strip() if calls else str(answer)
+        self._turns += [user, self.model.turns.turn("assistant", [text])]
 
 
 def _video_first(prompt: Any, video: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,14 @@ class VideoStats:
 
 class Reply(str):
     """The answer text (a ``str``), with ``usage``, ``timings``, ``reasoning``, ``finish_reason``,
-    ``dropped_turns`` and, for questions about videos, ``video`` (:class:`VideoStats`)."""
+    ``dropped_turns`` and, for questions about videos, ``video`` (:class:`VideoStats`).
+
+    With ``schema=`` or ``format="json"``, ``parsed`` holds the validated value (an instance
+    of the pydantic model class or dataclass given) — or None, and ``parse_error`` says why
+    (the answer was cut by ``max_tokens``, or did not validate). With ``tools=``, the calls
+    the model made are in ``tool_calls`` (the text holds the rest) and ``finish_reason`` is
+    ``"tool_calls"``.
+    """
 
     usage: Usage
     timings: Timings
@@ -82,6 +90,9 @@ class Reply(str):
     finish_reason: str
     video: VideoStats | None = None
     dropped_turns: int = 0  #: older questions (with their answers) a Chat dropped to make room
+    parsed: Any = None
+    parse_error: str | None = None
+    tool_calls: Sequence[Any] = ()  #: :class:`~gguf_mcv.tools.ToolCall` values, when tools were given
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str

@@ -816,3 +816,130 @@ def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog, mon
         assert metrics(running, headers={})["failed"] == 4
     finally:
         running.stop()
+
+
+# -- structured output ----------------------------------------------------------------------------
+
+from typing import Literal, Optional  # noqa: E402  (this section's own imports, kept with it)
+
+import pydantic  # noqa: E402
+
+
+class Reading(pydantic.BaseModel):
+    """A meter reading: strings bounded by an ASCII pattern so random weights end them soon."""
+
+    reading: float = pydantic.Field(ge=0, le=50)
+    unit: Literal["kWh", "m3"]
+    digits: list[int] = pydantic.Field(max_length=3)
+    note: Optional[str] = pydantic.Field(default=None, pattern=r"^[a-z]{0,5}$")
+
+
+def test_openai_parse_helper_returns_the_pydantic_object(srv: Running) -> None:
+    client = oai(srv)
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    for seed in range(4):
+        r = parse(model=served(srv), messages=image_message(data_uri(png(9)), "Read the meter."),
+                  response_format=Reading, max_tokens=200, seed=seed)
+        assert isinstance(r.choices[0].message.parsed, Reading)
+
+
+def test_openai_json_schema_and_json_object_streaming_and_not(srv: Running) -> None:
+    client = oai(srv)
+    schema = {"name": "reading", "strict": True, "schema": Reading.model_json_schema()}
+    for response_format in ({"type": "json_schema", "json_schema": schema}, {"type": "json_object"}):
+        kwargs = dict(model=served(srv), messages=[{"role": "user", "content": "JSON."}], max_tokens=300,
+                      seed=5, response_format=response_format)
+        whole = client.chat.completions.create(**kwargs)
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        if response_format["type"] == "json_schema":
+            Reading.model_validate_json(text)
+        elif whole.choices[0].finish_reason == "stop":  # any object: free strings may run long
+            assert isinstance(json.loads(text), dict)
+
+
+def test_ollama_format_schema_and_json(srv: Running) -> None:
+    client = oll(srv)
+    messages = [{"role": "user", "content": "Read the meter.", "images": [b64(png(10))]}]
+    for seed in range(3):
+        r = client.chat(model=served(srv), messages=messages, format=Reading.model_json_schema(),
+                        options={"num_predict": 200, "seed": seed})
+        Reading.model_validate_json(r.message.content)
+        parts = list(client.chat(model=served(srv), messages=messages, format=Reading.model_json_schema(),
+                                 stream=True, options={"num_predict": 200, "seed": seed}))
+        Reading.model_validate_json("".join(p.message.content for p in parts))
+    g = client.generate(model=served(srv), prompt="Any JSON.", format="json",
+                        options={"num_predict": 300, "seed": 1})
+    assert g.done_reason == "length" or isinstance(json.loads(g.response), dict)
+
+
+def test_invalid_schemas_and_formats_get_a_clean_400(srv: Running) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "strnig"}}}
+    with pytest.raises(openai.BadRequestError, match=r"properties\.a\.type"):
+        oai(srv).chat.completions.create(model=served(srv), messages=[{"role": "user", "content": "?"}],
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "x", "schema": bad}})
+    for response_format in ({"type": "json_schema"}, {"type": "yaml"}):
+        r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
+                          json={"messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    with pytest.raises(ollama.ResponseError) as err:
+        oll(srv).chat(model=served(srv), messages=[{"role": "user", "content": "?"}], format=bad)
+    assert err.value.status_code == 400 and "properties.a.type" in str(err.value)
+    r = requests.post(srv.url + "/api/generate", headers=AUTH, timeout=10,
+                      json={"prompt": "hi", "format": "yaml", "stream": False})
+    assert r.status_code == 400
+    assert oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
+                                            messages=[{"role": "user", "content": "?"}]).choices  # still fine
+
+
+# -- tool calling ---------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                   "required": ["city"]}}}
+
+
+def test_openai_tool_round_trip(srv: Running) -> None:
+    client = oai(srv)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                       tool_choice="required", max_tokens=100, seed=1)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    chunks = list(client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                                 tool_choice="required", max_tokens=100, seed=1, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed[0].function.name == "get_weather"
+    assert streamed[0].function.arguments == call.function.arguments
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                            tool_choice="none", max_tokens=6, seed=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "rm"}})
+
+
+def test_ollama_tool_round_trip(srv: Running) -> None:
+    client = oll(srv)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                    options={"num_predict": 100, "seed": 1})
+    assert r.done
+    calls = r.message.tool_calls or []  # "auto": random weights rarely open a call, but any call is valid
+    assert all(c.function.name == "get_weather" and "city" in c.function.arguments for c in calls)
+    fake = {"function": {"name": "get_weather", "arguments": {"city": "paris"}}}
+    messages += [{"role": "assistant", "content": "", "tool_calls": [fake]},
+                 {"role": "tool", "content": '{"temperature": 21}'}]
+    answer = client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL],
+                         options={"num_predict": 6, "seed": 2})
+    assert answer.done and isinstance(answer.message.content, str)
+    parts = list(client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL], stream=True,
+                             options={"num_predict": 6, "seed": 2}))
+    assert parts[-1].done

@@ -49,8 +49,8 @@ class _OllamaRequest(Body):
     format: str | dict[str, Any] | None = None
 
     def check_supported(self, **refused: Any) -> None:
-        if self.format:
-            raise HTTPError(400, "format (JSON output) is not supported by this server.")
+        if isinstance(self.format, str) and self.format not in ("", "json"):
+            raise HTTPError(400, f"format must be 'json' or a JSON schema, not {self.format!r}.")
         for name, value in refused.items():
             if value:
                 raise HTTPError(400, f"{name} is not supported by this server.")
@@ -63,7 +63,8 @@ class _OllamaRequest(Body):
                                   repeat_penalty=o.repeat_penalty,
                                   seed=o.seed if o.seed is None or o.seed >= 0 else None)  # Ollama: -1 = random
         return dict(max_tokens=o.num_predict if o.num_predict and o.num_predict > 0 else n_ctx,
-                    stop=stop_list(o.stop), thinking=think, **sampling)
+                    stop=stop_list(o.stop), thinking=think, format=self.format or None,
+                    tools=getattr(self, "tools", None) or None, **sampling)
 
 
 class GenerateRequest(_OllamaRequest):
@@ -80,6 +81,7 @@ class OllamaMessage(Body):
     role: str
     content: str | None = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class OllamaChatRequest(_OllamaRequest):
@@ -121,7 +123,7 @@ async def show(request: Request, body: Annotated[ShowRequest, Depends(json_body(
     state = state_of(request)
     state.check_model(body.model or body.name or state.name)
     info = state.model.info
-    capabilities = ["completion", "vision"] + (["thinking"] if info.can_think else [])
+    capabilities = ["completion", "vision", "tools"] + (["thinking"] if info.can_think else [])
     return {"modelfile": "", "parameters": "", "template": "", "details": _details(state),
             # file names only: where the files live is no business of the clients
             "model_info": {"general.architecture": "minicpmv", "general.name": info.name,
@@ -175,19 +177,19 @@ async def chat(request: Request,
                body: Annotated[OllamaChatRequest, Depends(json_body(OllamaChatRequest))]) -> Any:
     state = state_of(request)
     name = state.check_model(body.model)
-    body.check_supported(tools=body.tools)
+    body.check_supported()
     given = body.messages or []
     if not given:
         return _ollama_part(name, "", chat=True) | {"done": True, "done_reason": "load"}
 
     def messages() -> list[dict[str, Any]]:
-        return [_ollama_user(m.role, m.content or "", m.images or []) for m in given]
+        return [_ollama_user(m.role, m.content or "", m.images or [], m.tool_calls) for m in given]
 
-    return await _ollama_answer(request, place, body, name, messages, chat=True)
+    return await _ollama_answer(request, place, body, name, messages, chat=True, tools=bool(body.tools))
 
 
 async def _ollama_answer(request: Request, place: Place, body: _OllamaRequest, name: str,
-                         messages: Callable[[], list[dict[str, Any]]], *, chat: bool) -> Any:
+                         messages: Callable[[], list[dict[str, Any]]], *, chat: bool, tools: bool = False) -> Any:
     """Answer ``messages()`` (made on the answer's thread: base64 decoding is not free)."""
     state = state_of(request)
     began = time.perf_counter()
@@ -197,14 +199,17 @@ async def _ollama_answer(request: Request, place: Place, body: _OllamaRequest, n
         return model_stream(state, messages(), options)
 
     if body.stream is not False:
-        shape = partial(_ollama_chunks, model=name, chat=chat, began=began)
+        shape = partial(_ollama_chunks, model=name, chat=chat, began=began, hold=tools)
         return await answer_stream(request, place, start, shape, ndjson=True)
     reply = await answer(request, place, start)
     return _ollama_final(name, reply, chat=chat, began=began, text=str(reply))
 
 
-def _ollama_user(role: str, text: str, images: list[str]) -> dict[str, Any]:
+def _ollama_user(role: str, text: str, images: list[str],
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An OpenAI-style message: the images (base64, as Ollama sends them) first, then the text."""
+    if tool_calls:
+        return {"role": role, "content": text, "tool_calls": tool_calls}
     if not images:
         return {"role": role, "content": text}
     parts = [{"type": "image_url", "image_url": {"url": _base64_data_uri(b64, i)}}
@@ -223,8 +228,14 @@ def _base64_data_uri(text: str, index: int) -> str:
     return "data:;base64," + clean
 
 
-def _ollama_chunks(stream: Stream, *, model: str, chat: bool, began: float) -> Iterator[dict[str, Any]]:
-    """Ollama's streaming lines: one per piece, then the final one with the counters."""
+def _ollama_chunks(stream: Stream, *, model: str, chat: bool, began: float,
+                   hold: bool = False) -> Iterator[dict[str, Any]]:
+    """Ollama's streaming lines: one per piece, then the final one with the counters. With
+    ``hold`` (tools given) the text comes in the final line: a call must not arrive as text."""
+    if hold:
+        reply = stream.result()
+        yield _ollama_final(model, reply, chat=chat, began=began, text=str(reply))
+        return
     for piece in stream:
         yield _ollama_part(model, piece, chat=chat)
     assert stream.reply is not None
@@ -246,11 +257,14 @@ def _ollama_final(model: str, reply: Reply, *, chat: bool, began: float, text: s
     final = _ollama_part(model, text, chat=chat)
     if reply.reasoning:
         (final["message"] if chat else final)["thinking"] = reply.reasoning
+    if chat and reply.tool_calls:
+        final["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                          for c in reply.tool_calls]
     def ns(ms: float) -> int:
         return int(ms * 1e6)
 
     final.update(
-        done=True, done_reason=reply.finish_reason,
+        done=True, done_reason="stop" if reply.finish_reason == "tool_calls" else reply.finish_reason,
         total_duration=int((time.perf_counter() - began) * 1e9), load_duration=0,
         prompt_eval_count=reply.usage.prompt_tokens, prompt_eval_duration=ns(reply.timings.prefill_ms),
         eval_count=reply.usage.completion_tokens, eval_duration=ns(reply.timings.decode_ms),

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
-from ..openai_compat import completion, completion_chunks
+from ..generation import Stream
+from ..openai_compat import completion, completion_chunks, new_id, usage
 from ..options import check_sampling, stop_list
+from ..reply import Reply
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
@@ -48,6 +52,7 @@ class ChatCompletionRequest(Body):
     n: int | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -56,11 +61,25 @@ class ChatCompletionRequest(Body):
             raise HTTPError(400, "Only n=1 is supported.", param="n")
         if self.logprobs:
             raise HTTPError(400, "logprobs are not supported.", param="logprobs")
-        if self.tools:
-            raise HTTPError(400, "Tools are not supported by this server.", param="tools")
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise HTTPError(400, "Only response_format type 'text' is supported.",
-                            param="response_format")
+        self.output_format()
+
+    def output_format(self) -> dict[str, Any]:
+        """``schema=``/``format=`` for :meth:`Model.chat_completion` from ``response_format``."""
+        spec = self.response_format or {}
+        kind = spec.get("type", "text")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"format": "json"}
+        if kind == "json_schema":
+            schema = (spec.get("json_schema") or {}).get("schema") if isinstance(spec.get("json_schema"), dict) \
+                else None
+            if not isinstance(schema, dict):
+                raise HTTPError(400, "response_format of type json_schema needs json_schema.schema, a JSON "
+                                     "schema object.", param="response_format")
+            return {"schema": schema}
+        raise HTTPError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not "
+                             f"{kind!r}.", param="response_format")
 
     def options(self, n_ctx: int) -> dict[str, Any]:
         """Keyword arguments for :meth:`Model.chat_completion`."""
@@ -69,7 +88,7 @@ class ChatCompletionRequest(Body):
                                   repeat_penalty=self.repeat_penalty, seed=self.seed)
         return dict(max_tokens=self.max_completion_tokens or self.max_tokens or n_ctx,
                     stop=stop_list(self.stop), thinking=None if thinking is None else bool(thinking),
-                    **sampling)
+                    tools=self.tools, tool_choice=self.tool_choice, **sampling, **self.output_format())
 
     def message_dicts(self) -> list[dict[str, Any]]:
         # "developer" is what newer OpenAI clients call the system role
@@ -113,6 +132,37 @@ async def chat_completions(
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
     start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
     if body.stream:
-        return await answer_stream(request, place, start, partial(completion_chunks, model=name),
-                                   ndjson=False)
-    return completion(await answer(request, place, start), model=name)
+        shape = _tool_chunks if body.tools and body.tool_choice != "none" else completion_chunks
+        return await answer_stream(request, place, start, partial(shape, model=name), ndjson=False)
+    reply = await answer(request, place, start)
+    return _with_tool_calls(completion(reply, model=name), reply)
+
+
+def _with_tool_calls(body: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    """A ``chat.completion`` with the reply's tool calls in its message (content None if empty)."""
+    if reply.tool_calls:
+        message = body["choices"][0]["message"]
+        message["content"] = str(reply) or None
+        message["tool_calls"] = [call.openai() for call in reply.tool_calls]
+    return body
+
+
+def _tool_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
+    """Chunks of an answer that may call a tool: the text is sent once the answer is known (a call
+    must not reach the client as text), then the calls, then the finish."""
+    base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": finish}], **extra}
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        reply = stream.result()
+        if str(reply):
+            yield chunk({"content": str(reply)})
+        if reply.tool_calls:
+            yield chunk({"tool_calls": [{"index": i, **call.openai()} for i, call in enumerate(reply.tool_calls)]})
+        yield chunk({}, reply.finish_reason, usage=usage(reply))
+    finally:
+        stream.close()

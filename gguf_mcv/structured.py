@@ -1,0 +1,486 @@
+"""Answers a program can use: a JSON schema (or ``format="json"``) → a llama.cpp grammar → the parsed value.
+
+A :class:`Constraint` is made once per question, before anything is evaluated: the
+schema (a dict, a pydantic model class or a dataclass) is checked keyword by
+keyword, converted to GBNF by llama-cpp-python's own converter
+(``llama_cpp.llama_grammar.SchemaConverter``) and, after generation, parses and
+validates the answer. The converter does not enforce numeric bounds; this module
+adds that one rule (see :class:`_Converter`), everything else is the converter's.
+
+Validation: pydantic for model classes and dataclasses; ``jsonschema`` for dict
+schemas when it is installed, else :func:`check_value`, which checks exactly the
+keywords a schema may use here (others are refused up front).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .errors import ConfigError
+
+#: A schema larger than this (as JSON) is a mistake, not a request.
+MAX_SCHEMA_BYTES = 64 * 1024
+#: Nesting of dicts and lists in a schema (pydantic models nest a handful of levels).
+MAX_DEPTH = 48
+#: A grammar larger than this makes every sampled token slow (llama.cpp walks it per token).
+MAX_GRAMMAR_BYTES = 256 * 1024
+#: Bounded integers are spelled out as alternatives up to this many values.
+MAX_BOUNDED_VALUES = 1000
+
+#: A character inside a JSON string, as llama.cpp's own converter (C++) spells it.
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+#: Keywords the grammar cannot enforce: refused rather than silently ignored.
+UNSUPPORTED = frozenset({
+    "not", "if", "then", "else", "patternProperties", "dependentRequired", "dependentSchemas",
+    "dependencies", "multipleOf", "minProperties", "maxProperties", "contains", "minContains",
+    "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
+})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an answer must look like: a GBNF ``grammar``, and how to read the answer back.
+
+    ``schema`` is None for ``format="json"`` (any JSON object) and for a raw grammar;
+    ``target`` is the pydantic model class or dataclass the parsed value becomes.
+    """
+
+    grammar: str
+    schema: dict[str, Any] | None = None
+    target: Any = None
+    json: bool = True  #: the answer is JSON (False for a caller's own grammar)
+    after: str | None = None  #: the grammar starts once this text was generated (a tool call's tag)
+    tools: Any = None  #: the :class:`~gguf_mcv.tools.Toolbox` whose calls the answer may hold
+
+    def parse(self, text: str, finish_reason: str = "stop") -> tuple[Any, str | None]:
+        """``(value, None)`` for a valid answer, ``(None, why)`` otherwise; never half a value."""
+        if not self.json:
+            return None, None
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            if finish_reason == "length":
+                return None, ("The answer was cut off by max_tokens (or the context) before its JSON "
+                              "was complete: raise max_tokens.")
+            return None, f"The answer is not valid JSON ({exc}); was it cut by a stop string?"
+        try:
+            return self._validated(value), None
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            return None, f"The answer does not match the schema: {exc}"
+
+    def _validated(self, value: Any) -> Any:
+        if self.target is not None:
+            return _type_adapter(self.target).validate_python(value)
+        if self.schema is not None:
+            validate(value, self.schema)
+        elif not isinstance(value, dict):
+            raise ValueError("format='json' asks for a JSON object")
+        return value
+
+
+def constraint(schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
+    """The constraint for ``schema`` (dict, pydantic model class or dataclass) or ``format``.
+
+    ``format`` is ``"json"`` (any JSON object), a schema dict (as Ollama sends it) or
+    None. Raises :class:`ConfigError` naming the offending part of an invalid schema.
+    """
+    if schema is not None and format not in (None, ""):
+        raise ConfigError("Give schema= or format=, not both (a schema already implies JSON).")
+    if isinstance(format, dict):
+        schema, format = format, None
+    if schema is None:
+        if format in (None, ""):
+            return None
+        if format != "json":
+            raise ConfigError(f"format must be 'json' or a JSON schema, not {format!r}.")
+        return Constraint(_gbnf({"type": "object"}))
+    target = schema if isinstance(schema, type) else None
+    as_dict = schema_of(schema)
+    check_schema(as_dict)
+    return Constraint(_gbnf(as_dict), schema=as_dict, target=target)
+
+
+def grammar_constraint(grammar: Any) -> Constraint:
+    """A caller's own GBNF (a string or a ``llama_cpp.LlamaGrammar``); the answer is not parsed."""
+    text = getattr(grammar, "_grammar", grammar)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("grammar must be GBNF text or a llama_cpp.LlamaGrammar.")
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ConfigError(f"The grammar is larger than {MAX_GRAMMAR_BYTES} bytes.")
+    return Constraint(text, json=False)
+
+
+def schema_of(schema: Any) -> dict[str, Any]:
+    """The JSON schema of a dict, a pydantic model class or a dataclass."""
+    if isinstance(schema, dict):
+        return schema
+    if isinstance(schema, type) and (hasattr(schema, "model_json_schema") or dataclasses.is_dataclass(schema)):
+        try:
+            return _type_adapter(schema).json_schema()
+        except ConfigError:
+            raise
+        except Exception as exc:  # pydantic refuses some types (callables, arbitrary classes)
+            raise ConfigError(f"pydantic cannot make a JSON schema of {schema.__name__}: {exc}") from None
+    raise ConfigError(f"schema must be a JSON-schema dict, a pydantic model class or a dataclass, "
+                      f"not {type(schema).__name__}.")
+
+
+def _type_adapter(target: type) -> Any:
+    try:
+        from pydantic import TypeAdapter
+    except ImportError:
+        raise ConfigError("A model class or dataclass as schema needs pydantic: pip install pydantic, "
+                          "or pass the JSON schema as a dict.") from None
+    return TypeAdapter(target)
+
+
+# -- checking a schema ------------------------------------------------------------
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` unless ``schema`` is one this module can turn into a grammar."""
+    _check_shape(schema)
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"The schema is not JSON: {exc}.") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ConfigError(f"The schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are allowed.")
+    for path, node in _nodes(schema, "$"):
+        _check_node(node, path, schema)
+
+
+def _check_shape(value: Any) -> None:
+    """Bounded nesting, checked without recursion (a hostile schema may nest thousands deep)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"The schema nests deeper than {MAX_DEPTH} levels.")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _nodes(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every subschema in ``node`` with its path (``$.properties.name``), ``node`` first."""
+    yield path, node
+    if not isinstance(node, dict):
+        return
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield from _nodes(sub, f"{path}.{key}.{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from _nodes(sub, f"{path}.{key}[{i}]")
+    items = node.get("items")
+    if isinstance(items, list):
+        for i, sub in enumerate(items):
+            yield from _nodes(sub, f"{path}.items[{i}]")
+    elif items is not None:
+        yield from _nodes(items, f"{path}.items")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _nodes(node["additionalProperties"], f"{path}.additionalProperties")
+
+
+def _check_node(node: Any, path: str, root: dict[str, Any]) -> None:
+    if not isinstance(node, dict):
+        raise ConfigError(f"The schema at {path} must be an object (a dict), not {type(node).__name__} "
+                          f"{node!r:.40}.")
+    unsupported = sorted(UNSUPPORTED & node.keys())
+    if unsupported:
+        raise ConfigError(f"The schema at {path} uses {', '.join(unsupported)}, which the grammar cannot "
+                          "enforce: remove it (and check that rule in your code).")
+    _check_type(node.get("type", "object"), path)
+    for key in _SUBSCHEMA_MAPS:
+        if key in node and not isinstance(node[key], dict):
+            raise ConfigError(f"{path}.{key} must map names to schemas.")
+    for key in (*_SUBSCHEMA_LISTS, "enum"):
+        if key in node and (not isinstance(node[key], list) or not node[key]):
+            raise ConfigError(f"{path}.{key} must be a non-empty list.")
+    required = node.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ConfigError(f"{path}.required must be a list of property names.")
+    if "additionalProperties" in node and not isinstance(node["additionalProperties"], (bool, dict)):
+        raise ConfigError(f"{path}.additionalProperties must be true, false or a schema.")
+    _check_numbers(node, path)
+    if "pattern" in node:
+        _check_pattern(node["pattern"], path)
+    if "$ref" in node:
+        _resolve(node["$ref"], root, path)
+
+
+def _check_type(kind: Any, path: str) -> None:
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not kinds or not all(isinstance(k, str) and k in TYPES for k in kinds):
+        raise ConfigError(f"{path}.type must be one of {', '.join(TYPES)} (or a list of them), not {kind!r}.")
+
+
+def _check_numbers(node: dict[str, Any], path: str) -> None:
+    for key in _COUNTS:
+        if key in node and (isinstance(node[key], bool) or not isinstance(node[key], int) or node[key] < 0):
+            raise ConfigError(f"{path}.{key} must be a non-negative integer, not {node[key]!r}.")
+    for low, high in (("minItems", "maxItems"), ("minLength", "maxLength")):
+        if node.get(low, 0) > node.get(high, math.inf):
+            raise ConfigError(f"{path}: {low} is larger than {high}, so no value can match.")
+    for key in _BOUNDS:
+        value = node.get(key)
+        if key in node and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not math.isfinite(value)):
+            raise ConfigError(f"{path}.{key} must be a finite number, not {value!r}.")
+
+
+def _check_pattern(pattern: Any, path: str) -> None:
+    if not isinstance(pattern, str):
+        raise ConfigError(f"{path}.pattern must be a string.")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"{path}.pattern is not a valid regular expression: {exc}.") from None
+
+
+def _resolve(ref: Any, root: dict[str, Any], path: str) -> Any:
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        raise ConfigError(f"{path}.$ref must point inside the schema ('#/$defs/Name'), not {ref!r}.")
+    target: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            raise ConfigError(f"{path}.$ref {ref!r} points to nothing in the schema.")
+        target = target[part]
+    return target
+
+
+# -- schema → grammar -------------------------------------------------------------
+
+
+def _gbnf(schema: dict[str, Any]) -> str:
+    """GBNF for ``schema`` from llama-cpp-python's converter (with numeric bounds enforced)."""
+    from llama_cpp import llama_grammar
+
+    converter = _converter_class(llama_grammar)(prop_order={}, allow_fetch=False, dotall=False,
+                                                 raw_pattern=False)
+    try:
+        # a copy: the converter rewrites $ref values in place
+        resolved = converter.resolve_refs(_root_inlined(json.loads(json.dumps(schema))), "input")
+        converter.visit(resolved, "")
+        grammar = converter.format_grammar()
+    except RecursionError:
+        raise ConfigError("The schema refers to itself in a way the grammar converter cannot unfold.") from None
+    except Exception as exc:  # the converter asserts and indexes freely on odd schemas
+        raise ConfigError(f"This schema cannot be turned into a grammar: {type(exc).__name__}: {exc}"[:400]) from None
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise ConfigError(f"The schema makes a grammar of {len(grammar)} bytes (at most {MAX_GRAMMAR_BYTES}): "
+                          "use fewer enum values, shorter bounded ranges or a smaller schema.")
+    return grammar
+
+
+def _root_inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with a ``$ref`` at its root replaced by what it points to (the converter
+    does not look for further ``$ref``s beside a root one)."""
+    for _ in range(8):
+        if "$ref" not in schema:
+            return schema
+        target = _resolve(schema["$ref"], schema, "$")
+        if not isinstance(target, dict):
+            break
+        defs: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        schema = {**target, **defs}
+    raise ConfigError("The schema's root $ref leads only to other $refs: point it at a real schema.")
+
+
+_CONVERTER: type | None = None
+
+
+def _converter_class(llama_grammar: Any) -> type:
+    """llama-cpp-python's ``SchemaConverter``, taught numeric bounds (it leaves them as a TODO)."""
+    global _CONVERTER
+    if _CONVERTER is None:
+        base = llama_grammar.SchemaConverter
+
+        class _Converter(base):  # type: ignore[misc, valid-type]
+            def _add_primitive(self, name: str, rule: Any) -> Any:
+                if name == "char":  # the Python port lets raw control characters into strings,
+                    # which strict JSON parsers refuse; llama.cpp's C++ converter excludes them
+                    rule = llama_grammar.BuiltinRule(JSON_CHAR, [])
+                return super()._add_primitive(name, rule)
+
+            def visit(self, schema: Any, name: str) -> Any:
+                rule = bounded_number_rule(schema) if isinstance(schema, dict) else None
+                if rule is None:
+                    return super().visit(schema, name)
+                fraction = self._add_rule("bounded-fraction", "[0-9]{0,14} [1-9]")
+                rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
+                return self._add_rule(rule_name, rule.replace("FRACTION", fraction))
+
+        _CONVERTER = _Converter
+    return _CONVERTER
+
+
+def bounded_number_rule(schema: dict[str, Any]) -> str | None:
+    """A GBNF rule for an integer or number schema with bounds (``FRACTION`` stands for the
+    digits after the point); None when there are no bounds or they cannot be spelled out.
+
+    Values are spelled out: each whole number in range, and for a ``number`` each whole
+    part ``k`` whose whole unit ``k.x`` lies inside the bounds. Ranges of more than
+    :data:`MAX_BOUNDED_VALUES` whole numbers, or with no whole number inside, are left to
+    the converter (and checked when the answer is parsed).
+    """
+    kind = schema.get("type")
+    if kind not in ("integer", "number") or not any(k in schema for k in _BOUNDS) or "enum" in schema:
+        return None
+    low, low_open, high, high_open = _bounds(schema)
+    if low == -math.inf or high == math.inf:
+        return _half_open_rule(kind, low, low_open, high)
+    first = math.floor(low) + 1 if low_open or low != math.floor(low) else int(low)
+    last = math.ceil(high) - 1 if high_open or high != math.ceil(high) else int(high)
+    if last < first or last - first + 1 > MAX_BOUNDED_VALUES:
+        return None
+    whole = [str(k) for k in range(first, last + 1)]
+    alternatives = [_alternation(whole)]
+    if kind == "number":
+        up = [str(k) for k in range(max(first, 0), last + 1) if k + 1 <= high]
+        down = [str(k) for k in range(max(-last, 0), -first + 1) if -(k + 1) >= low and -k <= high]
+        alternatives += [f"({_alternation(up)}) \".\" FRACTION"] if up else []
+        alternatives += [f"\"-\" ({_alternation(down)}) \".\" FRACTION"] if down else []
+    return f"({' | '.join(alternatives)}) space"
+
+
+def _bounds(schema: dict[str, Any]) -> tuple[float, bool, float, bool]:
+    """(low, low is exclusive, high, high is exclusive), the tighter of each pair."""
+    low, low_open, high, high_open = -math.inf, False, math.inf, False
+    if "minimum" in schema:
+        low = schema["minimum"]
+    if "exclusiveMinimum" in schema and schema["exclusiveMinimum"] >= low:
+        low, low_open = schema["exclusiveMinimum"], True
+    if "maximum" in schema:
+        high = schema["maximum"]
+    if "exclusiveMaximum" in schema and schema["exclusiveMaximum"] <= high:
+        high, high_open = schema["exclusiveMaximum"], True
+    return low, low_open, high, high_open
+
+
+def _half_open_rule(kind: str, low: float, low_open: bool, high: float) -> str | None:
+    """The common ``minimum: 0`` (and ``1`` for integers) with no upper bound; else None."""
+    if high != math.inf or low_open or low not in (0, 1):
+        return None
+    if kind == "integer":
+        return '("0" | [1-9] [0-9]{0,15}) space' if low == 0 else "[1-9] [0-9]{0,15} space"
+    return '("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,15})? space' if low == 0 else None
+
+
+def _alternation(values: list[str]) -> str:
+    return " | ".join(f'"{v}"' for v in values)
+
+
+# -- validating an answer ---------------------------------------------------------
+
+
+def validate(value: Any, schema: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``value`` matches ``schema`` (with ``jsonschema`` when installed)."""
+    try:
+        import jsonschema
+    except ImportError:
+        check_value(value, schema)
+        return
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        raise ValueError(exc.message) from None
+
+
+def check_value(value: Any, schema: dict[str, Any], root: dict[str, Any] | None = None,
+                path: str = "$") -> None:
+    """A light JSON-schema check of the keywords :func:`check_schema` accepts; ``ValueError`` naming
+    the path of the first mismatch. ``oneOf`` is checked as ``anyOf`` (so is the grammar)."""
+    root = schema if root is None else root
+    if "$ref" in schema:
+        check_value(value, _resolve(schema["$ref"], root, path), root, path)
+    for sub in schema.get("allOf", []):
+        check_value(value, sub, root, path)
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if alternatives and not any(_matches(value, sub, root, path) for sub in alternatives):
+        raise ValueError(f"{path}: {value!r:.60} matches none of the alternatives")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ValueError(f"{path}: {value!r:.60} is not one of {schema['enum']!r:.80}")
+    if "const" in schema and value != schema["const"]:
+        raise ValueError(f"{path}: {value!r:.60} is not {schema['const']!r:.60}")
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is_type(value, k) for k in kinds):
+            raise ValueError(f"{path}: {value!r:.60} is not of type {schema['type']}")
+    if isinstance(value, dict):
+        _check_object(value, schema, root, path)
+    elif isinstance(value, list):
+        _check_array(value, schema, root, path)
+    elif isinstance(value, str):
+        _check_string(value, schema, path)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_bounds(value, schema, path)
+
+
+def _matches(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) -> bool:
+    try:
+        check_value(value, schema, root, path)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_type(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    expected = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}[kind]
+    return isinstance(value, expected)
+
+
+def _check_object(value: dict[str, Any], schema: dict[str, Any], root: dict[str, Any], path: str) -> None:
+    properties = schema.get("properties", {})
+    for name in schema.get("required", []):
+        if name not in value:
+            raise ValueError(f"{path}: the required property {name!r} is missing")
+    extra = schema.get("additionalProperties", True)
+    for name, item in value.items():
+        if name in properties:
+            check_value(item, properties[name], root, f"{path}.{name}")
+        elif extra is False:
+            raise ValueError(f"{path}: property {name!r} is not allowed")
+        elif isinstance(extra, dict):
+            check_value(item, extra, root, f"{path}.{name}")
+
+
+def _check_array(value: list[Any], schema: dict[str, Any], root: dict[str, Any], path: str) -> None:
+    if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", math.inf):
+        raise ValueError(f"{path}: {len(value)} items is outside minItems/maxItems")
+    items = schema.get("prefixItems", schema.get("items"))
+    for i, item in enumerate(value):
+        sub = items[i] if isinstance(items, list) and i < len(items) else items
+        if isinstance(sub, dict):
+            check_value(item, sub, root, f"{path}[{i}]")
+
+
+def _check_string(value: str, schema: dict[str, Any], path: str) -> None:
+    if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
+        raise ValueError(f"{path}: a string of {len(value)} characters is outside minLength/maxLength")
+    if "pattern" in schema and not re.search(schema["pattern"], value):
+        raise ValueError(f"{path}: {value!r:.60} does not match the pattern {schema['pattern']!r}")
+
+
+def _check_bounds(value: float, schema: dict[str, Any], path: str) -> None:
+    low, low_open, high, high_open = _bounds(schema)
+    if value < low or value > high or (low_open and value == low) or (high_open and value == high):
+        raise ValueError(f"{path}: {value} is outside the bounds of the schema")

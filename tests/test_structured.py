@@ -1,0 +1,278 @@
+"""Structured output: schema → grammar → parsed value, on the random-weight tiny model.
+
+Its unconstrained output is noise, so every answer that parses and validates is the
+grammar's doing. Strings are bounded with ASCII patterns where a test needs answers to
+end well within max_tokens (random weights close a free string late); maxLength is
+tested apart: llama.cpp's grammar does not check UTF-8 continuation bytes, so random
+bytes can decode to more characters than the grammar counted (see README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Literal, Optional
+
+import pydantic
+import pytest
+
+from gguf_mcv import structured
+from gguf_mcv.errors import ConfigError
+
+SEEDS = range(6)
+#: Qwen3's template with the think block opened by the prompt (as some templates do)
+_THINK_OPENED = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% if enable_thinking is not defined or enable_thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+
+
+class Item(pydantic.BaseModel):
+    name: str = pydantic.Field(pattern=r"^[a-z ]{1,8}$")
+    qty: int = pydantic.Field(ge=1, le=9)
+
+
+class Receipt(pydantic.BaseModel):
+    shop: Literal["north", "south"]
+    items: list[Item] = pydantic.Field(max_length=3)
+    total: float = pydantic.Field(ge=0, le=100)
+    note: Optional[str] = pydantic.Field(default=None, pattern=r"^[a-z]{0,6}$")
+
+
+@dataclasses.dataclass
+class Door:
+    person: bool
+    count: int
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "meter": {"type": "object", "properties": {
+            "reading": {"type": "number", "minimum": -5, "maximum": 5},
+            "unit": {"enum": ["kWh", "m3"]},
+        }, "required": ["reading", "unit"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"}, "minItems": 1,
+                 "maxItems": 3},
+        "level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 4},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["meter", "tags", "level"],
+    "additionalProperties": False,
+}
+SCHEMAS = {
+    "nested": NESTED,
+    "enum": {"type": "object", "properties": {"colour": {"enum": ["red", "green", 3, None]}},
+             "required": ["colour"]},
+    "bounded": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": 0.5, "maximum": 2.5},
+        "n": {"type": "integer", "minimum": 0},
+        "m": {"type": "integer", "minimum": -3, "maximum": -1},
+    }, "required": ["x", "n", "m"]},
+    "array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4},
+    "optional": {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"},
+                                                  "c": {"type": ["integer", "boolean"]}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_constrained_answer_parses_and_validates(tiny_model, name) -> None:
+    schema = SCHEMAS[name]
+    for seed in SEEDS:
+        reply = tiny_model.ask("Fill it in.", schema=schema, seed=seed, max_tokens=300)
+        assert reply.parse_error is None, (seed, str(reply))
+        assert reply.parsed == json.loads(reply)
+        structured.check_value(reply.parsed, schema)
+
+
+def test_a_pydantic_class_gives_an_instance_streaming_too(tiny_model) -> None:
+    for seed in SEEDS:
+        reply = tiny_model.ask("Read the receipt.", schema=Receipt, seed=seed, max_tokens=400)
+        assert isinstance(reply.parsed, Receipt), (seed, str(reply), reply.parse_error)
+        stream = tiny_model.ask("Read the receipt.", schema=Receipt, seed=seed, max_tokens=400, stream=True)
+        pieces = list(stream)
+        assert stream.reply is not None and isinstance(stream.reply.parsed, Receipt)
+        assert Receipt.model_validate_json("".join(pieces)) == stream.reply.parsed
+
+
+def test_a_dataclass_gives_a_dataclass_and_format_json_any_object(tiny_model) -> None:
+    for seed in SEEDS:
+        door = tiny_model.ask("Is there a person?", schema=Door, seed=seed, max_tokens=100)
+        assert isinstance(door.parsed, Door), (str(door), door.parse_error)
+    finished = 0
+    for seed in SEEDS:  # any object: free strings may outlast max_tokens, never as half a value
+        free = tiny_model.ask("Anything.", format="json", seed=seed, max_tokens=300)
+        if free.finish_reason == "stop":
+            finished += 1
+            assert isinstance(free.parsed, dict) and free.parsed == json.loads(free)
+        else:
+            assert free.parsed is None and "max_tokens" in free.parse_error
+    assert finished >= 1
+
+
+def test_chat_turns_with_a_schema_reuse_the_cache(tiny_model) -> None:
+    chat = tiny_model.chat(system="Answer in JSON.")
+    first = chat.send("Is there a person?", schema=Door, seed=1, max_tokens=100)
+    second = chat.send("And now?", schema=Door, seed=2, max_tokens=100)
+    assert isinstance(first.parsed, Door) and isinstance(second.parsed, Door)
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens
+    assert chat.history[1]["content"] == str(first)
+
+
+def test_chat_completion_takes_a_schema(tiny_model) -> None:
+    reply = tiny_model.chat_completion([{"role": "user", "content": "Count."}], schema=SCHEMAS["array"],
+                                       max_tokens=100, seed=4)
+    assert isinstance(reply.parsed, list)
+
+
+def test_max_length_strings_give_a_valid_value_or_say_why(tiny_model) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    for seed in SEEDS:
+        reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=100)
+        if reply.parsed is None:  # only malformed UTF-8 from random weights gets here
+            assert "\ufffd" in str(reply) and "does not match the schema" in reply.parse_error
+        else:
+            assert len(reply.parsed["s"]) <= 5
+
+
+def test_json_cut_by_max_tokens_is_never_parsed(tiny_model) -> None:
+    reply = tiny_model.ask("Long.", schema=Receipt, seed=0, max_tokens=3)
+    assert reply.finish_reason == "length"
+    assert reply.parsed is None and "max_tokens" in reply.parse_error
+
+
+@pytest.mark.parametrize("template", ["qwen3", _THINK_OPENED])
+def test_thinking_stays_free_and_the_answer_is_constrained(tiny, template) -> None:
+    import gguf_mcv
+
+    model = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048,
+                          n_threads=2, chat_template=template)
+    try:
+        assert model.info.can_think
+        reasoned = 0
+        for seed in range(12):
+            reply = model.ask("Think, then answer.", schema=Door, thinking=True, seed=seed, max_tokens=300)
+            reasoned += bool(reply.reasoning)
+            if reply.finish_reason == "stop":
+                assert isinstance(reply.parsed, Door), (str(reply), reply.reasoning[:80])
+            else:  # the reasoning (free) ran past max_tokens: nothing half-parsed
+                assert reply.parsed is None and reply.parse_error
+        assert reasoned  # some answers did reason first, unconstrained
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("schema, part", [
+    ({"type": "object", "properties": {"a": {"type": "strnig"}}}, "$.properties.a.type"),
+    ({"type": "object", "properties": []}, "$.properties"),
+    ({"type": "object", "required": "a"}, "$.required"),
+    ({"enum": []}, "$.enum"),
+    ({"type": "string", "maxLength": -1}, "$.maxLength"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "$.properties.a uses not"),
+    ({"type": "number", "minimum": float("nan")}, "$.minimum"),
+    ({"$ref": "https://example.com/s.json"}, "$.$ref"),
+    ({"$ref": "#/$defs/missing"}, "points to nothing"),
+    ({"type": "string", "pattern": "("}, "$.pattern"),
+    ({"anyOf": [True]}, "$.anyOf[0]"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "x": {1, 2}}, "not JSON"),
+    ("not a schema", "schema must be"),
+    (int, "schema must be"),
+])
+def test_invalid_schemas_are_config_errors_naming_the_part(tiny_model, schema, part) -> None:
+    with pytest.raises(ConfigError) as err:
+        tiny_model.ask("?", schema=schema)
+    assert part in str(err.value)
+
+
+def test_format_and_schema_are_checked(tiny_model) -> None:
+    with pytest.raises(ConfigError, match="format"):
+        tiny_model.ask("?", format="yaml")
+    with pytest.raises(ConfigError, match="not both"):
+        tiny_model.ask("?", schema=Door, format="json")
+
+
+def test_hostile_schemas_are_refused_or_bounded(tiny_model) -> None:
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ConfigError, match="nests deeper"):
+        tiny_model.ask("?", schema=deep)
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+    with pytest.raises(ConfigError, match="bytes"):
+        tiny_model.ask("?", schema=huge)
+    many = {"enum": [f"value-{i}" for i in range(20000)]}
+    with pytest.raises(ConfigError, match="bytes"):
+        tiny_model.ask("?", schema=many)
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    with pytest.raises(ConfigError):  # `a ::= a`: llama.cpp refuses left recursion (NULL, no abort)
+        tiny_model.ask("?", schema=loop)
+
+
+def test_a_recursive_schema_gives_a_bounded_answer(tiny_model) -> None:
+    node = {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"$ref": "#/$defs/node"}}, "required": ["v", "next"]}}, "$ref": "#/$defs/node"}
+    start = time.monotonic()
+    reply = tiny_model.ask("?", schema=node, seed=0, max_tokens=60)
+    assert time.monotonic() - start < 60
+    assert reply.finish_reason == "length" and reply.parsed is None  # a required `next` never ends
+
+
+def test_a_grammar_llama_cpp_cannot_parse_is_a_config_error(tiny_model) -> None:
+    constraint = structured.grammar_constraint('root ::= "a" undefined-rule')
+    with pytest.raises(ConfigError, match="llama.cpp could not use the grammar"):
+        tiny_model.chat_completion([{"role": "user", "content": "?"}], grammar=constraint)
+    assert tiny_model.ask("still fine?", max_tokens=2)  # the process and the model live on
+
+
+def test_bounded_number_rules() -> None:
+    rule = structured.bounded_number_rule({"type": "integer", "minimum": 2, "maximum": 4})
+    assert rule == '("2" | "3" | "4") space'
+    assert structured.bounded_number_rule({"type": "integer", "minimum": 0, "maximum": 10**6}) is None
+    assert structured.bounded_number_rule({"type": "number", "minimum": 0.25, "maximum": 0.75}) is None
+    assert structured.bounded_number_rule({"type": "string", "minimum": 1}) is None
+
+
+def test_check_value_names_the_path() -> None:
+    with pytest.raises(ValueError, match=r"\$\.meter\.unit"):
+        structured.check_value({"meter": {"reading": 1, "unit": "ft"}, "tags": ["a"], "level": 1}, NESTED)
+    with pytest.raises(ValueError, match="not allowed"):
+        structured.check_value({"meter": {"reading": 1, "unit": "m3"}, "tags": ["a"], "level": 1, "z": 0},
+                               NESTED)
+
+
+# -- the llama-cpp-python chat handler ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def handler_llama(tiny):
+    import llama_cpp
+
+    from gguf_mcv import MiniCPMVChatHandler
+
+    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=2048, verbose=False,
+                            chat_handler=MiniCPMVChatHandler(str(tiny.mmproj)))
+    yield llama
+    llama.close()
+
+
+def test_the_chat_handler_takes_response_format_and_grammar(handler_llama) -> None:
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    messages = [{"role": "user", "content": "Door?"}]
+    door = structured.schema_of(Door)
+    for response_format in ({"type": "json_object", "schema": door},
+                            {"type": "json_schema", "json_schema": {"name": "door", "schema": door}}):
+        out = handler_llama.create_chat_completion(messages=messages, response_format=response_format,
+                                                   max_tokens=100, seed=1)
+        Door(**json.loads(out["choices"][0]["message"]["content"]))
+    chunks = handler_llama.create_chat_completion(messages=messages, max_tokens=100, seed=2, stream=True,
+                                                  response_format={"type": "json_object", "schema": door})
+    Door(**json.loads("".join(c["choices"][0]["delta"].get("content", "") for c in chunks)))
+    out = handler_llama.create_chat_completion(messages=messages, max_tokens=20, seed=3,
+                                               grammar=LlamaGrammar.from_string('root ::= "yes" | "no"'))
+    assert out["choices"][0]["message"]["content"] in ("yes", "no")
+    with pytest.raises(ConfigError, match="response_format"):
+        handler_llama.create_chat_completion(messages=messages, response_format={"type": "xml"})
+
