@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .generation import Stream
 from .reply import Reply
@@ -41,14 +41,20 @@ def completion(reply: Reply, *, model: str) -> dict[str, Any]:
     }
 
 
-def completion_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
-    """``chat.completion.chunk`` objects: the role, one per text piece, then the finish (with usage)."""
+def chunk_maker(model: str) -> Callable[..., dict[str, Any]]:
+    """``chunk(delta, finish=None, **extra)``: one ``chat.completion.chunk`` of one answer (same id)."""
     base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                      "finish_reason": finish}], **extra}
 
+    return chunk
+
+
+def completion_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
+    """``chat.completion.chunk`` objects: the role, one per text piece, then the finish (with usage)."""
+    chunk = chunk_maker(model)
     try:
         yield chunk({"role": "assistant", "content": ""})
         for piece in stream:

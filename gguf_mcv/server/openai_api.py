@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Annotated, Any
@@ -12,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field
 
 from ..generation import Stream
-from ..openai_compat import completion, completion_chunks, new_id, usage
+from ..openai_compat import chunk_maker, completion, completion_chunks, usage
 from ..options import check_sampling, stop_list
 from ..reply import Reply
 from .admission import answer, answer_stream, place_in_queue
@@ -150,12 +149,7 @@ def _with_tool_calls(body: dict[str, Any], reply: Reply) -> dict[str, Any]:
 def _tool_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
     """Chunks of an answer that may call a tool: the text is sent once the answer is known (a call
     must not reach the client as text), then the calls, then the finish."""
-    base = {"id": new_id(), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": finish}], **extra}
-
+    chunk = chunk_maker(model)
     try:
         yield chunk({"role": "assistant", "content": ""})
         reply = stream.result()
