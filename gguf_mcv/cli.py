@@ -45,12 +45,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_models)
 
-    p = sub.add_parser("plan", help="show which quant fits this machine, and why")
-    p.add_argument("model", help="catalog name, Hub repo id, or 'auto'")
+    p = sub.add_parser("plan", help="show which quant fits this machine, how fast it runs, and why")
+    p.add_argument("model", help="catalog name, Hub repo id, 'auto', or a local .gguf file")
+    p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
+                                    "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
     p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--quant", help="evaluate this quant only")
+    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
+                   help="image detail the first-answer prediction assumes (default auto)")
+    _speed_args(p)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict speed from default constants instead of measuring this machine once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -105,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("image", nargs="?", help="image to ask about (default: the bundled example)")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict from default constants instead of measuring this machine once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench)
 
@@ -125,6 +134,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+
+
+def _speed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-tokens-per-s", type=float, metavar="N",
+                   help="only quants (and, for 'auto', models) predicted to decode at least N tokens/s")
+    p.add_argument("--max-first-answer-s", type=float, metavar="S",
+                   help="only those predicted to answer a photo's first token within S seconds")
 
 
 def _answer_args(p: argparse.ArgumentParser) -> None:
@@ -168,10 +184,22 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .resolver import plan  # lazy: per command
+    from .resolver import plan, plan_local  # lazy: per command
 
-    result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                  kv_cache_type=args.kv)
+    limits: dict[str, Any] = dict(detail=args.detail, min_tokens_per_s=args.min_tokens_per_s,
+                                  max_first_answer_s=args.max_first_answer_s)
+    probe = False if args.no_probe else None
+    local = _local_files(args)
+    if local is not None:
+        from .hardware import probe as hardware_probe  # lazy: per command
+        from .resolver import machine_rates  # lazy: per command
+
+        hw = hardware_probe()
+        result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
+                            rates=machine_rates(hw, probe), **limits)
+    else:
+        result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
+                      kv_cache_type=args.kv, speed_probe=probe, **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -290,12 +318,36 @@ def _bench(args: argparse.Namespace) -> int:
             "follow_up_ttft_s": follow.timings.ttft_ms / 1000,
             "decode_tokens_per_s": first.timings.decode_tokens_per_s,
         }
+        result.update(_bench_predictions(model.info, first, args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
             print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
     return 0
+
+
+def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
+    from . import speed  # lazy: per command
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .headers import read_projector_header, read_text_header  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
+    threads = args.threads or hardware_probe().recommended_threads
+    rates = machine_rates(hardware_probe(), False if args.no_probe else None)
+    rates = speed.scaled(rates, **{k: threads / rates.threads for k in ("matvec", "prefill_flops", "vision_flops")})
+    prompt = first.usage.prompt_tokens
+    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt)
+    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates)
+    slices = first.timings.slices_encoded
+    return {
+        "predicted_decode_tokens_per_s": 1 / token,
+        "predicted_encode_s": encode * slices,
+        "predicted_first_ttft_s": encode * slices + speed.prefill_seconds(prompt, text.shape, rates) + token,
+        "rates_source": rates.source,
+    }
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -315,12 +367,20 @@ def _load(args: argparse.Namespace):
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
                                   verbose=args.verbose)
-    local = Path(args.model)
-    if args.model.endswith(".gguf") or args.mmproj:
-        if not local.is_file():
-            raise ConfigError(f"Model file {local} does not exist.")
-        return load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
+    local = _local_files(args)
+    if local is not None:
+        return load(model_path=local[0], mmproj_path=local[1], **common)
     return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+
+def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(model, mmproj) when MODEL names a local .gguf file (or --mmproj was given), else None."""
+    local = Path(args.model)
+    if not (args.model.endswith(".gguf") or args.mmproj):
+        return None
+    if not local.is_file():
+        raise ConfigError(f"Model file {local} does not exist.")
+    return local, Path(args.mmproj) if args.mmproj else _find_mmproj(local)
 
 
 def _find_mmproj(model: Path) -> Path:

@@ -8,8 +8,8 @@ quant, and a :class:`Rates` -- what the machine does per second, measured once b
   output matrix; only one row of ``token_embd``) plus the KV cache at the current
   length, over the memory bandwidth -- or, when that is quicker than the arithmetic,
   those weight bytes over llama.cpp's measured matrix-vector rate (small models whose
-  layers sit in the CPU caches); plus a fixed per-token cost and the logits over the
-  vocabulary (sampling touches every one of them).
+  layers sit in the CPU caches, or few slow cores). The probe's per-token time includes
+  llama.cpp's and gguf_mcv's per-token overheads, so they are in that rate.
 * **prefill** and the **vision encoder**: floating-point operations over llama.cpp's
   measured rate for that work (quantized GEMM for the text model, libmtmd's F16
   matrices for the tower).
@@ -60,17 +60,14 @@ class Rates:
     reads every weight once per token). ``matvec``: weight bytes per second llama.cpp's
     decode kernels get through when memory is not the limit. ``prefill_flops``: FLOP/s
     of llama.cpp's quantized matrix multiplication on a prompt. ``vision_flops``: FLOP/s
-    of libmtmd's vision encoder (F16 weights). ``token_s``: seconds every decoded token
-    costs besides its matrices (graph, threads, the Python loop). ``vocab_s``: seconds
-    per vocabulary entry per token (logits copied and sampled).
+    of libmtmd's vision encoder (F16 weights). ``threads``: the thread count they were
+    measured with.
     """
 
     bandwidth: float
     matvec: float
     prefill_flops: float
     vision_flops: float
-    token_s: float
-    vocab_s: float
     threads: int = 1
     source: str = "defaults"
 
@@ -79,10 +76,8 @@ class Rates:
             value = getattr(self, name)
             if not _positive(value):
                 raise ConfigError(f"Rates.{name} must be a positive finite number, not {value!r}.")
-        for name in ("token_s", "vocab_s"):
-            value = getattr(self, name)
-            if not (_number(value) and value >= 0 and math.isfinite(value)):
-                raise ConfigError(f"Rates.{name} must be a finite number >= 0, not {value!r}.")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise ConfigError(f"Rates.threads must be a positive integer, not {self.threads!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,8 +86,8 @@ class Rates:
 #: Used when probing is switched off (``probe=False`` / ``GGUF_MCV_NO_PROBE=1``): this
 #: project's 2-core AVX-512 development machine, rounded (tools/bench_speed.py prints
 #: the probe's figures; they are of the same order as a recent laptop's 2 cores).
-DEFAULT_RATES = Rates(bandwidth=20e9, matvec=30e9, prefill_flops=60e9, vision_flops=110e9,
-                      token_s=1.5e-3, vocab_s=5e-9, threads=2, source="defaults")
+DEFAULT_RATES = Rates(bandwidth=30e9, matvec=25e9, prefill_flops=200e9, vision_flops=120e9,
+                      threads=2, source="defaults")
 
 
 @dataclass(frozen=True)
@@ -191,7 +186,7 @@ def decode_seconds(model_size: int, text: TextShape, quant: str | None, rates: R
     on_gpu = 0.0
     if share and gpu is not None:
         on_gpu = (weights + kv) * share / gpu.bandwidth
-    return cpu + on_gpu + rates.token_s + text.n_vocab * rates.vocab_s
+    return cpu + on_gpu
 
 
 def prefill_seconds(n_tokens: int, text: TextShape, rates: Rates, *, n_past: int = 0,

@@ -12,12 +12,15 @@ What is measured (:func:`measure`):
 
 * memory bandwidth: numpy streaming reads (a dot product of two arrays far larger than
   the CPU caches) on every recommended thread at once;
-* llama.cpp's own rates, on a small generated model pair (:mod:`gguf_mcv.synthetic`,
-  built once into the cache folder): a 448-pixel slice through a 1152-wide vision block
-  (libmtmd's F16 matrices), a 256-token prompt and 32 decoded tokens through a Q4_K_M
-  text model. Those kernels (ggml's quantized dot products, its F16 conversions) run at
-  a rate numpy's BLAS says nothing about -- a numpy GEMM was 2x off either way on the
-  same machine -- so they are timed where they run.
+* llama.cpp's own rates, on a small model pair generated for the purpose
+  (:mod:`gguf_mcv.synthetic`, in a temporary folder, deleted after): one 448-pixel slice
+  through one SigLIP-400M-sized vision block (libmtmd's F16 matrices), a 280-token prompt
+  and 32 decoded tokens through a 2-layer, 1024-wide Q4_K_M text model. Those kernels
+  (ggml's quantized dot products, its F16 conversions) run at rates numpy's BLAS says
+  nothing about, so they are timed where they run.
+
+Every timing is busy time (:func:`busy_seconds`): CPU seconds per thread, which on an
+idle machine is the wall clock and on a shared one leaves out other processes' turns.
 """
 
 from __future__ import annotations
@@ -186,13 +189,13 @@ def busy_seconds(threads: int) -> float:
 
 
 def probe_spec() -> Any:
-    """The generated model pair the probe times: a 1024-wide, 4-layer Q4_K_M text model (rows
+    """The generated model pair the probe times: a 1024-wide, 2-layer Q4_K_M text model (rows
     that are multiples of 256, as in every real MiniCPM-V, so the K-quant types are used) with
-    a small vocabulary, and two SigLIP-400M-sized vision blocks."""
+    a small vocabulary, and one SigLIP-400M-sized vision block."""
     from .synthetic import SyntheticSpec
 
-    return SyntheticSpec(n_embd=1024, n_layer=4, n_head=16, n_head_kv=2, n_ff=2816, n_vocab=1024,
-                         n_merges=240, v_embd=1152, v_layer=2, v_head=16, v_ff=4304,
+    return SyntheticSpec(n_embd=1024, n_layer=2, n_head=16, n_head_kv=2, n_ff=2816, n_vocab=1024,
+                         n_merges=240, v_embd=1152, v_layer=1, v_head=16, v_ff=4304,
                          name="gguf_mcv speed probe")
 
 
@@ -263,8 +266,8 @@ def _time_text(engine: Any, threads: int) -> dict[str, float]:
 def rates_from(bandwidth: float, timed: dict[str, float], threads: int, source: str) -> Rates:
     """:class:`Rates` from the bandwidth and :func:`time_llama`'s timings of the probe pair.
 
-    Everything one probe token costs is put on its weights (``matvec``; ``token_s`` 0):
-    llama.cpp's per-token work grows with the layers, as the weights do.
+    Everything one probe token costs is put on its weights (``matvec``): llama.cpp's
+    per-token work grows with the layers, as the weights do.
     """
     from .shapes import TextShape, VisionShape
     from .speed import attention_flops, decode_bytes, text_flops_per_token, vision_flops_per_slice
@@ -283,7 +286,7 @@ def rates_from(bandwidth: float, timed: dict[str, float], threads: int, source: 
         prefill_flops=(n * text_flops_per_token(text) + n * attention_flops(text, int(n // 2)))
         / timed["prefill_s"],
         vision_flops=vision_flops_per_slice(vision, spec.n_embd) / timed["slice_s"],
-        token_s=0.0, vocab_s=0.0, threads=threads, source=source,
+        threads=threads, source=source,
     )
 
 

@@ -72,8 +72,8 @@ def board_rates(here: speed.Rates, here_peak_flops: float, board: dict) -> speed
     ratio = peak / here_peak_flops
     bandwidth = board["bandwidth"] * BOARD_BANDWIDTH_SHARE
     return speed.Rates(bandwidth=bandwidth, matvec=here.matvec * ratio, prefill_flops=here.prefill_flops * ratio,
-                       vision_flops=here.vision_flops * ratio, token_s=here.token_s, vocab_s=here.vocab_s,
-                       threads=board["cores"], source="published figures")
+                       vision_flops=here.vision_flops * ratio, threads=board["cores"],
+                       source="published figures")
 
 
 def main(argv: list[str] | None = None) -> int:
