@@ -148,3 +148,36 @@ def test_catalog_name_resolves_to_its_repo() -> None:
     assert (repo, entry) == ("someone/else-gguf", None)
     with pytest.raises(gguf_mcv.ModelNotFoundError):
         resolve("minicpm-v-9000")
+
+
+def test_auto_with_speed_limits_picks_the_most_capable_model_fast_enough() -> None:
+    """model='auto' with a decode floor: a model ranked lower than the memory-only choice, whose
+    own predicted speed meets the floor; the limits excluding everything name each model's
+    fastest option."""
+    from gguf_mcv.catalog import load_catalog
+    from gguf_mcv.speed import Rates
+
+    rates = Rates(bandwidth=20e9, matvec=25e9, prefill_flops=100e9, vision_flops=100e9, threads=2, source="test")
+    hardware = _laptop_like()
+    free = _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates)
+    assert free.model == load_catalog().entries()[0].name  # limits absent: as before
+    floor = free.speed.decode_tokens_per_s * 3
+    fast = _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=floor)
+    assert fast.model != free.model and fast.speed.decode_tokens_per_s >= floor
+    ranks = {e.name: e.rank for e in load_catalog().entries()}
+    assert ranks[fast.model] < ranks[free.model]
+    for entry in load_catalog().entries():  # nothing more capable meets the floor
+        if entry.rank > ranks[fast.model]:
+            with pytest.raises(NoQuantFitsError):
+                _plan(entry.name, ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=floor)
+    with pytest.raises(NoQuantFitsError, match="meets the speed limits") as caught:
+        _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=1e9)
+    assert "minicpm-v-4.6: No quantization that fits is predicted" in str(caught.value)
+    assert "the fastest that fits is" in str(caught.value)
+
+
+def test_plan_predicts_from_the_default_rates_when_probing_is_off() -> None:
+    from gguf_mcv.speed import DEFAULT_RATES
+
+    p = _plan("auto", ram_budget="8GB", hardware=_laptop_like(), speed_probe=False)
+    assert p.rates == DEFAULT_RATES and all(r.decode_tokens_per_s for r in p.rows)
