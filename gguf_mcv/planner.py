@@ -48,6 +48,7 @@ from .hardware import Hardware
 from .options import MAX_N_CTX, MIN_N_CTX, check_int
 from .quants import normalize_quant, quality_rank
 from .shapes import TextShape, VisionShape
+from .speed import Rates, SpeedPrediction
 from .units import format_size, parse_size
 
 PREFERENCES = ("quality", "speed", "size")
@@ -113,8 +114,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     budget_note: str = ""
     model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
-    speed: speed.SpeedPrediction | None = None  #: the chosen quant's predicted speed
-    rates: speed.Rates | None = None  #: the machine rates the predictions used
+    speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
+    rates: Rates | None = None  #: the machine rates the predictions used
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
