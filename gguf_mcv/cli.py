@@ -134,6 +134,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    _speed_args(p)
 
 
 def _speed_args(p: argparse.ArgumentParser) -> None:
@@ -369,8 +370,10 @@ def _load(args: argparse.Namespace):
                                   verbose=args.verbose)
     local = _local_files(args)
     if local is not None:
-        return load(model_path=local[0], mmproj_path=local[1], **common)
-    return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+        return load(model_path=local[0], mmproj_path=local[1], min_tokens_per_s=args.min_tokens_per_s,
+                    max_first_answer_s=args.max_first_answer_s, **common)
+    return load(args.model, quant=args.quant, ram_budget=args.ram, min_tokens_per_s=args.min_tokens_per_s,
+                max_first_answer_s=args.max_first_answer_s, **common)
 
 
 def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:

@@ -126,6 +126,8 @@ def pull(
     kv_cache_type: str = "f16",
     revision: str | None = None,
     progress: bool | None = None,
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
 ) -> ModelFiles:
     """Make sure a model file and its mmproj are in the HF cache; return their paths.
 
@@ -133,18 +135,25 @@ def pull(
     planner picks the best quantization whose predicted memory fits ``ram_budget``
     (default: what this machine has free). Files already complete are not fetched
     again; every ``.gguf`` is checked against the Hub's sha256. ``progress`` shows
-    download bars (default: when stderr is a terminal).
+    download bars (default: when stderr is a terminal). ``min_tokens_per_s`` and
+    ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
+    them, as in :func:`plan` (this machine is then probed once, see
+    :mod:`gguf_mcv.speed_probe`).
     """
     planned = None
+    limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
+    limited = min_tokens_per_s is not None or max_first_answer_s is not None
     if model == "auto":
         planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
-                       kv_cache_type=kv_cache_type)
+                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False, **limits)
         model, quant = planned.model, planned.quant
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
     if quant is None:
+        hw = probe()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
-                                kv_cache_type=kv_cache_type, hardware=probe())
+                                kv_cache_type=kv_cache_type, hardware=hw,
+                                rates=machine_rates(hw) if limited else None, **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None

@@ -308,3 +308,8 @@ def test_plan_speed_limits_from_the_command_line(hub, tiny) -> None:
 def test_plan_of_a_missing_local_file_is_one_line() -> None:
     done = run("plan", "/no/such/model.gguf")
     assert done.returncode == 1 and "does not exist" in done.stderr
+
+
+def test_speed_limits_with_local_files_are_refused_before_loading(tiny) -> None:
+    done = run("ask", str(tiny.quants["Q4_K_M"]), "x.png", "hi", "--min-tokens-per-s", "5")
+    assert done.returncode == 1 and "Speed limits choose a model and quant" in done.stderr
