@@ -31,11 +31,13 @@ import platform
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 from . import constants
+from .errors import GgufMcvError
 from .speed import DEFAULT_RATES, Rates
 
 #: Bumped when what is measured changes: older cache files are then probed again.
@@ -52,6 +54,8 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
     ``probe=None`` probes unless ``GGUF_MCV_NO_PROBE`` is set; ``threads`` defaults to
     the hardware's recommended threads; ``cache`` is the cache file (default
     ``<cache_dir>/speed-probe.json``); ``measure_fn`` replaces :func:`measure` (tests).
+    A probe that fails (no room for its model, llama.cpp refusing it) gives the defaults,
+    with the failure in ``source``, and is tried again next time.
     """
     if probe is None:
         probe = not constants.no_probe()
@@ -66,7 +70,12 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
     found = read_cache(path, key)
     if found is not None:
         return found
-    measured = (measure_fn or measure)(threads)
+    try:
+        measured = (measure_fn or measure)(threads)
+    except (GgufMcvError, OSError, MemoryError) as exc:
+        # the plan still works; its table names where the rates came from, and the next
+        # call probes again (nothing is cached)
+        return replace(DEFAULT_RATES, source=f"defaults (the speed probe failed: {exc})")
     write_cache(path, key, measured)
     return measured
 
@@ -123,11 +132,12 @@ def write_cache(path: Path, key: dict[str, Any], measured: Rates) -> None:
 
 def measure(threads: int) -> Rates:
     """Probe this machine now (a few seconds): bandwidth with numpy, the rest with llama.cpp."""
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), busy_seconds(threads)
     bandwidth = measure_bandwidth(threads)
     timed = time_llama(threads)
     return rates_from(bandwidth, timed, threads, f"the probe of {time.strftime('%Y-%m-%d')} "
-                      f"({time.perf_counter() - start:.1f} s, {threads} threads)")
+                      f"({time.perf_counter() - start:.1f} s wall, {busy_seconds(threads) - busy:.1f} s "
+                      f"busy, {threads} threads)")
 
 
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:

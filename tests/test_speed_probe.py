@@ -188,3 +188,18 @@ def test_the_real_probe_measures_this_machine(tmp_path: Path) -> None:
     for name in ("bandwidth", "matvec", "prefill_flops", "vision_flops"):
         assert 1e8 < getattr(got, name) < 1e14, name
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=Counter()) == got
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), MemoryError("no room")])
+def test_a_failed_probe_gives_labelled_defaults_and_is_retried(tmp_path: Path, error: Exception) -> None:
+    cache = tmp_path / "speed.json"
+
+    def broken(threads: int) -> Rates:
+        raise error
+
+    got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=broken)
+    assert got.bandwidth == DEFAULT_RATES.bandwidth and "the speed probe failed" in got.source
+    assert str(error) in got.source and not cache.exists()
+    fake = Counter()
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).source == "fake probe"
+    assert fake.calls == 1
