@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _speed_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_pull)
 
@@ -212,7 +213,8 @@ def _pull(args: argparse.Namespace) -> int:
     from .resolver import pull  # lazy: per command
 
     files = pull(args.model, quant=args.quant, ram_budget=args.ram, n_ctx=args.ctx,
-                 revision=args.revision, progress=False if args.no_progress else None)
+                 revision=args.revision, progress=False if args.no_progress else None,
+                 min_tokens_per_s=args.min_tokens_per_s, max_first_answer_s=args.max_first_answer_s)
     out = {"repo": files.repo, "revision": files.revision, "quant": files.quant,
            "model": str(files.model), "mmproj": str(files.mmproj)}
     if args.json:
