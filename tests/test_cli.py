@@ -297,6 +297,9 @@ def test_plan_speed_limits_from_the_command_line(hub, tiny) -> None:
     fast = json.loads(run("plan", "acme/plan-speed", "--ram", "8GB", "--json",
                           "--min-tokens-per-s", str(floor)).stdout)
     assert fast["quant"] == rows[0]["quant"] != free["quant"]
+    pulled = run("pull", "acme/plan-speed", "--ram", "8GB", "--no-progress", "--json", "--min-tokens-per-s", str(floor))
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["quant"] == rows[0]["quant"]
     refused = run("plan", "acme/plan-speed", "--ram", "8GB", "--min-tokens-per-s", "1e12")
     assert refused.returncode == 1 and f"the fastest that fits is {rows[0]['quant']}" in refused.stderr
     for bad in ("nan", "-1", "0", "inf"):
