@@ -144,19 +144,30 @@ def attention_flops(text: TextShape, n_past: int) -> float:
 
 
 def vision_flops_per_slice(vision: VisionShape | None, text_width: int) -> float:
-    """One 448-pixel slice through the ViT and the resampler (multiply-adds x 2).
+    """One 448-pixel slice through the ViT and the projector (multiply-adds x 2).
 
     Per block: Q, K, V and output projections (4 P W^2), the FFN (2 P W F) and the
     attention itself (2 P^2 W), P patches of width W; then the patch embedding and the
-    resampler's key/value projection into the text width and its attention.
+    resampler's key/value projection into the text width and its attention. MiniCPM-V
+    4.6 (``full_blocks``) has no resampler: after its first ``full_blocks`` blocks a
+    window-attention merger (about one block) joins 2x2 patches, the remaining blocks
+    see P/4 tokens, and a last 2x2 merge projects P/16 tokens to the text width
+    (libmtmd ``clip_graph_minicpmv4_6``).
     """
     v = vision or VisionShape()
     p, w, f = v.patches, v.width, v.ff
-    block = 4 * p * w * w + 2 * p * w * f + 2 * p * p * w
+
+    def block(n: int) -> int:
+        return 4 * n * w * w + 2 * n * w * f + 2 * n * n * w
+
     patch_embd = p * 3 * v.patch_size**2 * w
     d, q = text_width, v.query_tokens
+    if v.full_blocks is not None:
+        full = min(v.full_blocks, v.blocks)
+        merged = full * block(p) + block(p) + (v.blocks - full) * block(p // 4)
+        return 2.0 * (merged + patch_embd + (p // 16) * 4 * w * d)
     resampler = p * w * d + 2 * p * d * d + 3 * q * d * d + 2 * q * p * d
-    return 2.0 * (v.blocks * block + patch_embd + resampler)
+    return 2.0 * (v.blocks * block(p) + patch_embd + resampler)
 
 
 def decode_bytes(model_size: int, text: TextShape, quant: str | None) -> int:

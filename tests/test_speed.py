@@ -83,6 +83,14 @@ def test_vision_flops_of_siglip_400m_are_about_a_teraflop_per_slice() -> None:
     assert block == pytest.approx(2 * (4 * 1024 * 1152**2 + 2 * 1024 * 1152 * 4304 + 2 * 1024**2 * 1152))
 
 
+def test_minicpm_v_46_merger_makes_later_blocks_cheaper() -> None:
+    full = speed.vision_flops_per_slice(VisionShape(), 1024)
+    merged = speed.vision_flops_per_slice(VisionShape(full_blocks=7), 1024)
+    # 7 + 1 (the merger) blocks on 1024 patches, 20 on 256: under half the plain tower
+    assert 0.4 * full < merged < 0.5 * full
+    assert speed.vision_flops_per_slice(VisionShape(full_blocks=27), 1024) > full  # merger, no later blocks
+
+
 def test_prefill_grows_with_tokens_and_model() -> None:
     assert speed.prefill_seconds(0, BENCH, RATES) > 0  # the output row of the last token
     assert speed.prefill_seconds(1000, BENCH, RATES) > 1.9 * speed.prefill_seconds(500, BENCH, RATES)
