@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     _speed_args(p)
     p.add_argument("--no-probe", action="store_true",
                    help="predict speed from default constants instead of measuring this machine once")
+    p.add_argument("--reprobe", action="store_true",
+                   help="measure this machine again (best when nothing else is running)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -190,18 +192,18 @@ def _plan(args: argparse.Namespace) -> int:
 
     limits: dict[str, Any] = dict(detail=args.detail, min_tokens_per_s=args.min_tokens_per_s,
                                   max_first_answer_s=args.max_first_answer_s)
-    probe = False if args.no_probe else None
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    hw = hardware_probe()
+    rates = machine_rates(hw, False if args.no_probe else None, refresh=args.reprobe)
     local = _local_files(args)
     if local is not None:
-        from .hardware import probe as hardware_probe  # lazy: per command
-        from .resolver import machine_rates  # lazy: per command
-
-        hw = hardware_probe()
         result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
-                            rates=machine_rates(hw, probe), **limits)
+                            rates=rates, **limits)
     else:
         result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                      kv_cache_type=args.kv, speed_probe=probe, **limits)
+                      kv_cache_type=args.kv, hardware=hw, rates=rates, **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

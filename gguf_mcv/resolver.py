@@ -96,11 +96,12 @@ def plan(
     return _plan_listing(model, listing, entry, **options)
 
 
-def machine_rates(hardware: Hardware, speed_probe: bool | None = None) -> Rates:
-    """The speed model's rates for ``hardware``'s recommended threads (cached probe or defaults)."""
+def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refresh: bool = False) -> Rates:
+    """The speed model's rates for ``hardware``'s recommended threads (cached probe or defaults;
+    ``refresh`` probes again)."""
     from .speed_probe import rates  # lazy: numpy, and llama.cpp when it probes
 
-    return rates(probe=speed_probe, threads=hardware.recommended_threads)
+    return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
 
 
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,

@@ -48,14 +48,16 @@ BANDWIDTH_BYTES = 128 * 2**20
 
 
 def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path | None = None,
-          measure_fn: Callable[[int], Rates] | None = None) -> Rates:
+          measure_fn: Callable[[int], Rates] | None = None, refresh: bool = False) -> Rates:
     """This machine's :class:`Rates`: cached, probed (and cached), or the defaults.
 
     ``probe=None`` probes unless ``GGUF_MCV_NO_PROBE`` is set; ``threads`` defaults to
     the hardware's recommended threads; ``cache`` is the cache file (default
     ``<cache_dir>/speed-probe.json``); ``measure_fn`` replaces :func:`measure` (tests).
     A probe that fails (no room for its model, llama.cpp refusing it) gives the defaults,
-    with the failure in ``source``, and is tried again next time.
+    with the failure in ``source``, and is tried again next time. ``refresh`` probes
+    again whatever the cache holds (a probe taken while other work held the cores is
+    pessimistic: threads that wait for each other spin).
     """
     if probe is None:
         probe = not constants.no_probe()
@@ -67,7 +69,7 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
         threads = hardware_probe().recommended_threads
     path = cache or constants.cache_dir() / CACHE_NAME
     key = machine_key(threads)
-    found = read_cache(path, key)
+    found = None if refresh else read_cache(path, key)
     if found is not None:
         return found
     try:
@@ -135,9 +137,10 @@ def measure(threads: int) -> Rates:
     start, busy = time.perf_counter(), busy_seconds(threads)
     bandwidth = measure_bandwidth(threads)
     timed = time_llama(threads)
+    load = f", load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
     return rates_from(bandwidth, timed, threads, f"the probe of {time.strftime('%Y-%m-%d')} "
                       f"({time.perf_counter() - start:.1f} s wall, {busy_seconds(threads) - busy:.1f} s "
-                      f"busy, {threads} threads)")
+                      f"busy, {threads} threads{load})")
 
 
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:

@@ -203,3 +203,12 @@ def test_a_failed_probe_gives_labelled_defaults_and_is_retried(tmp_path: Path, e
     fake = Counter()
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).source == "fake probe"
     assert fake.calls == 1
+
+
+def test_refresh_probes_again_and_replaces_the_cache(tmp_path: Path) -> None:
+    cache, fake = tmp_path / "speed.json", Counter()
+    speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    newer = Counter(replace(FAKE, bandwidth=99e9, source="newer"))
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=newer, refresh=True).source == "newer"
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).bandwidth == 99e9
+    assert (fake.calls, newer.calls) == (1, 1)
