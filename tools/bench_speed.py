@@ -86,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="this CPU's clock, for scaling to boards (default: from /proc/cpuinfo)")
     ap.add_argument("--flop-per-cycle", type=int, default=32, help="this CPU's FP32 FLOP/cycle/core (AVX-512: 32)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--boards-from", type=Path, metavar="JSON",
+                    help="only the board predictions, from the last probe in a --json file of an earlier run")
     args = ap.parse_args(argv)
+    if args.boards_from:
+        data = json.loads(args.boards_from.read_text())
+        rates = speed.Rates(**data["rows"][-1]["rates"])
+        print_boards(rates, args.ghz or _cpu_ghz(), args.flop_per_cycle)
+        return 0
 
     mmproj = next(args.ladder.glob("mmproj*.gguf"))
     files = {}
@@ -123,23 +130,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{meas['prefill_tok_s']:6.0f} tok/s ({row['error']['prefill_tok_s']:+.0%})  slice "
               f"{pred['slice_s']:5.2f} / {meas['slice_s']:5.2f} s ({row['error']['slice_s']:+.0%})  "
               f"[probe {probe_s:.1f} s wall]", flush=True)
-    boards = {}
-    if last_rates is not None:
-        ghz = args.ghz or _cpu_ghz()
-        here_peak = args.threads * ghz * 1e9 * args.flop_per_cycle
-        text = read_text_header(files[wanted[0]]).shape
-        for name, board in BOARDS.items():
-            r = board_rates(last_rates, here_peak, board)
-            preds = {q: speed.predict(model_size=read_text_header(files[q]).size, text=text, quant=q,
-                                      vision=vision, rates=r) for q in ("Q4_K_M", "Q8_0") if q in files}
-            boards[name] = {q: p.to_dict() for q, p in preds.items()}
-            for q, p in preds.items():
-                print(f"PREDICTION {name:<38} {q:<7} decode {p.decode_tokens_per_s:5.1f} tok/s, slice "
-                      f"{p.encode_s_per_slice:5.1f} s, photo first answer {p.first_answer_s:5.0f} s "
-                      f"({p.photo_slices} passes), 16-frame video {p.video_first_answer_s:5.0f} s")
+    boards = print_boards(last_rates, args.ghz or _cpu_ghz(), args.flop_per_cycle) if last_rates else {}
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "boards": boards}, indent=1))
     return 0
+
+
+def print_boards(rates: speed.Rates, ghz: float, flop_per_cycle: int) -> dict:
+    """Print (and return) predictions for the catalog's MiniCPM-V 4.6 and 2.6 at Q4_K_M on each board."""
+    from gguf_mcv.catalog import load_catalog
+
+    here_peak = rates.threads * ghz * 1e9 * flop_per_cycle
+    out: dict = {}
+    for name, board in BOARDS.items():
+        r = board_rates(rates, here_peak, board)
+        for model in ("minicpm-v-4.6", "minicpm-v-2.6"):
+            entry = load_catalog().get(model)
+            q = entry.quants["Q4_K_M"]
+            p = speed.predict(model_size=q.size, text=entry.arch, quant="Q4_K_M", vision=entry.vision, rates=r)
+            out.setdefault(name, {})[model] = p.to_dict()
+            print(f"PREDICTION {name:<38} {model} Q4_K_M: decode {p.decode_tokens_per_s:5.1f} tok/s, slice "
+                  f"{p.encode_s_per_slice:5.1f} s, photo first answer {p.first_answer_s:5.0f} s "
+                  f"({p.photo_slices} passes), 16-frame video {p.video_first_answer_s:5.0f} s")
+    return out
 
 
 def _cpu_ghz() -> float:
