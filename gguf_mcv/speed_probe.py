@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants
-from .errors import GgufMcvError
+from .errors import ConfigError, GgufMcvError
 from .speed import DEFAULT_RATES, Rates
 
 #: Bumped when what is measured changes: older cache files are then probed again.
@@ -67,6 +67,8 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
         from .hardware import probe as hardware_probe  # the machine layer, cheap
 
         threads = hardware_probe().recommended_threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 4096:
+        raise ConfigError(f"threads must be a whole number from 1 to 4096, not {threads!r}.")
     path = cache or constants.cache_dir() / CACHE_NAME
     key = machine_key(threads)
     found = None if refresh else read_cache(path, key)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gguf_mcv import speed_probe
+from gguf_mcv.errors import ConfigError
 from gguf_mcv.speed import DEFAULT_RATES, Rates
 
 FAKE = Rates(bandwidth=12e9, matvec=9e9, prefill_flops=40e9, vision_flops=50e9,
@@ -212,3 +213,11 @@ def test_refresh_probes_again_and_replaces_the_cache(tmp_path: Path) -> None:
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=newer, refresh=True).source == "newer"
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).bandwidth == 99e9
     assert (fake.calls, newer.calls) == (1, 1)
+
+
+@pytest.mark.parametrize("threads", [0, -2, 10**9, 2.5, "2", True])
+def test_impossible_thread_counts_are_refused_before_probing(tmp_path: Path, threads) -> None:
+    fake = Counter()
+    with pytest.raises(ConfigError, match="threads"):
+        speed_probe.rates(probe=True, threads=threads, cache=tmp_path / "s.json", measure_fn=fake)
+    assert fake.calls == 0
