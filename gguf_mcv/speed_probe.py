@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import stat
 import tempfile
 import threading
 import time
@@ -45,6 +46,8 @@ PROBE_VERSION = 1
 CACHE_NAME = "speed-probe.json"
 #: Bytes each thread streams through per bandwidth pass: far beyond any CPU cache.
 BANDWIDTH_BYTES = 128 * 2**20
+#: A cache file larger than this is not ours (ours is under 2 KB): it is probed again.
+MAX_CACHE_BYTES = 64 * 1024
 
 
 def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path | None = None,
@@ -100,6 +103,9 @@ def machine_key(threads: int) -> dict[str, Any]:
 def read_cache(path: Path, key: dict[str, Any]) -> Rates | None:
     """The cached rates when ``path`` holds a valid probe for ``key``; None otherwise."""
     try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CACHE_BYTES:
+            return None  # a folder, a FIFO (reading it would block) or something huge
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("key") != key:
             return None

@@ -221,3 +221,22 @@ def test_impossible_thread_counts_are_refused_before_probing(tmp_path: Path, thr
     with pytest.raises(ConfigError, match="threads"):
         speed_probe.rates(probe=True, threads=threads, cache=tmp_path / "s.json", measure_fn=fake)
     assert fake.calls == 0
+
+
+@pytest.mark.parametrize("kind", ["huge", "folder", "fifo"])
+def test_a_cache_path_that_is_not_a_small_file_is_probed_again_without_blocking(tmp_path: Path, kind: str) -> None:
+    import os
+
+    cache, fake = tmp_path / "speed.json", Counter()
+    if kind == "huge":
+        data = _valid_file(speed_probe.machine_key(2))
+        data["padding"] = "x" * (speed_probe.MAX_CACHE_BYTES + 1)
+        cache.write_text(json.dumps(data))
+    elif kind == "folder":
+        cache.mkdir()
+    else:
+        os.mkfifo(cache)  # reading a FIFO with no writer would block forever
+    got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    assert got.source == "fake probe" and fake.calls == 1
+    if kind == "huge":
+        assert speed_probe.read_cache(cache, speed_probe.machine_key(2)) == got  # replaced
