@@ -84,9 +84,11 @@ class Rates:
 
 
 #: Used when probing is switched off (``probe=False`` / ``GGUF_MCV_NO_PROBE=1``): this
-#: project's 2-core AVX-512 development machine, rounded (tools/bench_speed.py prints
-#: the probe's figures; they are of the same order as a recent laptop's 2 cores).
-DEFAULT_RATES = Rates(bandwidth=30e9, matvec=25e9, prefill_flops=200e9, vision_flops=120e9,
+#: project's 2-core AVX-512 development machine. Its 1-thread probe (tools/bench_speed.py,
+#: README "Speed: predicted vs measured": 31 GB/s, 13.5 GB/s, 120 and 64 GFLOP/s), the
+#: arithmetic rates x 1.6 for the second core (a SigLIP slice took ~14 s on one thread
+#: there and ~9 s on two), rounded.
+DEFAULT_RATES = Rates(bandwidth=30e9, matvec=22e9, prefill_flops=190e9, vision_flops=100e9,
                       threads=2, source="defaults")
 
 
