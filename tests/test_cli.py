@@ -302,7 +302,7 @@ def test_plan_speed_limits_from_the_command_line(hub, tiny) -> None:
     assert json.loads(pulled.stdout)["quant"] == rows[0]["quant"]
     refused = run("plan", "acme/plan-speed", "--ram", "8GB", "--min-tokens-per-s", "1e12")
     assert refused.returncode == 1 and f"the fastest that fits is {rows[0]['quant']}" in refused.stderr
-    for bad in ("nan", "-1", "0", "inf"):
+    for bad in ("nan", "-1"):  # 0, inf and the rest: tests/test_speed.py
         done = run("plan", "acme/plan-speed", "--ram", "8GB", "--max-first-answer-s", bad)
         assert done.returncode == 1 and "max_first_answer_s must be a positive number" in done.stderr, bad
     assert run("plan", "acme/plan-speed", "--min-tokens-per-s", "fast").returncode == 2  # argparse
