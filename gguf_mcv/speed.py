@@ -2,7 +2,7 @@
 
 Pure: every function works from the two towers' shapes, the text file's size and
 quant, and a :class:`Rates` -- what the machine does per second, measured once by
-:mod:`gguf_mcv.probe` (or its documented defaults). The model is a roofline:
+:mod:`gguf_mcv.speed_probe` (or its documented defaults). The model is a roofline:
 
 * **decode** (one token): the weights read per token (every layer matrix and the
   output matrix; only one row of ``token_embd``) plus the KV cache at the current
