@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
     p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
+    p.add_argument("--truncate", action="store_true",
+                   help="drop a request's oldest turns when its history does not fit (default: refuse it)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -270,7 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media)
+              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
+              truncate=args.truncate)
     return 0
 
 
