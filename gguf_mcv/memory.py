@@ -74,6 +74,9 @@ RESAMPLER_TENSORS = 3.75
 #: Checked against llama.cpp's "compute buffer size" log for T=512 (within 2 %).
 TEXT_EMBD_TENSORS = 6
 TEXT_FF_TENSORS = 3
+#: Copies of a hybrid model's recurrent state the engine keeps to rewind to
+#: (``engine.MAX_CHECKPOINTS``; the two are checked to agree by the tests).
+RECURRENT_CHECKPOINTS = 2
 #: Text positions of a typical image question besides image tokens (system prompt,
 #: markers, question, answer) -- sizes the KV view the attention reads.
 PROMPT_TEXT_TOKENS = 96
@@ -178,6 +181,8 @@ class MemoryEstimate:
     reclaimable: int  #: file pages in ``weights`` never read after loading
     long_prompt: int  #: extra compute pages a full 512-token batch at full context touches
     gpu: GpuMemory | None = None
+    #: hybrid models: the recurrent layers' state and the engine's checkpoints of it
+    recurrent: int = 0
     #: the GPU shares RAM (Jetson, Apple): ``gpu.total`` is counted in ``needed`` too
     unified: bool = False
 
@@ -185,7 +190,7 @@ class MemoryEstimate:
     def runtime(self) -> int:
         """Peak RSS while answering: every resident term together."""
         return (self.weights + self.repacked + self.kv_cache + self.compute + self.vision_weights
-                + self.vision_compute + self.images + self.vocab + self.overhead)
+                + self.vision_compute + self.images + self.vocab + self.overhead + self.recurrent)
 
     @property
     def total(self) -> int:
@@ -226,6 +231,14 @@ def kv_cache_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16",
     return int(2 * layers * t.n_head_kv * t.head_dim * cells * KV_BYTES_PER_ELEMENT[kv_cache_type])
 
 
+def recurrent_bytes(text: TextShape, *, on_cpu: float = 1.0) -> int:
+    """A hybrid model's recurrent state: llama.cpp's RS buffer (one sequence, f32; the
+    ``on_cpu`` share of it stays in RAM) plus the engine's checkpoints, each a copy of
+    that state kept in host memory (at most :data:`RECURRENT_CHECKPOINTS`)."""
+    state = text.recurrent_values * 4
+    return int(state * on_cpu + state * RECURRENT_CHECKPOINTS)
+
+
 def text_compute_bytes(text: TextShape, n_tokens: int, n_kv: int, *, flash_attn: bool,
                        n_outputs: int = 1) -> int:
     """Peak of llama.cpp's text graph for one ubatch of ``n_tokens`` against ``n_kv`` cells.
@@ -256,7 +269,7 @@ def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
     state + residual-width tensors, plus the 16 x 1024 x 1024 attention scores without
     flash attention) and the resampler (tensors of patches x text width). The CPU
     backend also converts each matmul's activations to the weights' type in a work
-    buffer: patches x ff at f16 for an f16 mmproj.
+    buffer: patches x ff at f16 for an f16 mmproj. MiniCPM-V 4.6's merger adds its mask.
     """
     v = vision or VisionShape()
     p = v.patches
@@ -265,7 +278,10 @@ def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
         vit += v.heads * p * p * 4
     resampler = p * 4 * RESAMPLER_TENSORS * text_width
     work = p * v.ff * mmproj_bytes_per_weight
-    return int(max(vit, resampler) + work)
+    # MiniCPM-V 4.6's window-attention merger takes a patches x patches f32 block-diagonal
+    # mask as a graph input (minicpmv.cpp, vit_merger_window_mask): beside the rest
+    window_mask = p * p * 4 if v.projector == "minicpmv4_6" else 0
+    return int(max(vit, resampler) + work + window_mask)
 
 
 def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | None = None) -> int:
@@ -434,6 +450,7 @@ def estimate(
         reclaimable=repacked + offloaded,
         long_prompt=max(0, worst - compute),
         gpu=gpu,
+        recurrent=recurrent_bytes(t, on_cpu=1 - gpu_layers / max(1, t.n_layers)),
         unified=unified_memory,
     )
 
