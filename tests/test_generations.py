@@ -378,3 +378,16 @@ def test_memory_model_predicts_the_peak_within_5_percent(generation: str, built,
                                       image_tokens=measured["image_tokens"], image_pixels=896 * 672).total
     tolerance = PEAK_TOLERANCE.get(generation, 0.05)
     assert predicted == pytest.approx(measured["peak"], rel=tolerance), (predicted / 2**20, measured["peak"] / 2**20)
+
+
+def test_regenerate_encodes_nothing_and_evaluates_at_most_the_checkpoint_tail(model: Model, generation: str) -> None:
+    from gguf_mcv.engine import CHECKPOINT_TAIL
+
+    chat = model.chat()
+    first = chat.send("Describe it.", WIDE, detail="high", max_tokens=4, temperature=0)
+    again = chat.regenerate(max_tokens=4, temperature=0.9, seed=5)
+    assert again.timings.slices_encoded == again.timings.slices_from_cache == 0
+    limit = CHECKPOINT_TAIL + 1 if generation in HYBRID else 1  # llama.cpp needs one token for logits
+    assert again.usage.evaluated_tokens <= limit
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert len(chat.history) == 2 and chat.history[1]["content"] == str(again)
