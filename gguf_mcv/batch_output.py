@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,18 @@ class ResultsFile:
                               f"{self.path / 'results.jsonl'}.")
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                self._close_fd()
+                raise OutputError(f"Results path {self.path} is not a regular file (a device, FIFO or "
+                                  "socket): give a file name for --out.")
             lock = FileLock(f"{self.path}.lock", timeout=0)
             lock.acquire()
         except Timeout:
             self._close_fd()
             raise OutputBusyError(f"Another batch job is writing {self.path} (it holds {self.path}.lock): "
                                   "wait for it to finish, or write to another --out.") from None
+        except OutputError:
+            raise
         except OSError as exc:
             self._close_fd()
             raise OutputError(f"Cannot write results to {self.path}: {exc.strerror or exc}. "
