@@ -83,7 +83,7 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
     :func:`gguf_mcv.batch.run_items`: rows are written (fsync'd) as they come back, items already
     in ``out`` are skipped. ``workers`` model copies (default: one per alive node), one CPU each
     unless ``load`` sets ``n_threads``."""
-    ray = _import_ray()
+    ray = _import_ray()  # before anything is written: without Ray there is no job
     started = time.monotonic()
     answered = failed = 0
     with ResultsFile(out) as results:
