@@ -121,7 +121,7 @@ def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[I
         threads = load.get("n_threads") or 1
         dataset = ray.data.from_items(records(items))
         mapped = dataset.map_batches(Answerer, fn_constructor_kwargs={"load": load}, batch_size=BATCH_SIZE,
-                                     concurrency=copies, num_cpus=threads, scheduling_strategy="SPREAD")
+                                     concurrency=copies, num_cpus=threads)  # Ray Data schedules with SPREAD
         try:
             for row in mapped.iter_rows():
                 yield _plain(dict(row))
