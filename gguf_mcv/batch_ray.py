@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -83,7 +84,8 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
     :func:`gguf_mcv.batch.run_items`: rows are written (fsync'd) as they come back, items already
     in ``out`` are skipped. ``workers`` model copies (default: one per alive node), one CPU each
     unless ``load`` sets ``n_threads``."""
-    ray = _import_ray()  # before anything is written: without Ray there is no job
+    ray = _import_ray()  # before anything is written: without Ray or a cluster there is no job
+    check_reachable(address)
     started = time.monotonic()
     answered = failed = 0
     with ResultsFile(out) as results:
@@ -129,6 +131,21 @@ def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[I
             raise ClusterError(f"The Ray job failed: {' '.join(str(exc).split())[:2000]}") from None
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """:class:`ClusterError` unless something answers at ``address`` (``host:port`` or
+    ``ray://host:port``; ``auto`` is left to Ray): ``ray.init`` would wait minutes for a dead one."""
+    if address == "auto" or address.startswith("local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379) or 'auto'.")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"No Ray cluster answers at {address} ({exc}): start one with 'ray start --head' "
+                           "and pass the address it prints.") from None
 
 
 def _plain(value: Any) -> Any:

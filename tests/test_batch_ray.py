@@ -121,3 +121,29 @@ def test_ray_job_on_two_nodes_gives_the_local_rows(cluster: str, tiny, folder: P
     again = subprocess.run(cli, capture_output=True, text=True, timeout=300)  # resumable: nothing left to do
     assert again.returncode == 0 and "0 answered (0 errors), 8 already" in again.stderr
     assert len(_rows(out)) == 8
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{dead}", "ray://127.0.0.1:{dead}", "no-port", "host:abc"])
+def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path, tmp_path: Path,
+                                                                   address: str) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed here (pip install 'gguf-mcv[ray]')")
+    from gguf_mcv import batch_ray
+    from gguf_mcv.errors import ClusterError
+
+    items = batch.collect(folder, prompts=PROMPTS[:1])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ClusterError):
+        # nothing listens on a port whose probe socket was closed; Ray itself would wait minutes
+        batch_ray.run_items(address.format(dead=_free_port()), {"model": "x"}, items, out, progress=False)
+    assert not out.exists()  # refused before the results file was touched
+
+
+def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from gguf_mcv import batch_ray
+    from gguf_mcv.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ConfigError, match=r"gguf-mcv\[ray\]"):
+        batch_ray.run_items("auto", {}, batch.collect(folder, prompts=["q"]), tmp_path / "o.jsonl", progress=False)
+    assert not (tmp_path / "o.jsonl").exists()
