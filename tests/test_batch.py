@@ -216,3 +216,17 @@ def test_two_jobs_on_one_output_in_threads(tiny_model, tmp_path: Path) -> None:
     # either one was refused while the other held the file, or they ran one after the other
     assert kinds in (["OutputBusyError", "Summary"], ["Summary", "Summary"])
     assert len(_rows(out)) == 1
+
+
+def test_progress_bar_and_undecodable_csv_text(tiny_model, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _png(tmp_path / "a.png", 701)
+    rows = tmp_path / "rows.csv"
+    rows.write_bytes(b"image,prompt\na.png,fine\na.png,bad \xff\xfe bytes\n")
+    out = tmp_path / "out.jsonl"
+    summary = batch.run(tiny_model, rows, out, options=GREEDY, progress=True)
+    assert "2/2" in capsys.readouterr().err  # tqdm's bar: done/total
+    good, bad = _rows(out)
+    assert good["error"] is None and bad["error"]["class"] == "ConfigError"
+    assert summary.failed == 1
+    again = batch.run(tiny_model, rows, out, options=GREEDY, progress=False)  # the file reads back
+    assert again.skipped == 2 and again.answered == 0
