@@ -27,6 +27,7 @@ from .batch import Summary, answer, error_row, pending, progress_bar
 from .batch_input import Item
 from .batch_output import ResultsFile
 from .errors import ClusterError, ConfigError
+from .options import check_int
 
 if TYPE_CHECKING:
     from .model import Model
@@ -84,6 +85,8 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
     :func:`gguf_mcv.batch.run_items`: rows are written (fsync'd) as they come back, items already
     in ``out`` are skipped. ``workers`` model copies (default: one per alive node), one CPU each
     unless ``load`` sets ``n_threads``."""
+    if workers is not None:
+        check_int("workers", workers, low=1)
     ray = _import_ray()  # before anything is written: without Ray or a cluster there is no job
     check_reachable(address)
     started = time.monotonic()
@@ -118,9 +121,13 @@ def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[I
 
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-        copies = workers or max(1, nodes)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        copies = workers or max(1, len(alive))
         threads = load.get("n_threads") or 1
+        largest = max((n.get("Resources", {}).get("CPU", 0) for n in alive), default=0)
+        if threads > largest:  # Ray Data would wait for such a worker forever
+            raise ClusterError(f"Each worker reserves --threads {threads} CPUs, but the largest node of the "
+                               f"cluster at {address} has {largest:g}: use --threads {int(largest) or 1} or less.")
         dataset = ray.data.from_items(records(items))
         mapped = dataset.map_batches(Answerer, fn_constructor_kwargs={"load": load}, batch_size=BATCH_SIZE,
                                      concurrency=copies, num_cpus=threads)  # Ray Data schedules with SPREAD

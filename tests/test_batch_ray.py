@@ -122,6 +122,12 @@ def test_ray_job_on_two_nodes_gives_the_local_rows(cluster: str, tiny, folder: P
     assert again.returncode == 0 and "0 answered (0 errors), 8 already" in again.stderr
     assert len(_rows(out)) == 8
 
+    # workers that need more CPUs than any node has would wait forever: refused instead
+    greedy = [*cli[: cli.index("--out") + 1], str(tmp_path / "more.jsonl"), *cli[cli.index("--out") + 2:]]
+    greedy[greedy.index("--threads") + 1] = "2"
+    refused = subprocess.run(greedy, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "reserves --threads 2 CPUs" in refused.stderr, refused.stderr[-2000:]
+
 
 @pytest.mark.parametrize("address", ["127.0.0.1:{dead}", "ray://127.0.0.1:{dead}", "no-port", "host:abc"])
 def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path, tmp_path: Path,
@@ -136,6 +142,15 @@ def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path,
         # nothing listens on a port whose probe socket was closed; Ray itself would wait minutes
         batch_ray.run_items(address.format(dead=_free_port()), {"model": "x"}, items, out, progress=False)
     assert not out.exists()  # refused before the results file was touched
+
+
+def test_workers_must_be_positive(folder: Path, tmp_path: Path) -> None:
+    from gguf_mcv import batch_ray
+    from gguf_mcv.errors import ConfigError
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ConfigError, match="workers"):
+            batch_ray.run_items("auto", {}, [], tmp_path / "o.jsonl", workers=bad, progress=False)  # type: ignore[arg-type]
 
 
 def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
