@@ -15,6 +15,7 @@ import csv
 import glob
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -285,8 +286,9 @@ def _from_row(row: dict[str, Any], where: str, base: Path, prompts: list[str],
     else:
         raise ConfigError(f"Row {where} has no prompt and the job gives none (--prompt).")
     row_id = row.get("id")
-    if row_id is not None and not isinstance(row_id, (str, int, float)):
-        raise ConfigError(f"Row {where}: id must be a string or a number, not {type(row_id).__name__}.")
+    if row_id is not None and (not isinstance(row_id, (str, int, float)) or isinstance(row_id, bool)
+                               or (isinstance(row_id, float) and not math.isfinite(row_id))):
+        raise ConfigError(f"Row {where}: id must be a string or a finite number, not {row_id!r:.50}.")
     return [Item(name, kind, p, media, row_schema, options, row_id) for p in asked]
 
 

@@ -100,23 +100,24 @@ def test_hostile_jsonl_rows_become_error_items(tmp_path: Path) -> None:
         json.dumps({"video": "ok.png", "prompt": "p", "detail": "low"}),
         json.dumps({"image": "ok.png", "prompt": "p", "id": {"nested": 1}}),
         json.dumps({"image": "ok.png"}),
+        '{"image": "ok.png", "prompt": "p", "id": NaN}',
         "",
         json.dumps({"image": "ok.png", "prompt": "last", "max_tokens": "ten"}),
     ]
     rows = tmp_path / "rows.jsonl"
     rows.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe broken utf-8\n")
     items = collect(rows)
-    assert len(items) == 17  # one item per non-empty line: every line is accounted for
-    good, last = items[0], items[15]
+    assert len(items) == 18  # one item per non-empty line: every line is accounted for
+    good, last = items[0], items[16]
     assert good.problem is None and good.options == {"max_tokens": 2} and good.id == 7
     assert last.problem is None and last.options == {"max_tokens": "ten"}  # the model refuses it later
-    problems = [type(i.problem).__name__ for i in items[1:15]] + [type(items[16].problem).__name__]
-    assert problems == ["ConfigError"] * 6 + ["MediaError", "MediaError"] + ["ConfigError"] * 7
+    problems = [type(i.problem).__name__ for i in items[1:16]] + [type(items[17].problem).__name__]
+    assert problems == ["ConfigError"] * 6 + ["MediaError", "MediaError"] + ["ConfigError"] * 8
     assert "does not exist" in str(items[7].problem) and "FIFO" in str(items[8].problem)
     assert "longer than" in str(items[9].problem)
     assert "does not apply to a video" in str(items[12].problem)
     assert "no prompt" in str(items[14].problem)
-    assert all(i.key for i in items) and len({i.key for i in items}) == 17
+    assert all(i.key for i in items) and len({i.key for i in items}) == 18
     assert items[2].input == f"{rows}:3"
 
 
