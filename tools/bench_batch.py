@@ -118,7 +118,6 @@ def with_ray(args: argparse.Namespace, folder: Path, work: Path) -> dict:
         batch_ray.ResultsFile.write = write  # type: ignore[method-assign]
         result = from_rows(out, wall, 2)
         result["first_row_s"] = arrivals[0] - started
-        result["steady_items_per_s"] = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
         return result
     finally:
         subprocess.run([*ray_cli, "stop", "--force"], env=env, capture_output=True)
@@ -157,7 +156,7 @@ def main() -> None:
     for name, r in results.items():
         if "first_row_s" in r:
             print(f"{name}: first row after {r['first_row_s']:.1f} s (joining the cluster, starting the workers, "
-                  f"loading a model in each); then {r['steady_items_per_s']:.2f} items/s")
+                  "loading a model in each)")
 
 
 if __name__ == "__main__":
