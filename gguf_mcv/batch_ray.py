@@ -15,15 +15,16 @@ an ``error``, never a failed task. Media paths must be readable on every node
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import socket
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .batch import Summary, answer, error_row, pending, progress_bar
+from .batch import Summary, answer, base_row, error_row, pending, progress_bar
 from .batch_input import Item
 from .batch_output import ResultsFile
 from .errors import ClusterError, ConfigError
@@ -37,21 +38,23 @@ BATCH_SIZE = 2
 
 
 def records(items: Iterable[Item]) -> list[dict[str, str]]:
-    """Dataset rows for ``items``: ``key`` and the item as JSON text (``item``)."""
+    """Dataset rows for ``items``: ``key`` and the item as JSON text (``item``; an item's
+    ``problem`` travels as its class name and message)."""
     out = []
     for item in items:
-        fields = asdict(item)
-        fields.pop("problem")
+        fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
         fields["path"] = str(item.path) if item.path is not None else None
+        problem = item.problem
+        fields["problem"] = [type(problem).__name__, " ".join(str(problem).split())] if problem is not None else None
         out.append({"key": item.key, "item": json.dumps(fields, ensure_ascii=False)})
     return out
 
 
-def item_from(record: str) -> Item:
-    """The :class:`Item` of a dataset row's ``item`` text."""
+def item_from(record: str) -> tuple[Item, list[str] | None]:
+    """The :class:`Item` of a dataset row's ``item`` text, and its problem (class, message) if any."""
     fields = json.loads(record)
-    path = fields.pop("path")
-    return Item(path=Path(path) if path is not None else None, **fields)
+    path, problem = fields.pop("path"), fields.pop("problem")
+    return Item(path=Path(path) if path is not None else None, **fields), problem
 
 
 class Answerer:
@@ -71,11 +74,17 @@ class Answerer:
         rows = []
         for record in batch["item"]:
             try:
-                item = item_from(str(record))
+                item, problem = item_from(str(record))
             except (ValueError, TypeError, KeyError) as exc:
-                rows.append(error_row(Item(str(record)[:200], "", ""), exc))
+                key = hashlib.sha256(str(record).encode("utf-8", "surrogatepass")).hexdigest()
+                rows.append(error_row(Item(str(record)[:200], "", "", key=key), exc))
                 continue
-            rows.append(answer(self.model, item))
+            if problem is not None:
+                row = base_row(item)
+                row["error"] = {"class": str(problem[0]), "message": str(problem[1])}
+                rows.append(row)
+            else:
+                rows.append(answer(self.model, item))
         return {name: [row[name] for row in rows] for name in rows[0]} if rows else {}
 
 

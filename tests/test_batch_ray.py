@@ -50,18 +50,24 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_answerer_returns_rows_and_error_rows(tiny, folder: Path) -> None:
     """The callable class alone (no cluster): one row per record, bad items as error rows."""
     items = batch.collect(folder, prompts=PROMPTS[:1], options={"max_tokens": 2, "temperature": 0.0})
-    assert [item_from(r["item"]) for r in records(items)] == [i for i in items]
+    assert [item_from(r["item"]) for r in records(items)] == [(i, None) for i in items]
+    rows = folder / "rows.jsonl"
+    rows.write_text('{"image": "gone.png", "prompt": "p"}\n')
+    missing = batch.collect(rows)  # an item that carries its problem (MediaError) to the worker
     answerer = Answerer({"model_path": str(tiny.quants["Q2_K"]), "mmproj_path": str(tiny.mmproj),
                          "n_ctx": 1024, "n_threads": 1})
     try:
-        out = answerer({"key": np.array([r["key"] for r in records(items)] + ["x"]),
-                        "item": np.array([r["item"] for r in records(items)] + ["{damaged"])})
+        out = answerer({"key": np.array([r["key"] for r in records(items + missing)] + ["x"]),
+                        "item": np.array([r["item"] for r in records(items + missing)] + ["{damaged"])})
     finally:
         answerer.model.close()
+        rows.unlink()
     assert set(out) == set(batch.base_row(items[0]))
-    assert len(out["key"]) == 5
+    assert len(out["key"]) == 6 and all(out["key"])  # every row keyed, the damaged record too
+    assert out["key"][:5] == [i.key for i in items + missing]
     errors = [e and e["class"] for e in out["error"]]
-    assert errors == ["MediaError", None, None, None, "JSONDecodeError"]
+    assert errors == ["MediaError", None, None, None, "MediaError", "JSONDecodeError"]
+    assert "gone.png does not exist" in out["error"][4]["message"]
     assert all(isinstance(a, str) for a in out["answer"][1:4])
 
 
