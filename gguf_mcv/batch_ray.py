@@ -53,7 +53,7 @@ def records(items: Iterable[Item]) -> list[dict[str, str]]:
 def item_from(record: str) -> tuple[Item, list[str] | None]:
     """The :class:`Item` of a dataset row's ``item`` text, and its problem (class, message) if any."""
     fields = json.loads(record)
-    path, problem = fields.pop("path"), fields.pop("problem")
+    path, problem = fields.pop("path"), fields.pop("problem", None)
     return Item(path=Path(path) if path is not None else None, **fields), problem
 
 

@@ -139,8 +139,10 @@ def main() -> None:
         folder = work / "images"
         folder.mkdir()
         images = make_images(folder, args.images, args.size)
-        results = {"plain loop over Model.ask": plain_loop(args, images),
-                   "gguf_mcv.batch": with_batch(args, folder, work)}
+        results = {"plain loop over Model.ask": plain_loop(args, images)}
+        print("plain loop:", results["plain loop over Model.ask"], flush=True)
+        results["gguf_mcv.batch"] = with_batch(args, folder, work)
+        print("batch:", results["gguf_mcv.batch"], flush=True)
         if not args.no_ray:
             results["Ray, 2 local nodes"] = with_ray(args, folder, work)
     finally:
