@@ -138,8 +138,9 @@ def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[I
             raise ClusterError(f"Each worker reserves --threads {threads} CPUs, but the largest node of the "
                                f"cluster at {address} has {largest:g}: use --threads {int(largest) or 1} or less.")
         dataset = ray.data.from_items(records(items))
+        # one actor per model copy; Ray Data's default scheduling strategy (SPREAD) spreads them over nodes
         mapped = dataset.map_batches(Answerer, fn_constructor_kwargs={"load": load}, batch_size=BATCH_SIZE,
-                                     concurrency=copies, num_cpus=threads)  # Ray Data schedules with SPREAD
+                                     compute=ray.data.ActorPoolStrategy(size=copies), num_cpus=threads)
         try:
             for row in mapped.iter_rows():
                 yield _plain(dict(row))
