@@ -1,10 +1,11 @@
 """The batch job on a Ray cluster: :class:`Answerer` for ``ray.data.Dataset.map_batches``, and :func:`run_items`.
 
-    import ray
+    import ray.data
+    from gguf_mcv import batch
     from gguf_mcv.batch_ray import Answerer, records
-    ds = ray.data.from_items(records(gguf_mcv.batch.collect("photos/", prompts=["What is it?"])))
+    ds = ray.data.from_items(records(batch.collect("photos/", prompts=["What is it?"])))
     rows = ds.map_batches(Answerer, fn_constructor_kwargs={"load": {"model": "minicpm-v"}},
-                          concurrency=2, batch_size=4, num_cpus=1)
+                          compute=ray.data.ActorPoolStrategy(size=2), batch_size=2, num_cpus=1)
 
 Each Ray worker loads the model once (``load()`` there plans the quant from that
 node's memory and fetches it into that node's Hugging Face cache) and returns rows
@@ -110,6 +111,8 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
             good = [i for i in todo if i.problem is None]
             if good:
                 for row in _rows_on_cluster(ray, address, load, good, workers):
+                    if row["key"] in results.done:  # a retried task's row that already came back
+                        continue
                     results.write(row)
                     answered += 1
                     failed += row["error"] is not None
