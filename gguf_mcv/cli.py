@@ -110,6 +110,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench)
 
+    p = sub.add_parser("batch", help="answer a folder, glob or CSV/JSONL of images and videos into JSONL")
+    _model_args(p)
+    p.add_argument("input", help="folder, glob ('photos/*.jpg'), image or video, or a .csv/.jsonl of rows")
+    p.add_argument("--prompt", action="append", default=[], help="question for every file (repeatable; "
+                   "rows with a prompt column use theirs)")
+    p.add_argument("--out", required=True, help="results file (JSONL); a rerun skips what it holds")
+    p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
+    p.add_argument("--detail", choices=("auto", "low", "high"), help="image detail (default auto)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--frames", type=int, help="videos: at most this many frames")
+    p.add_argument("--fps", type=float, help="videos: frames sampled per second (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on this Ray cluster (e.g. 10.0.0.5:6379 or 'auto'); "
+                   "needs pip install 'gguf-mcv[ray]' and the files visible on every node")
+    p.add_argument("--workers", type=int, help="with --ray: model copies (default: one per node)")
+    p.set_defaults(func=_batch)
+
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
     p.set_defaults(func=_selftest)
     return parser
@@ -301,6 +320,28 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from . import batch  # lazy: per command
+
+    schema = batch.load_schema(args.schema) if args.schema else None
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+               "detail": args.detail, "max_frames": args.frames, "fps": args.fps}
+    items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
+    show = False if args.no_progress else None
+    if args.ray:
+        from . import batch_ray  # lazy: per command, and an optional extra
+
+        summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
+                                      progress=show)
+    else:
+        with _load(args) as model:
+            summary = batch.run_items(model, items, args.out, progress=show)
+    repaired = f"; cut a torn last line ({summary.repaired_bytes} bytes)" if summary.repaired_bytes else ""
+    print(f"{summary.answered} answered ({summary.failed} errors), {summary.skipped} already in {args.out}, "
+          f"{summary.items_per_s:.2f} items/s{repaired}", file=sys.stderr)
+    return 0
+
+
 def _selftest(args: argparse.Namespace) -> int:
     from . import selftest  # lazy: per command
 
@@ -314,6 +355,11 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
+    return load(**_load_kwargs(args))
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``load()``'s keywords for MODEL and the model options (plain values: they travel to Ray workers)."""
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
@@ -322,8 +368,9 @@ def _load(args: argparse.Namespace):
     if args.model.endswith(".gguf") or args.mmproj:
         if not local.is_file():
             raise ConfigError(f"Model file {local} does not exist.")
-        return load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
-    return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+        mmproj = args.mmproj or _find_mmproj(local)
+        return dict(model_path=str(local.resolve()), mmproj_path=str(Path(mmproj).resolve()), **common)
+    return dict(model=args.model, quant=args.quant, ram_budget=args.ram, **common)
 
 
 def _find_mmproj(model: Path) -> Path:
