@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
     p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
+    p.add_argument("--truncate", action="store_true",
+                   help="drop a request's oldest turns when its history does not fit (default: refuse it)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -119,6 +121,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="predict from default constants instead of measuring this machine once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("batch", help="answer a folder, glob or CSV/JSONL of images and videos into JSONL")
+    _model_args(p)
+    p.add_argument("input", help="folder, glob ('photos/*.jpg'), image or video, or a .csv/.jsonl of rows")
+    p.add_argument("--prompt", action="append", default=[], help="question for every file (repeatable; "
+                   "rows with a prompt column use theirs)")
+    p.add_argument("--out", required=True, help="results file (JSONL); a rerun skips what it holds")
+    p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
+    p.add_argument("--detail", choices=("auto", "low", "high"), help="image detail (default auto)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--frames", type=int, help="videos: at most this many frames")
+    p.add_argument("--fps", type=float, help="videos: frames sampled per second (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on this Ray cluster (e.g. 10.0.0.5:6379 or 'auto'); "
+                   "needs pip install 'gguf-mcv[ray]' and the files visible on every node")
+    p.add_argument("--workers", type=int, help="with --ray: model copies (default: one per node)")
+    p.set_defaults(func=_batch)
 
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
     p.set_defaults(func=_selftest)
@@ -303,7 +324,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media)
+              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
+              truncate=args.truncate)
     return 0
 
 
@@ -355,6 +377,28 @@ def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[
     }
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from . import batch  # lazy: per command
+
+    schema = batch.load_schema(args.schema) if args.schema else None
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+               "detail": args.detail, "max_frames": args.frames, "fps": args.fps}
+    items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
+    show = False if args.no_progress else None
+    if args.ray:
+        from . import batch_ray  # lazy: per command, and an optional extra
+
+        summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
+                                      progress=show)
+    else:
+        with _load(args) as model:
+            summary = batch.run_items(model, items, args.out, progress=show)
+    repaired = f"; cut a torn last line ({summary.repaired_bytes} bytes)" if summary.repaired_bytes else ""
+    print(f"{summary.answered} answered ({summary.failed} errors), {summary.skipped} already in {args.out}, "
+          f"{summary.items_per_s:.2f} items/s{repaired}", file=sys.stderr)
+    return 0
+
+
 def _selftest(args: argparse.Namespace) -> int:
     from . import selftest  # lazy: per command
 
@@ -368,16 +412,20 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
+    return load(**_load_kwargs(args))
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``load()``'s keywords for MODEL and the model options (plain values: they travel to Ray workers)."""
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
+                                  max_first_answer_s=getattr(args, "max_first_answer_s", None))
     local = _local_files(args)
     if local is not None:
-        return load(model_path=local[0], mmproj_path=local[1], min_tokens_per_s=args.min_tokens_per_s,
-                    max_first_answer_s=args.max_first_answer_s, **common)
-    return load(args.model, quant=args.quant, ram_budget=args.ram, min_tokens_per_s=args.min_tokens_per_s,
-                max_first_answer_s=args.max_first_answer_s, **common)
+        return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()), **common)
+    return dict(model=args.model, quant=args.quant, ram_budget=args.ram, **common)
 
 
 def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:

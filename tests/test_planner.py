@@ -413,3 +413,40 @@ def test_table_and_json_show_the_predictions() -> None:
     assert all({"decode_tokens_per_s", "first_answer_s", "video_first_answer_s"} <= set(r) for r in data["rows"])
     assert data["rates"]["source"] == "test rates" and data["speed"]["photo_slices"] == 5
     assert "tok/s" not in plan_26(PI5_8GB).table()
+
+
+# --- every generation in the catalog ----------------------------------------------------
+
+GENERATIONS = ["minicpm-llama3-v-2.5", "minicpm-v-2.6", "minicpm-o-2.6", "minicpm-v-4.0", "minicpm-v-4.5",
+               "minicpm-v-4.6", "minicpm-v-4.6-thinking"]
+
+
+def plan_entry(name: str, budget: int | str, **kw) -> planner.Plan:
+    from gguf_mcv.catalog import lookup
+
+    entry = lookup(name)
+    assert entry is not None
+    return choose(planner.candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                  mmproj_size=entry.mmproj.size, hardware=machine(64 * GB, 60 * GB, arch="x86_64"),
+                  ram_budget=budget, **kw)
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+def test_every_generation_plans_the_best_quant_that_fits_a_small_budget(name: str) -> None:
+    needs = {r.quant: r.needed for r in plan_entry(name, 10**12).rows}
+    order = list(needs)  # the catalog lists quants worst to best
+    smallest = min(needs.values())
+    tight = smallest + (sorted(needs.values())[1] - smallest) // 2 if len(needs) > 1 else smallest
+    chosen = plan_entry(name, tight)
+    assert chosen.quant == max((q for q in order if needs[q] <= tight), key=order.index)
+    assert chosen.predicted_bytes <= tight
+    with pytest.raises(NoQuantFitsError):
+        plan_entry(name, smallest - 1)
+
+
+def test_the_hybrid_46_needs_less_kv_and_carries_its_recurrent_state() -> None:
+    at_4k = plan_entry("minicpm-v-4.6", 10**12, quant="Q4_K_M").estimate
+    at_32k = plan_entry("minicpm-v-4.6", 10**12, quant="Q4_K_M", n_ctx=32768).estimate
+    # 6 of 24 layers keep a KV cache: 8x the context costs 8x that term, on 6 layers only
+    assert at_32k.kv_cache == 8 * at_4k.kv_cache == 8 * memory.kv_cache_bytes(QWEN35_08B, 4096)
+    assert at_4k.recurrent > 0 and at_32k.recurrent == at_4k.recurrent
