@@ -27,6 +27,7 @@ from .errors import (
     NoQuantFitsError,
     NotEnoughDiskError,
     OfflineError,
+    SavedChatError,
 )
 from .generation import Stream
 from .hardware import Hardware, probe
@@ -56,6 +57,6 @@ __all__ = [
     "HubAuthError", "Image", "IncompatibleProjectorError", "MediaError", "MediaPolicy",
     "MiniCPMVChatHandler", "Model", "ModelBusyError", "ModelClosedError", "ModelFiles", "ModelInfo",
     "ModelNotFoundError", "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Plan", "Progress",
-    "Reply", "Sampling", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
+    "Reply", "Sampling", "SavedChatError", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]

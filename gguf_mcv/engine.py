@@ -24,7 +24,7 @@ from typing import Any, Callable, Generator, Sequence, Union, cast
 import numpy as np
 
 from . import native, plaintext
-from .embed_cache import EmbeddingCache
+from .embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from .errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
 from .headers import read_projector_header
 from .media import Image
@@ -119,6 +119,10 @@ def _n_pos(units: Sequence[Unit]) -> int:
     return sum(1 if isinstance(u, int) else u.n_pos for u in units)
 
 
+def _width(unit: Unit) -> int:
+    return 1 if isinstance(unit, int) else unit.n_pos
+
+
 def file_identity(path: str | os.PathLike) -> str:
     """A cheap identity for a model file: its size and hashes of its first and last MiB."""
     size = os.path.getsize(path)
@@ -159,6 +163,7 @@ class Engine:
             slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
+        self.vision_backend = DEFAULT_BACKEND  #: what encodes images: part of every cache key
         self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
@@ -215,6 +220,45 @@ class Engine:
         """Forget everything in the KV cache."""
         self._check_open()
         self._truncate(0)
+
+    def save_state(self) -> tuple[list[Unit], bytes]:
+        """What the KV cache holds: its units and llama.cpp's state of the sequence (to save it)."""
+        self._check_open()
+        self._sync_with_llama()
+        lc, ctx = self._lc, self.llama.ctx
+        size = int(lc.llama_state_seq_get_size(ctx, 0))
+        buf = (ctypes.c_uint8 * size)()
+        if int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
+            raise EngineError("llama.cpp could not copy the KV cache's state.")
+        return list(self._units), bytes(buf)
+
+    def restore_state(self, units: Sequence[Unit], data: bytes) -> None:
+        """Make the KV cache hold ``units`` from ``data`` (from :meth:`save_state` with this model).
+
+        :class:`EngineError` (and an empty cache) when llama.cpp refuses the state or it
+        does not hold exactly ``units``' positions; :class:`ContextOverflowError` when they
+        do not fit in this context.
+        """
+        self._check_open()
+        n_pos = _n_pos(units)
+        if n_pos > self.n_ctx:
+            raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
+                                       "load the model with a larger n_ctx.")
+        lc, ctx = self._lc, self.llama.ctx
+        mem = lc.llama_get_memory(ctx)
+        self._truncate(0)
+        self._checkpoints = []
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        native.clear_recent()
+        restored = int(lc.llama_state_seq_set_data(ctx, buf, len(data), 0)) == len(data) and len(data) > 0
+        if not restored or int(lc.llama_memory_seq_pos_max(mem, 0)) != n_pos - 1:
+            lc.llama_memory_clear(mem, True)
+            raise EngineError("llama.cpp did not accept the saved KV state "
+                              f"({native.recent_errors() or 'it holds other positions than the conversation'}).")
+        ids = [u if isinstance(u, int) else IMAGE_SENTINEL for u in units for _ in range(_width(u))]
+        self.llama.input_ids[:n_pos] = ids
+        self.llama.n_tokens = n_pos
+        self._units = list(units)
 
     @property
     def closed(self) -> bool:
@@ -344,7 +388,7 @@ class Engine:
 
     def image_key(self, digest: str, index: int = 0) -> str:
         """The cache key of slice ``index`` of an image with this content digest."""
-        return f"{self.mmproj_id}:{digest}:{index}"
+        return cache_key(self.vision_backend, self.mmproj_id, digest, index)
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.llama.token_bos()

@@ -71,3 +71,7 @@ class ModelClosedError(GgufMcvError, RuntimeError):
 
 class ModelBusyError(GgufMcvError, RuntimeError):
     """This thread started a second answer while its first one is still being streamed."""
+
+
+class SavedChatError(GgufMcvError, ValueError):
+    """A saved conversation cannot be used: damaged, of another model, or not one at all."""
