@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--example", action="store_true", help="ask about the bundled example image")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_ask)
 
     p = sub.add_parser("video", help="ask a question about a video")
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dedupe", action="store_true", help="keep near-duplicate frames")
     p.add_argument("--no-timestamps", action="store_true", help="no frame times in the prompt")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_video)
 
     p = sub.add_parser("chat", help="talk about images and videos interactively")
@@ -88,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--quiet", action="store_true", help="no progress line while images are encoded")
+    _cache_args(p)
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs")
@@ -100,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
                    help="drop a request's oldest turns when its history does not fit (default: refuse it)")
+    _cache_args(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -127,6 +131,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", help="folder of the image-embedding disk cache "
+                                       "(default: $GGUF_MCV_CACHE/embeddings, else ~/.cache/gguf_mcv/embeddings)")
+    p.add_argument("--cache-size", default="2GiB", help="size cap of that cache, e.g. 500MB (default 2GiB)")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep image embeddings in memory only")
 
 
 def _answer_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +234,8 @@ def _chat(args: argparse.Namespace) -> int:
         chat = model.chat(system=args.system, overflow="drop_oldest")
         images: list[str] = []
         videos: list[str] = []
-        print("Type a question. /image PATH, /video PATH, /reset, /exit.", file=sys.stderr)
+        print("Type a question. /image PATH, /video PATH, /save PATH, /load PATH, /reset, /exit.",
+              file=sys.stderr)
         while True:
             try:
                 line = input("> ").strip()
@@ -237,6 +249,17 @@ def _chat(args: argparse.Namespace) -> int:
                 images.clear()
                 videos.clear()
                 print("(conversation cleared)", file=sys.stderr)
+            elif command in ("/save", "/load") and rest.strip():
+                try:
+                    if command == "/save":
+                        kept = chat.save(rest.strip())
+                        print(f"(saved to {rest.strip()}{'' if kept else '; its turns will be evaluated again'})",
+                              file=sys.stderr)
+                    else:
+                        chat = model.load_chat(rest.strip())
+                        print(f"(loaded {len(chat.history) // 2} question(s) from {rest.strip()})", file=sys.stderr)
+                except GgufMcvError as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
             elif command in ("/image", "/video"):
                 if not Path(rest.strip()).exists():
                     print(f"(no such file: {rest.strip()})", file=sys.stderr)
@@ -317,13 +340,31 @@ def _load(args: argparse.Namespace):
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, embed_cache=_embed_cache(args))
     local = Path(args.model)
     if args.model.endswith(".gguf") or args.mmproj:
         if not local.is_file():
             raise ConfigError(f"Model file {local} does not exist.")
         return load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
     return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+
+def _embed_cache(args: argparse.Namespace):
+    """The embedding cache the command's options ask for: a disk tier unless --no-disk-cache
+    (None for commands without those options: the model's own, in memory)."""
+    from .embed_cache import EmbeddingCache, default_disk_dir  # lazy: per command
+    from .units import parse_size  # lazy: per command
+
+    if not hasattr(args, "no_disk_cache"):
+        return None
+    if args.no_disk_cache:
+        if args.cache_dir is not None:
+            raise ConfigError("Give --cache-dir or --no-disk-cache, not both.")
+        return EmbeddingCache()
+    folder = Path(args.cache_dir).expanduser() if args.cache_dir else default_disk_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--cache-dir {folder} is a file, not a folder: name a folder (it is created).")
+    return EmbeddingCache(disk_dir=folder, max_disk_bytes=parse_size(args.cache_size))
 
 
 def _find_mmproj(model: Path) -> Path:
