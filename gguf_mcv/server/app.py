@@ -21,6 +21,7 @@ from .http_errors import add_error_handlers
 from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
+from .prometheus import registry_for
 from .state import State
 
 log = logging.getLogger("gguf_mcv.server")
@@ -59,6 +60,7 @@ def build_app(
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
         allow_remote=allow_remote_media, gate=Gate(max_queue), metrics=Metrics(), truncate=truncate,
     )
+    state.registry = registry_for(state)
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gguf = state
