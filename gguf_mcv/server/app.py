@@ -14,7 +14,7 @@ from .. import __version__
 from ..errors import ConfigError
 from ..messages import MediaPolicy
 from ..model import Model
-from . import health, ollama_api, openai_api
+from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
@@ -65,6 +65,7 @@ def build_app(
                   openapi_url=None)
     app.state.gguf = state
     app.include_router(health.router)
+    app.include_router(page.router)  # no key: the page is static; it sends the key the user types
     app.include_router(openai_api.router, dependencies=[Depends(authorize)])
     app.include_router(ollama_api.router, dependencies=[Depends(authorize)])
     add_error_handlers(app)
