@@ -106,6 +106,16 @@ class Prompt:
         self.close()
 
 
+@dataclass
+class KVState:
+    """A copy of what the KV cache holds (:meth:`Engine.save_state`): its units, llama.cpp's
+    sequence state, and checkpoints of the recurrent state as ``(n_units, n_pos, data)``."""
+
+    units: list[Unit]
+    data: bytes
+    checkpoints: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class _Checkpoint:
     """The recurrent part of the sequence state after ``n_units`` units (``n_pos`` positions)."""
@@ -221,8 +231,9 @@ class Engine:
         self._check_open()
         self._truncate(0)
 
-    def save_state(self) -> tuple[list[Unit], bytes]:
-        """What the KV cache holds: its units and llama.cpp's state of the sequence (to save it)."""
+    def save_state(self) -> KVState:
+        """What the KV cache holds: its units, llama.cpp's state of the sequence and the
+        recurrent-state checkpoints (to save it)."""
         self._check_open()
         self._sync_with_llama()
         lc, ctx = self._lc, self.llama.ctx
@@ -230,20 +241,24 @@ class Engine:
         buf = (ctypes.c_uint8 * size)()
         if int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
             raise EngineError("llama.cpp could not copy the KV cache's state.")
-        return list(self._units), bytes(buf)
+        return KVState(list(self._units), bytes(buf), [(c.n_units, c.n_pos, c.data) for c in self._checkpoints])
 
-    def restore_state(self, units: Sequence[Unit], data: bytes) -> None:
-        """Make the KV cache hold ``units`` from ``data`` (from :meth:`save_state` with this model).
+    def restore_state(self, state: KVState) -> None:
+        """Make the KV cache hold ``state.units`` from ``state`` (from :meth:`save_state` with this model).
 
-        :class:`EngineError` (and an empty cache) when llama.cpp refuses the state or it
-        does not hold exactly ``units``' positions; :class:`ContextOverflowError` when they
-        do not fit in this context.
+        :class:`EngineError` (and an empty cache) when llama.cpp refuses the state, it does
+        not hold exactly the units' positions, or a checkpoint does not fall on a unit;
+        :class:`ContextOverflowError` when the units do not fit in this context.
         """
         self._check_open()
+        units, data = list(state.units), state.data
         n_pos = _n_pos(units)
         if n_pos > self.n_ctx:
             raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
                                        "load the model with a larger n_ctx.")
+        checkpoints = [_Checkpoint(n, p, d) for n, p, d in state.checkpoints]
+        if any(not 0 < c.n_units <= len(units) or c.n_pos != _n_pos(units[:c.n_units]) for c in checkpoints):
+            raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
         lc, ctx = self._lc, self.llama.ctx
         mem = lc.llama_get_memory(ctx)
         self._truncate(0)
@@ -258,7 +273,8 @@ class Engine:
         ids = [u if isinstance(u, int) else IMAGE_SENTINEL for u in units for _ in range(_width(u))]
         self.llama.input_ids[:n_pos] = ids
         self.llama.n_tokens = n_pos
-        self._units = list(units)
+        self._units = units
+        self._checkpoints = checkpoints[-MAX_CHECKPOINTS:]
 
     @property
     def closed(self) -> bool:

@@ -318,10 +318,10 @@ class Model:
         saved_chat.check_model(saved.model, self.identity(), path)
         chat = Chat(self, **_chat_settings(saved.settings, path))
         chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
-        if saved.units is not None and saved.state is not None:
+        if saved.kv is not None:
             with self._lock.hold():
                 try:
-                    self.engine.restore_state(saved.units, saved.state)
+                    self.engine.restore_state(saved.kv)
                 except (EngineError, ContextOverflowError) as exc:
                     raise SavedChatError(
                         f"{path}: this model's context cannot take the saved KV state ({exc}). Load the model "
@@ -521,15 +521,14 @@ class Chat:
         cannot be written.
         """
         model = self.model
-        units = state = None
+        kv = None
         with model._lock.hold():
             engine = model.engine
             if self._kv_units is not None and engine.units == self._kv_units:
-                units, state = engine.save_state()
+                kv = engine.save_state()
         saved_chat.write(path, saved_chat.SavedChat(
-            model=model.identity(), settings=self._settings(), turns=saved_chat.pairs(self._turns),
-            units=units, state=state))
-        return state is not None
+            model=model.identity(), settings=self._settings(), turns=saved_chat.pairs(self._turns), kv=kv))
+        return kv is not None
 
     def _settings(self) -> dict[str, Any]:
         return {"system": self.system, "thinking": self.thinking, "overflow": self.overflow,

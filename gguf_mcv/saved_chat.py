@@ -8,7 +8,9 @@ damaged or truncated file is noticed) holding:
   (role, text, the digests of their images) and what the KV cache held (the engine's
   units: a token id, or an image chunk's cache key and width);
 * ``state.bin`` — llama.cpp's state of the KV-cache sequence (absent when the model's
-  cache held another conversation when it was saved), with its SHA-256 in ``chat.json``;
+  cache held another conversation when it was saved), with its SHA-256 in ``chat.json``,
+  and ``checkpoint-N.bin``, the engine's checkpoints of a recurrent state (MiniCPM-V 4.6),
+  which let a follow-up go back a little way without evaluating everything again;
 * ``images/<digest>.png`` — each image of the conversation, lossless, so that a
   follow-up can lay the prompt out again without encoding anything.
 
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import PIL.Image
 
-from .engine import ImageUnit, Unit
+from .engine import ImageUnit, KVState, Unit
 from .errors import MediaError, SavedChatError
 from .media import Image, load_image
 
@@ -47,6 +49,8 @@ MAX_IMAGE_BYTES = 256 * 2**20
 MAX_IMAGES = 4096
 #: the KV state is never larger than this, whatever the machine (checked before reading)
 MAX_STATE_BYTES = 16 * 2**30
+#: at most this many recurrent-state checkpoints (the engine keeps 2)
+MAX_CHECKPOINTS = 8
 
 
 @dataclass
@@ -56,8 +60,7 @@ class SavedChat:
     model: dict[str, Any]
     settings: dict[str, Any]
     turns: list[tuple[str, str, tuple[Image, ...]]]
-    units: list[Unit] | None = None
-    state: bytes | None = None
+    kv: KVState | None = None
     images: dict[str, Image] = field(default_factory=dict)
 
 
@@ -69,10 +72,11 @@ def write(path: str | os.PathLike, saved: SavedChat) -> Path:
         "format": FORMAT, "version": VERSION, "model": saved.model, "settings": saved.settings,
         "turns": [{"role": role, "text": text, "images": [im.digest for im in images]}
                   for role, text, images in saved.turns],
-        "units": None if saved.units is None else [u if isinstance(u, int) else [u.key, u.n_pos]
-                                                   for u in saved.units],
-        "state": None if saved.state is None else {"bytes": len(saved.state),
-                                                   "sha256": hashlib.sha256(saved.state).hexdigest()},
+        "units": None if saved.kv is None else [u if isinstance(u, int) else [u.key, u.n_pos]
+                                                for u in saved.kv.units],
+        "state": None if saved.kv is None else {
+            **_blob_meta(saved.kv.data),
+            "checkpoints": [{"n_units": n, "n_pos": p, **_blob_meta(d)} for n, p, d in saved.kv.checkpoints]},
     }
     images = {im.digest: im for _, _, ims in saved.turns for im in ims}
     tmp: str | None = None
@@ -82,8 +86,10 @@ def write(path: str | os.PathLike, saved: SavedChat) -> Path:
         with os.fdopen(fd, "wb") as f:
             with zipfile.ZipFile(f, "w") as zf:
                 zf.writestr("chat.json", json.dumps(header), compress_type=zipfile.ZIP_DEFLATED)
-                if saved.state is not None:
-                    zf.writestr("state.bin", saved.state, compress_type=zipfile.ZIP_STORED)
+                if saved.kv is not None:
+                    zf.writestr("state.bin", saved.kv.data, compress_type=zipfile.ZIP_STORED)
+                    for i, (_, _, data) in enumerate(saved.kv.checkpoints):
+                        zf.writestr(f"checkpoint-{i}.bin", data, compress_type=zipfile.ZIP_STORED)
                 for digest, image in images.items():
                     zf.writestr(f"images/{digest}.png", _png(image), compress_type=zipfile.ZIP_STORED)
             f.flush()
@@ -184,13 +190,23 @@ def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vo
             raise _damaged(source, f"a turn has the role {role!r}")
         turns.append((role, _typed(t.get("text"), str, "a turn's text", source),
                       tuple(images[d] for d in t["images"])))
-    units = None if header.get("units") is None else _units(header["units"], source, n_vocab, n_ctx)
-    state = None
+    kv = None
     if header.get("state") is not None:
-        if units is None:
+        if header.get("units") is None:
             raise _damaged(source, "it has a KV state but no units")
-        state = _state(zf, _typed(header["state"], dict, "state", source), source, max_state_bytes)
-    return SavedChat(model=model, settings=settings, turns=turns, units=units, state=state, images=images)
+        units = _units(header["units"], source, n_vocab, n_ctx)
+        meta = _typed(header["state"], dict, "state", source)
+        limit = min(max_state_bytes, _available_memory() // 2)
+        kv = KVState(units, _blob(zf, "state.bin", meta, source, limit))
+        checkpoints = _typed(meta.get("checkpoints", []), list, "the checkpoints", source)
+        if len(checkpoints) > MAX_CHECKPOINTS:
+            raise _damaged(source, f"it has {len(checkpoints)} checkpoints")
+        for i, c in enumerate(checkpoints):
+            c = _typed(c, dict, "a checkpoint", source)
+            n_units = _typed(c.get("n_units"), int, "a checkpoint's units", source)
+            n_pos = _typed(c.get("n_pos"), int, "a checkpoint's positions", source)
+            kv.checkpoints.append((n_units, n_pos, _blob(zf, f"checkpoint-{i}.bin", c, source, limit)))
+    return SavedChat(model=model, settings=settings, turns=turns, kv=kv, images=images)
 
 
 def _units(raw: Any, source: Path, n_vocab: int, n_ctx: int) -> list[Unit]:
@@ -215,16 +231,20 @@ def _units(raw: Any, source: Path, n_vocab: int, n_ctx: int) -> list[Unit]:
     return units
 
 
-def _state(zf: zipfile.ZipFile, meta: dict[str, Any], source: Path, max_state_bytes: int) -> bytes:
-    size = _typed(meta.get("bytes"), int, "the state's size", source)
-    digest = _typed(meta.get("sha256"), str, "the state's checksum", source)
-    limit = min(max_state_bytes, _available_memory() // 2)
+def _blob_meta(data: bytes) -> dict[str, Any]:
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _blob(zf: zipfile.ZipFile, name: str, meta: dict[str, Any], source: Path, limit: int) -> bytes:
+    """Member ``name``, whose size and SHA-256 ``meta`` gives; at most ``limit`` bytes."""
+    size = _typed(meta.get("bytes"), int, f"the size of {name}", source)
+    digest = _typed(meta.get("sha256"), str, f"the checksum of {name}", source)
     if size > limit:
         raise SavedChatError(f"{source} holds a KV state of {size} bytes, more than the {limit} this machine "
                              "can take now: it is damaged, or was saved on a larger machine.")
-    data = _member(zf, "state.bin", size, source)
+    data = _member(zf, name, size, source)
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-        raise _damaged(source, "its KV state does not match its checksum")
+        raise _damaged(source, f"{name} does not match its checksum")
     return data
 
 

@@ -152,6 +152,10 @@ HEADER_DAMAGE = {
     "settings_type": lambda h: h["settings"].__setitem__("keep_first", "1"),
     "settings_bool_as_int": lambda h: h["settings"].__setitem__("keep_first", True),
     "model_missing": setter("model", value={}),
+    "checkpoint_missing": lambda h: h["state"].__setitem__(
+        "checkpoints", [{"n_units": 1, "n_pos": 1, "bytes": 3, "sha256": "0" * 64}]),
+    "checkpoints_many": lambda h: h["state"].__setitem__("checkpoints", [{}] * 100),
+    "checkpoint_type": lambda h: h["state"].__setitem__("checkpoints", [{"n_units": "1"}]),
 }
 
 
