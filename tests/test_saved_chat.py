@@ -285,3 +285,13 @@ def test_two_threads_saving_at_once_leave_a_whole_file(pair, tmp_path) -> None:
     assert not errors
     assert len(second.load_chat(tmp_path / "same").history) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["same"]
+
+
+def test_other_kv_cache_settings_are_refused_and_the_model_still_answers(tiny, saved) -> None:
+    path, _ = saved
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048, n_threads=2,
+                       flash_attn=True) as other:  # llama.cpp lays V out another way
+        with pytest.raises(SavedChatError, match="KV cache type and flash-attention"):
+            other.load_chat(path)
+        assert other.engine.n_past == 0
+        assert other.ask("still fine?", max_tokens=2).usage.completion_tokens >= 1
