@@ -265,3 +265,28 @@ def test_expected_length_is_checked_in_memory_too() -> None:
     assert cache.get("k") is None  # the wrong-length value is dropped
     cache.put("k", arr(10))
     assert cache.get("k", n_values=10) is not None
+
+
+def test_threads_sharing_one_cache_with_a_disk_tier(tmp_path: Path) -> None:
+    import threading
+
+    cache = EmbeddingCache(max_bytes=200_000, disk_dir=tmp_path, max_disk_bytes=2**21)
+    errors: list[BaseException] = []
+
+    def work(me: int) -> None:
+        try:
+            for i in range(60):
+                k = (i * (me + 1)) % 25
+                cache.put(f"k{k}", np.full(10_000, k, np.float32))
+                got = cache.get(f"k{(k + 3) % 25}", n_values=10_000)
+                assert got is None or (got == (k + 3) % 25).all()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert cache.nbytes <= 200_000 and cache.hits > 0
