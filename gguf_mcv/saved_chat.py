@@ -119,12 +119,9 @@ def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: 
         raise SavedChatError(f"No saved conversation at {source}: check the path.") from None
     except SavedChatError:
         raise
-    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, KeyError,
-            NotImplementedError, RuntimeError) as exc:
-        # zipfile reports damage in many ways (BadZipFile, a bad CRC as BadZipFile, EOFError,
-        # zlib errors as zlib.error (an Exception) are caught below): each means an unusable file
-        raise _damaged(source, f"{type(exc).__name__}: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - zlib.error and other decoder failures
+    except Exception as exc:  # noqa: BLE001
+        # zipfile and zlib report damage in many ways (BadZipFile, a bad CRC, EOFError, zlib.error,
+        # OSError, ValueError...): each one means an unusable file, never a crash
         raise _damaged(source, f"{type(exc).__name__}: {exc}") from exc
     return saved
 
