@@ -5,6 +5,9 @@ Every measurement is a fresh process (the way a board that rebooted, or a restar
 ``gguf-mcv serve``, starts), timed from its start to its answer, plus the time to the
 first token that the answer reports:
 
+CPU seconds (user + system) of each process are reported too: on a shared machine they
+move much less than wall time when other jobs run.
+
 * ``ask`` about the bundled example image after a first process filled the disk cache
   (``--cache-dir``), vs the same with ``--no-disk-cache``;
 * a follow-up question in a two-turn conversation about that image after a restart:
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -65,13 +69,20 @@ def run(mode: str, files: tuple[Path, Path], args, *, cache: Path | None, chat: 
     spec = {"mode": mode, "model": str(files[0]), "mmproj": str(files[1]), "threads": args.threads,
             "cache": str(cache) if cache else None, "chat": str(chat), "detail": args.detail,
             "max_tokens": args.max_tokens}
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), _children_cpu()
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
                           env=os.environ, timeout=3600)
-    wall = time.perf_counter() - began
+    wall, cpu = time.perf_counter() - began, _children_cpu() - cpu
     if done.returncode != 0:
         sys.exit(f"{mode} failed:\n{done.stderr}")
-    return {"wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
+    return {"wall_s": wall, "cpu_s": cpu, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) used by finished child processes: less sensitive than wall
+    time to other jobs on a shared machine."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -109,10 +120,11 @@ def main() -> None:
         rows.append(("follow-up after a restart: history replayed, nothing cached",
                      run("replay", files, args, cache=None, chat=chat)))
     print(f"| case ({'tiny' if args.tiny else args.ladder} {args.quant}, {args.threads} threads, "
-          f"detail={args.detail}) | process wall s | time to first token s | slices encoded | tokens evaluated |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+          f"detail={args.detail}) | process CPU s | process wall s | time to first token s | slices encoded "
+          "| tokens evaluated |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, r in rows:
-        print(f"| {name} | {r['wall_s']:.2f} | {r['ttft_s']:.2f} | {r['slices_encoded']} | "
+        print(f"| {name} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['ttft_s']:.2f} | {r['slices_encoded']} | "
               f"{r['evaluated_tokens']} |")
 
 
