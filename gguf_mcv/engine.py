@@ -241,7 +241,8 @@ class Engine:
         buf = (ctypes.c_uint8 * size)()
         if int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
             raise EngineError("llama.cpp could not copy the KV cache's state.")
-        return KVState(list(self._units), bytes(buf), [(c.n_units, c.n_pos, c.data) for c in self._checkpoints])
+        return KVState(list(self._units), bytes(buf),
+                       [(c.n_units, c.n_pos, bytes(c.data)) for c in self._checkpoints])
 
     def restore_state(self, state: KVState) -> None:
         """Make the KV cache hold ``state.units`` from ``state`` (from :meth:`save_state` with this model).
@@ -256,7 +257,8 @@ class Engine:
         if n_pos > self.n_ctx:
             raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
                                        "load the model with a larger n_ctx.")
-        checkpoints = [_Checkpoint(n, p, d) for n, p, d in state.checkpoints]
+        checkpoints = [_Checkpoint(n, p, (ctypes.c_uint8 * len(d)).from_buffer_copy(d))
+                       for n, p, d in state.checkpoints]
         if any(not 0 < c.n_units <= len(units) or c.n_pos != _n_pos(units[:c.n_units]) for c in checkpoints):
             raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
         lc, ctx = self._lc, self.llama.ctx
