@@ -31,6 +31,7 @@ from .errors import (
     OfflineError,
     OutputBusyError,
     OutputError,
+    SavedChatError,
 )
 from .generation import Stream
 from .hardware import Hardware, probe
@@ -60,7 +61,7 @@ __all__ = [
     "HubAuthError", "Image", "IncompatibleProjectorError", "MediaError", "MediaPolicy",
     "MiniCPMVChatHandler", "Model", "ModelBusyError", "ModelClosedError", "ModelFiles", "ModelInfo",
     "ModelNotFoundError", "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Plan", "Progress",
-    "Reply", "Sampling", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
+    "Reply", "Sampling", "SavedChatError", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
 __all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--example", action="store_true", help="ask about the bundled example image")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_ask)
 
     p = sub.add_parser("video", help="ask a question about a video")
@@ -91,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dedupe", action="store_true", help="keep near-duplicate frames")
     p.add_argument("--no-timestamps", action="store_true", help="no frame times in the prompt")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_video)
 
     p = sub.add_parser("chat", help="talk about images and videos interactively")
@@ -98,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--quiet", action="store_true", help="no progress line while images are encoded")
+    _cache_args(p)
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs")
@@ -110,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
                    help="drop a request's oldest turns when its history does not fit (default: refuse it)")
+    _cache_args(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -166,6 +170,13 @@ def _speed_args(p: argparse.ArgumentParser) -> None:
                    help="only quants (and, for 'auto', models) predicted to decode at least N tokens/s")
     p.add_argument("--max-first-answer-s", type=float, metavar="S",
                    help="only those predicted to answer a photo's first token within S seconds")
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", help="folder of the image-embedding disk cache "
+                                       "(default: $GGUF_MCV_CACHE/embeddings, else ~/.cache/gguf_mcv/embeddings)")
+    p.add_argument("--cache-size", default="2GiB", help="size cap of that cache, e.g. 500MB (default 2GiB)")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep image embeddings in memory only")
 
 
 def _answer_args(p: argparse.ArgumentParser) -> None:
@@ -275,7 +286,8 @@ def _chat(args: argparse.Namespace) -> int:
         chat = model.chat(system=args.system, overflow="drop_oldest")
         images: list[str] = []
         videos: list[str] = []
-        print("Type a question. /image PATH, /video PATH, /reset, /exit.", file=sys.stderr)
+        print("Type a question. /image PATH, /video PATH, /save PATH, /load PATH, /reset, /exit.",
+              file=sys.stderr)
         while True:
             try:
                 line = input("> ").strip()
@@ -289,6 +301,17 @@ def _chat(args: argparse.Namespace) -> int:
                 images.clear()
                 videos.clear()
                 print("(conversation cleared)", file=sys.stderr)
+            elif command in ("/save", "/load") and rest.strip():
+                try:
+                    if command == "/save":
+                        kept = chat.save(rest.strip())
+                        print(f"(saved to {rest.strip()}{'' if kept else '; its turns will be evaluated again'})",
+                              file=sys.stderr)
+                    else:
+                        chat = model.load_chat(rest.strip())
+                        print(f"(loaded {len(chat.history) // 2} question(s) from {rest.strip()})", file=sys.stderr)
+                except GgufMcvError as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
             elif command in ("/image", "/video"):
                 if not Path(rest.strip()).exists():
                     print(f"(no such file: {rest.strip()})", file=sys.stderr)
@@ -412,7 +435,7 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
-    return load(**_load_kwargs(args))
+    return load(**_load_kwargs(args), embed_cache=_embed_cache(args))
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,6 +459,24 @@ def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
     if not local.is_file():
         raise ConfigError(f"Model file {local} does not exist.")
     return local, Path(args.mmproj) if args.mmproj else _find_mmproj(local)
+
+
+def _embed_cache(args: argparse.Namespace):
+    """The embedding cache the command's options ask for: a disk tier unless --no-disk-cache
+    (None for commands without those options: the model's own, in memory)."""
+    from .embed_cache import EmbeddingCache, default_disk_dir  # lazy: per command
+    from .units import parse_size  # lazy: per command
+
+    if not hasattr(args, "no_disk_cache"):
+        return None
+    if args.no_disk_cache:
+        if args.cache_dir is not None:
+            raise ConfigError("Give --cache-dir or --no-disk-cache, not both.")
+        return EmbeddingCache()
+    folder = Path(args.cache_dir).expanduser() if args.cache_dir else default_disk_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--cache-dir {folder} is a file, not a folder: name a folder (it is created).")
+    return EmbeddingCache(disk_dir=folder, max_disk_bytes=parse_size(args.cache_size))
 
 
 def _find_mmproj(model: Path) -> Path:

@@ -87,3 +87,7 @@ class OutputBusyError(OutputError):
 
 class ClusterError(GgufMcvError, RuntimeError):
     """A Ray cluster could not be joined, or its job failed as a whole (a bad item is only an error row)."""
+
+
+class SavedChatError(GgufMcvError, ValueError):
+    """A saved conversation cannot be used: damaged, of another model, or not one at all."""

@@ -14,10 +14,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
 
-from . import native, structured
+from . import native, saved_chat, structured
 from . import tools as tooling
-from .engine import Engine
-from .errors import ConfigError, ContextOverflowError, ModelClosedError
+from .engine import Engine, file_identity
+from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
 from .generation import AnswerLock, ProgressCallback, Stream, respond
 from .media import Image, ImageInput
 from .messages import MediaPolicy, convert
@@ -71,6 +71,7 @@ class Model:
         self.allow_remote_media = allow_remote_media
         self._verbose = verbose
         self._lock = AnswerLock()
+        self._identity: dict[str, Any] | None = None
         #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
@@ -303,6 +304,41 @@ class Model:
         return Chat(self, system=system, thinking=thinking, overflow=overflow, keep_first=keep_first,
                     context_shift=context_shift)
 
+    def load_chat(self, path: str | os.PathLike) -> "Chat":
+        """The conversation :meth:`Chat.save` wrote to ``path``, ready to continue.
+
+        Its KV state is put back into this model's cache, so the next question evaluates
+        only its own tokens (a file saved without a state evaluates the conversation again,
+        images from the embedding cache when they are there). :class:`SavedChatError` when
+        the file is damaged, truncated or not a saved chat, or was saved with another text
+        model, quant, projector or vision backend, or holds more than ``n_ctx`` positions.
+        """
+        engine = self.engine
+        saved = saved_chat.read(path, n_vocab=int(engine.llama.n_vocab()), n_ctx=self.info.n_ctx)
+        saved_chat.check_model(saved.model, self.identity(), path)
+        chat = Chat(self, **_chat_settings(saved.settings, path))
+        chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
+        if saved.kv is not None:
+            with self._lock.hold():
+                try:
+                    self.engine.restore_state(saved.kv)
+                except (EngineError, ContextOverflowError) as exc:
+                    raise SavedChatError(
+                        f"{path}: this model's context cannot take the saved KV state ({exc}). Load the model "
+                        "with the n_ctx, KV cache type and flash-attention setting it was saved with."
+                    ) from exc
+                chat._kv_units = self.engine.units
+        return chat
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved conversation must have been made with: text model file, quant,
+        projector and vision backend (and the name, for messages)."""
+        if self._identity is None:
+            self._identity = {"name": self.info.name, "model": file_identity(self.info.model_path),
+                              "quant": self.info.quant}
+        engine = self.engine
+        return {**self._identity, "projector": engine.mmproj_id, "backend": engine.vision_backend}
+
     def prepare_image(self, image: ImageInput, *, detail: str = "auto",
                       max_slices: int | None = None) -> Image:
         """Decode ``image`` and size it for the vision encoder (see :func:`slicing.apply_detail`).
@@ -384,6 +420,7 @@ class Chat:
         self._turns: list[Turn] = []
         self._used = 0  # positions the conversation filled after its last answer (0: unknown)
         self._tools: tooling.Toolbox | None = None  # the tools of the turn being answered
+        self._kv_units: tuple | None = None  # what the model's KV cache held after our last answer
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -495,6 +532,31 @@ class Chat:
         """Forget the conversation."""
         self._turns.clear()
         self._used = 0
+        self._kv_units = None
+
+    def save(self, path: str | os.PathLike) -> bool:
+        """Write this conversation to ``path`` (atomically) for :meth:`Model.load_chat`.
+
+        The file holds the turns, their images, the settings and — when the model's KV
+        cache still holds this conversation (no other question was answered since its
+        last answer) — the KV state, so the conversation continues after a restart
+        without evaluating it again. Returns whether the KV state was saved (without it,
+        the loaded chat evaluates its turns again). :class:`SavedChatError` if the file
+        cannot be written.
+        """
+        model = self.model
+        kv = None
+        with model._lock.hold():
+            engine = model.engine
+            if self._kv_units is not None and engine.units == self._kv_units:
+                kv = engine.save_state()
+        saved_chat.write(path, saved_chat.SavedChat(
+            model=model.identity(), settings=self._settings(), turns=saved_chat.pairs(self._turns), kv=kv))
+        return kv is not None
+
+    def _settings(self) -> dict[str, Any]:
+        return {"system": self.system, "thinking": self.thinking, "overflow": self.overflow,
+                "keep_first": self.keep_first, "context_shift": self.context_shift}
 
     def _head(self) -> list[Turn]:
         """The system turn: the system prompt and, with tools, their description."""
@@ -523,6 +585,7 @@ class Chat:
                     reply.dropped_turns = dropped
                     self._remember(user, reply)
                     self._used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                    self._kv_units = self.model.engine.units
                     return reply
                 except ContextOverflowError:
                     # the measure before the answer keeps room for it; this is the last resort
@@ -540,12 +603,28 @@ class Chat:
             pieces.close()
             self._remember(user, "".join(produced))
             self._used = 0
+            self._kv_units = None
             raise
 
     def _remember(self, user: Turn, answer: str) -> None:
         calls = [tooling.render_call(call) for call in getattr(answer, "tool_calls", ())]
         text = "\n".join([str(answer), *calls]).strip() if calls else str(answer)
         self._turns += [user, self.model.turns.turn("assistant", [text])]
+
+
+def _chat_settings(raw: dict[str, Any], source: Any) -> dict[str, Any]:
+    """A saved chat's settings as :class:`Chat` arguments; SavedChatError if any is malformed."""
+    kinds: dict[str, tuple[type, ...]] = {"system": (str, type(None)), "thinking": (bool, type(None)),
+                                          "overflow": (str,), "keep_first": (int,), "context_shift": (bool,)}
+    settings: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        value = raw.get(name)
+        if not isinstance(value, kind) or (kind == (int,) and isinstance(value, bool)):
+            raise SavedChatError(f"{source}: the saved setting {name} is {str(value)[:40]!r}; the file is damaged.")
+        settings[name] = value
+    if settings["overflow"] not in ("error", "drop_oldest") or settings["keep_first"] < 0:
+        raise SavedChatError(f"{source}: the saved settings are out of range; the file is damaged.")
+    return settings
 
 
 def _video_first(prompt: Any, video: Any) -> bool:

@@ -316,3 +316,48 @@ def test_plan_of_a_missing_local_file_is_one_line() -> None:
 def test_speed_limits_with_local_files_are_refused_before_loading(tiny) -> None:
     done = run("ask", str(tiny.quants["Q4_K_M"]), "x.png", "hi", "--min-tokens-per-s", "5")
     assert done.returncode == 1 and "Speed limits choose a model and quant" in done.stderr
+
+
+def test_ask_uses_a_disk_cache_across_processes_unless_told_not_to(tiny, picture: Path, tmp_path: Path) -> None:
+    def encoded(*flags: str, image: Path = picture) -> int:
+        done = run("ask", str(tiny.quants["Q4_K_M"]), str(image), "?", "--max-tokens", "1", "--json", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["timings"]["slices_encoded"]
+
+    cache = tmp_path / "emb"
+    assert encoded("--cache-dir", str(cache), "--cache-size", "50MB") > 0
+    assert encoded("--cache-dir", str(cache)) == 0  # a new process: from the disk cache
+    assert encoded("--no-disk-cache") > 0
+    default = Path(os.environ["GGUF_MCV_CACHE"]) / "embeddings"
+    before = sum(1 for _ in default.rglob("*")) if default.is_dir() else 0
+    fresh = tmp_path / "fresh.png"
+    PIL.Image.fromarray(np.random.default_rng(11).integers(0, 256, (60, 70, 3), dtype=np.uint8)).save(fresh)
+    assert encoded(image=fresh) > 0  # stored in the default folder, in $GGUF_MCV_CACHE
+    assert sum(1 for _ in default.rglob("*")) > before
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--cache-dir", "{file}"), "is a file"),
+    (("--cache-size", "lots"), "size"),
+    (("--cache-size", "10"), "max_disk_bytes"),
+    (("--cache-dir", "{dir}", "--no-disk-cache"), "not both"),
+])
+def test_bad_cache_options_are_one_line(tiny, picture: Path, tmp_path: Path, flags, match) -> None:
+    (tmp_path / "file").write_text("x")
+    done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "?",
+               *(f.format(file=tmp_path / "file", dir=tmp_path) for f in flags))
+    assert done.returncode == 1 and match in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_chat_saves_and_a_new_process_continues_it(tiny, picture: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "talk.chat"
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3",
+               stdin=f"/image {picture}\nWhat is it?\n/save {saved}\n/save {tmp_path}\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert f"(saved to {saved})" in done.stderr and "(error: Could not save" in done.stderr
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3",
+               stdin=f"/load {tmp_path / 'nothing'}\n/load {saved}\nAnd now?\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "(error: No saved conversation" in done.stderr and "(loaded 1 question(s)" in done.stderr
+    assert done.stdout.strip()  # the follow-up was answered

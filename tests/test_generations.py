@@ -391,3 +391,19 @@ def test_regenerate_encodes_nothing_and_evaluates_at_most_the_checkpoint_tail(mo
     assert again.usage.evaluated_tokens <= limit
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
     assert len(chat.history) == 2 and chat.history[1]["content"] == str(again)
+
+
+@pytest.mark.parametrize("generation", ["4.6"], indirect=True)  # 2.6: tests/test_saved_chat.py
+def test_a_saved_chat_continues_as_the_unbroken_one(model: Model, tmp_path: Path) -> None:
+    """Chat.save / Model.load_chat on the hybrid model (its recurrent state and checkpoints saved
+    too): the loaded chat's next answer and its usage are those of the chat that never stopped."""
+    chat = model.chat()
+    chat.send("What is it?", WIDE, max_tokens=4, temperature=0)
+    chat.send("Is it big?", max_tokens=4, temperature=0)
+    assert chat.save(tmp_path / "chat") is True
+    expected = chat.send("And the colours?", max_tokens=4, temperature=0)
+    model.ask("Something else.", max_tokens=2)  # the KV cache now holds another conversation
+    calls = model.engine.encoder_calls
+    got = model.load_chat(tmp_path / "chat").send("And the colours?", max_tokens=4, temperature=0)
+    assert (str(got), got.usage) == (str(expected), expected.usage)
+    assert model.engine.encoder_calls == calls and got.timings.slices_from_cache == 0
