@@ -286,8 +286,8 @@ def _chat(args: argparse.Namespace) -> int:
         chat = model.chat(system=args.system, overflow="drop_oldest")
         images: list[str] = []
         videos: list[str] = []
-        print("Type a question. /image PATH, /video PATH, /save PATH, /load PATH, /reset, /exit.",
-              file=sys.stderr)
+        print("Type a question. /image PATH, /video PATH, /again (answer the last question anew), "
+              "/save PATH, /load PATH, /reset, /exit.", file=sys.stderr)
         while True:
             try:
                 line = input("> ").strip()
@@ -312,6 +312,11 @@ def _chat(args: argparse.Namespace) -> int:
                         print(f"(loaded {len(chat.history) // 2} question(s) from {rest.strip()})", file=sys.stderr)
                 except GgufMcvError as exc:
                     print(f"(error: {_one_line(exc)})", file=sys.stderr)
+            elif command == "/again":
+                try:
+                    _print_pieces(chat.regenerate(stream=True, max_tokens=args.max_tokens))
+                except ConfigError as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
             elif command in ("/image", "/video"):
                 if not Path(rest.strip()).exists():
                     print(f"(no such file: {rest.strip()})", file=sys.stderr)
@@ -322,9 +327,7 @@ def _chat(args: argparse.Namespace) -> int:
                 try:
                     stream = chat.send(line, images, videos=videos, stream=True,
                                        max_tokens=args.max_tokens, on_progress=_progress_line(args))
-                    for piece in stream:
-                        print(piece, end="", flush=True)
-                    print()
+                    _print_pieces(stream)
                     dropped = stream.reply.dropped_turns if stream.reply is not None else 0
                     if dropped > 0:
                         print(f"(the context was full: the {dropped} oldest question(s) and their "
@@ -337,6 +340,12 @@ def _chat(args: argparse.Namespace) -> int:
                     print(f"(error: {_one_line(exc)})", file=sys.stderr)
                 images.clear()
                 videos.clear()
+
+
+def _print_pieces(stream: Any) -> None:
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -77,11 +77,12 @@ def test_video_json_reports_frames(tiny, tmp_path: Path) -> None:
 
 
 def test_chat_session_with_commands(tiny, picture: Path) -> None:
-    script = f"/image {picture}\nWhat is it?\nAnd now?\n/reset\n/image /no/such.png\n/exit\n"
+    script = f"/again\n/image {picture}\nWhat is it?\n/again\nAnd now?\n/reset\n/image /no/such.png\n/exit\n"
     done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3", stdin=script)
     assert done.returncode == 0, done.stderr
     assert "(image added" in done.stderr and "(conversation cleared)" in done.stderr
     assert "(no such file" in done.stderr
+    assert done.stderr.count("Nothing to regenerate") == 1  # only before the first answer
 
 
 def test_chat_keeps_the_session_when_the_context_fills(tiny, picture: Path) -> None:
