@@ -5,8 +5,8 @@ positions: all from the metadata) and feeds embeddings into the text context, bu
 not hold the vision tower a second time. libmtmd builds the encoder graph only to encode
 or warm up, neither of which happens with this backend, and reads from the tensors only
 their presence and the projector's output width (``clip_n_mmproj_embd``: ne[0] of
-``resampler.proj.weight``). So every tensor keeps its name and type class but holds one
-element — the projection keeps its input width. The file is a few KB whatever the tower.
+``resampler.proj.weight``, ne[1] of 4.6's ``mm.down.weight``). So every tensor keeps its
+name and type class but holds one element — that one keeps the output width. The file is a few KB whatever the tower.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import numpy as np
 
 from .errors import CorruptModelError
 
-#: tensors whose innermost (ggml ne[0]) size libmtmd reads at load
-KEEP_NE0 = ("resampler.proj.weight",)
+#: the tensor whose size libmtmd reads at load (clip_n_mmproj_embd: the output width), and
+#: which ggml dimension holds it: ne[0] of the resampler's projection, ne[1] of 4.6's merger
+KEEP = {"resampler.proj.weight": 0, "mm.down.weight": 1}
 
 
 def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -42,9 +43,11 @@ def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
             sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(name, field.contents(), main, sub_type=sub)
         for t in reader.tensors:
-            ne0 = int(t.shape[0]) if t.name in KEEP_NE0 else 1
+            ne = [1, 1]
+            if t.name in KEEP:
+                ne[KEEP[t.name]] = int(t.shape[KEEP[t.name]])
             dtype = np.float32 if t.tensor_type == gguf.GGMLQuantizationType.F32 else np.float16
-            writer.add_tensor(t.name, np.zeros((1, ne0) if len(t.shape) > 1 else (ne0,), dtype))
+            writer.add_tensor(t.name, np.zeros((ne[1], ne[0]) if len(t.shape) > 1 else (ne[0],), dtype))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

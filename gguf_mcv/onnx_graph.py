@@ -27,6 +27,7 @@ RESAMPLER_HEAD = 128
 #: SigLIP's position grid side (libmtmd buckets every slice into 70×70)
 POS_GRID = 70
 OPSET = 20  # Gelu with approximate="tanh"
+PROJECTORS = ("resampler", "minicpmv4_6")
 #: LayerNorm gamma channels larger than this many times the median are moved into the next
 #: MatMul's weights before int8 quantization (exact in fp32; see fold_outliers)
 OUTLIER_FACTOR = 4.0
@@ -48,7 +49,9 @@ class Projector:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     n_out: int  #: output (text) width
-    query_num: int
+    query_num: int  #: resampler: tokens per slice (minicpmv4_6: 0, they follow the slice size)
+    n_merge: int = 1  #: minicpmv4_6: patches merged per side (4: window merger + final merger)
+    merger_layer: int = -1  #: minicpmv4_6: the block after which the window merger runs
 
 
 class Weights:
@@ -81,14 +84,21 @@ class Weights:
     def projector(self) -> Projector:
         f = self.fields
         kind = str(f.get("clip.projector_type", ""))
-        if kind != "resampler":
+        if kind not in PROJECTORS:
             raise IncompatibleProjectorError(
-                f"The ONNX vision backend supports the resampler projector (MiniCPM-V 2.5–4.5), not {kind!r}: "
-                "use vision_backend='llama.cpp'.")
+                f"The ONNX vision backend supports the {' and '.join(PROJECTORS)} projectors (MiniCPM-V 2.5–4.6), "
+                f"not {kind!r}: use vision_backend='llama.cpp'.")
         ffn = "gelu" if f.get("clip.use_gelu") else "silu" if f.get("clip.use_silu") else "gelu_quick"
-        proj = self["resampler.proj.weight"] if "resampler.proj.weight" in self else None
         version = int(f.get("clip.minicpmv_version", 2) or 2)
-        queries = int(f.get("clip.minicpmv_query_num", 0) or (96 if version == 2 else 64))
+        if kind == "resampler":
+            queries = int(f.get("clip.minicpmv_query_num", 0) or (96 if version == 2 else 64))
+            n_out, n_merge, merger_layer = int(self._shape("resampler.proj.weight")[1]), 1, -1
+        else:
+            n_merge = int(f.get("clip.vision.projector.scale_factor", 4) or 4)
+            if n_merge not in (2, 4):
+                raise IncompatibleProjectorError(f"A minicpmv4_6 merge factor of {n_merge} is not 2 or 4.")
+            layers = f.get("clip.vision.wa_layer_indexes") or [0]
+            queries, n_out, merger_layer = 0, int(self._shape("mm.down.weight")[0]), int(layers[0])
         return Projector(
             projector_type=kind, minicpmv_version=version,
             width=int(f["clip.vision.embedding_length"]), blocks=int(f["clip.vision.block_count"]),
@@ -97,8 +107,14 @@ class Weights:
             image_size=int(f["clip.vision.image_size"]), patch_size=int(f["clip.vision.patch_size"]),
             mean=tuple(float(x) for x in f["clip.vision.image_mean"]),  # type: ignore[arg-type]
             std=tuple(float(x) for x in f["clip.vision.image_std"]),  # type: ignore[arg-type]
-            n_out=int(proj.shape[1]) if proj is not None else 0, query_num=queries,
+            n_out=n_out, query_num=queries, n_merge=n_merge, merger_layer=merger_layer,
         )
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        t = self._tensors.get(name)
+        if t is None:
+            raise IncompatibleProjectorError(f"The mmproj has no tensor {name!r}.")
+        return tuple(int(s) for s in reversed(t.shape.tolist()))
 
 
 def vit_positions(h: int, w: int) -> np.ndarray:
@@ -117,6 +133,33 @@ def resampler_positions(h: int, w: int, dim: int) -> np.ndarray:
     pos_h, pos_w = (idx // w).astype(np.float32), (idx % w).astype(np.float32)
     tx, ty = pos_w[:, None] * omega[None, :], pos_h[:, None] * omega[None, :]
     return np.concatenate([np.sin(tx), np.cos(tx), np.sin(ty), np.cos(ty)], axis=1).astype(np.float32)
+
+
+def merge_indices(h: int, w: int) -> np.ndarray:
+    """The four 2×2 neighbours of each merged token (4 × (h/2 · w/2)), as libmtmd's make_ds_idx."""
+    i, j = np.meshgrid(np.arange(h // 2), np.arange(w // 2), indexing="ij")
+    return np.stack([((2 * i + r) * w + (2 * j + c)).reshape(-1) for r, c in ((0, 0), (0, 1), (1, 0), (1, 1))])
+
+
+def window_order(h: int, w: int) -> np.ndarray:
+    """Tokens reordered window-major (2×2 windows, 4 consecutive tokens each), as libmtmd's window_idx."""
+    return merge_indices(h, w).T.reshape(-1)
+
+
+def graph_inputs(p: Projector, h: int, w: int) -> dict[str, np.ndarray]:
+    """The graph's inputs besides the pixels, for an h×w patch grid."""
+    feeds = {"pos_ids": vit_positions(h, w)}
+    if p.projector_type == "resampler":
+        feeds["rpos"] = resampler_positions(h, w, p.n_out)
+        return feeds
+    if p.n_merge == 4:
+        order = window_order(h, w)
+        feeds["win_idx"] = order.astype(np.int64)
+        feeds["inv_win_idx"] = np.argsort(order).astype(np.int64)
+        feeds["ds_idx"] = merge_indices(h, w).astype(np.int64)
+        h, w = h // 2, w // 2
+    feeds["merge_idx"] = merge_indices(h, w).astype(np.int64)
+    return feeds
 
 
 def fold_outliers(gamma: np.ndarray, beta: np.ndarray, mats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -151,7 +194,8 @@ class _Builder:
 
     def const(self, hint: str, value: np.ndarray) -> str:
         name = self.name(hint)
-        self.inits.append(self.nh.from_array(np.ascontiguousarray(value), name))
+        # not np.ascontiguousarray: it turns a scalar into a 1-element vector
+        self.inits.append(self.nh.from_array(np.array(value, order="C", copy=True), name))
         return name
 
     def op(self, op: str, inputs: list[str], hint: str | None = None, domain: str = "", **attrs: Any) -> str:
@@ -197,19 +241,28 @@ def build_model(weights: Weights, *, fold: bool = False,
         progress(1, total)
     for i in range(p.blocks):
         x = _block(g, weights, p, i, x, fold)
+        if i == p.merger_layer and p.n_merge == 4:
+            x = _window_merger(g, weights, p, x)
         if progress:
             progress(i + 2, total)
     if "v.post_ln.weight" in weights:
         x = g.norm(x, weights["v.post_ln.weight"], weights["v.post_ln.bias"], p.eps, "post_ln")
     quantizable = [n.name for n in g.nodes if n.op_type == "MatMul" and n.name.startswith("v.blk.")]
-    out = _resampler(g, weights, p, x)
+    if p.projector_type == "resampler":
+        out = _resampler(g, weights, p, x)
+        extra = [helper.make_tensor_value_info("rpos", TensorProto.FLOAT, ["N", p.n_out])]
+    else:
+        out = _final_merger(g, weights, p, x)
+        extra = [helper.make_tensor_value_info("merge_idx", TensorProto.INT64, [4, "M"])]
+        if p.n_merge == 4:
+            extra += [helper.make_tensor_value_info(n, TensorProto.INT64, ["N"]) for n in ("win_idx", "inv_win_idx")]
+            extra.append(helper.make_tensor_value_info("ds_idx", TensorProto.INT64, [4, "D"]))
     nodes = g.nodes + [helper.make_node("Identity", [out], ["embeddings"], name="output")]
     graph = helper.make_graph(
         nodes, "minicpmv_vision",
         [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [1, 3, "H", "W"]),
-         helper.make_tensor_value_info("pos_ids", TensorProto.INT64, ["N"]),
-         helper.make_tensor_value_info("rpos", TensorProto.FLOAT, ["N", p.n_out])],
-        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [1, p.query_num, p.n_out])],
+         helper.make_tensor_value_info("pos_ids", TensorProto.INT64, ["N"]), *extra],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [1, p.query_num or "T", p.n_out])],
         initializer=g.inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
@@ -281,3 +334,50 @@ def _resampler(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     o = g.linear(a, w[f"{r}.attn.out.weight"], w[f"{r}.attn.out.bias"], "rs.out")
     o = g.norm(o, w[f"{r}.ln_post.weight"], w[f"{r}.ln_post.bias"], p.eps, "rs.ln_post")
     return g.linear(o, w[f"{r}.proj.weight"], None, "rs.proj")
+
+
+def _gather_merge(g: _Builder, x: str, idx: str) -> tuple[list[str], str]:
+    """The four 2×2 neighbours of each merged token (rows of ``x`` (1×N×D) chosen by the 4×M
+    ``idx``) and their concatenation (1×M×4D)."""
+    parts = []
+    for k in range(4):
+        row = g.op("Gather", [idx, g.const("k", np.asarray(k, np.int64))], axis=0)
+        parts.append(g.op("Gather", [x, row], axis=1))
+    return parts, g.op("Concat", parts, axis=-1)
+
+
+def _optional(w: Weights, name: str) -> np.ndarray | None:
+    return w[name] if name in w else None
+
+
+def _mlp(g: _Builder, w: Weights, x: str, up: str, down: str, act: str, hint: str) -> str:
+    y = g.linear(x, w[f"{up}.weight"], _optional(w, f"{up}.bias"), hint + ".up")
+    y = g.op("Gelu", [y], hint + ".act", approximate="tanh") if act == "gelu" else g.op("Gelu", [y], hint + ".act")
+    return g.linear(y, w[f"{down}.weight"], _optional(w, f"{down}.bias"), hint + ".down")
+
+
+def _window_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
+    """MiniCPM-V 4.6's ViT merger: attention inside each 2×2 window, then a 2×2 downsample MLP
+    added to the windows' mean (clip_graph_minicpmv4_6::build)."""
+    m = "v.vit_merger"
+    h = g.norm(x, w[f"{m}.ln1.weight"], w[f"{m}.ln1.bias"], p.eps, "wm.ln1")
+    h = g.op("Gather", [h, "win_idx"], axis=1)
+    qkv = {n: g.linear(h, w[f"{m}.attn_{n}.weight"], _optional(w, f"{m}.attn_{n}.bias"), f"wm.{n}") for n in "qkv"}
+    windows = g.const("wshape", np.asarray([-1, 4, p.width], np.int64))  # one batch entry per window
+    q, k, v = (g.op("Reshape", [qkv[n], windows]) for n in "qkv")
+    a = g.op("Reshape", [g.attention(q, k, v, p.heads, "wm.attn"), g.const("shape", np.asarray([1, -1, p.width],
+                                                                                                    np.int64))])
+    a = g.linear(a, w[f"{m}.attn_out.weight"], _optional(w, f"{m}.attn_out.bias"), "wm.out")
+    x = g.op("Add", [g.op("Gather", [a, "inv_win_idx"], axis=1), x], "wm.res")
+    parts, cat = _gather_merge(g, x, "ds_idx")
+    mean = g.op("Mul", [g.op("Sum", parts), g.const("quarter", np.asarray(0.25, np.float32))])
+    cat = g.norm(cat, w[f"{m}.ds_ln.weight"], w[f"{m}.ds_ln.bias"], p.eps, "wm.ds_ln")
+    return g.op("Add", [_mlp(g, w, cat, f"{m}.ds_ffn_up", f"{m}.ds_ffn_down", "gelu", "wm.ds"), mean], "wm.ds_out")
+
+
+def _final_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
+    """MiniCPM-V 4.6's final 2×2 merger: LayerNorm over 4 neighbours, MLP with erf GELU."""
+    _, cat = _gather_merge(g, x, "merge_idx")
+    bias = w["mm.input_norm.bias"] if "mm.input_norm.bias" in w else np.zeros(4 * p.width, np.float32)
+    cat = g.norm(cat, w["mm.input_norm.weight"], bias, p.eps, "mm.norm")
+    return _mlp(g, w, cat, "mm.up", "mm.down", "gelu_erf", "mm")

@@ -28,16 +28,20 @@ from typing import Any, Callable
 import numpy as np
 
 from . import constants
-from .errors import ConfigError, EngineError
+from .errors import ConfigError, EngineError, NotEnoughDiskError
 from .media import Image
 from .mtmd_preprocess import PreprocessParams, slice_pixels
-from .onnx_graph import Projector, Weights, build_model, resampler_positions, vit_positions
+from .onnx_graph import PROJECTORS, Projector, Weights, build_model, graph_inputs
+from .units import format_size
 
 #: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
 #: (mean over tokens of the per-token cosine, on the validation images)
 INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
 MANIFEST_VERSION = 1
+#: disk a conversion needs, in mmproj (f16) sizes: fp32 graph 2x, its folded copy 2x while
+#: quantizing, int8 graph about 0.6x
+DISK_FACTOR = 5
 #: the bundled example photo (also the self-test's)
 EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
 
@@ -130,6 +134,13 @@ def _convert(mmproj: Path, folder: Path, stem: str,
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    need = DISK_FACTOR * mmproj.stat().st_size
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotEnoughDiskError(
+            f"Converting {mmproj.name} for ONNX Runtime needs about {format_size(need)} free in {folder} "
+            f"(the fp32 graph, a temporary copy and the int8 graph); {format_size(free)} is free. Free some "
+            f"space, point GGUF_MCV_CACHE elsewhere, or use vision_backend='llama.cpp'.")
     start = time.perf_counter()
     weights = Weights(mmproj)
     projector = weights.projector()
@@ -224,7 +235,7 @@ class OnnxEncoder:
         self.path = Path(path)
         self.projector = projector
         self.params = PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
-                                       mean=projector.mean, std=projector.std)
+                                       mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if n_threads:
@@ -252,8 +263,7 @@ class OnnxEncoder:
     def encode_pixels(self, pixels: np.ndarray) -> np.ndarray:
         """Embeddings of one normalised 3×H×W slice."""
         h, w = pixels.shape[1] // self.projector.patch_size, pixels.shape[2] // self.projector.patch_size
-        feeds = {"pixels": pixels[None].astype(np.float32, copy=False), "pos_ids": vit_positions(h, w),
-                 "rpos": resampler_positions(h, w, self.projector.n_out)}
+        feeds = {"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(self.projector, h, w)}
         try:
             (out,) = self._session.run(["embeddings"], feeds)
         except Exception as exc:  # onnxruntime's own error classes
@@ -297,8 +307,8 @@ def choose_backend(requested: str, *, vision_gpu: bool, projector_type: str,
         return "llama.cpp", "asked for"
     problem = ("the vision encoder runs on the GPU" if vision_gpu
                else "onnxruntime is not installed (pip install onnxruntime onnx)" if ort_version is None
-               else f"the ONNX converter does not handle the {projector_type!r} projector yet"
-               if projector_type != "resampler" else None)
+               else f"the ONNX converter does not handle the {projector_type!r} projector"
+               if projector_type not in PROJECTORS else None)
     if requested == "auto":
         if problem:
             return "llama.cpp", f"auto: {problem}"

@@ -1,6 +1,6 @@
-"""The ONNX graph built from an mmproj against libmtmd's own encoder, for every resampler
-generation in the catalog (2.5, 2.6, o-2.6, 4.0, 4.5): per-token cosine >= 0.9999 on every
-slice of images that exercise the slicing (one slice, upscaled, a grid, a wide strip)."""
+"""The ONNX graph built from an mmproj against libmtmd's own encoder, for every projector in
+the catalog (the resampler of 2.5, 2.6, o-2.6, 4.0, 4.5; 4.6's merger): per-token cosine
+>= 0.9999 on every slice of images that exercise the slicing (upscaled to one slice, a grid)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,29 @@ from gguf_mcv import synthetic
 from gguf_mcv.embed_cache import EmbeddingCache
 from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
 from gguf_mcv.media import Image
-from gguf_mcv.onnx_graph import Weights, build_model, fold_outliers, resampler_positions, vit_positions
+from gguf_mcv.onnx_graph import (
+    Weights,
+    build_model,
+    fold_outliers,
+    merge_indices,
+    resampler_positions,
+    vit_positions,
+    window_order,
+)
 from gguf_mcv.onnx_vision import OnnxEncoder, _save, token_cosines
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("llama_cpp")
 
-RESAMPLER_GENERATIONS = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
-                         "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5"}
+#: one per projector in the catalog: the resampler of versions 2 (96 queries), 3, 4, 5, 6 and
+#: MiniCPM-V 4.6's minicpmv4_6 merger (4.6 Thinking has the same mmproj layout)
+GENERATIONS = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
+               "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}
 SIZES = [(300, 200), (1000, 700)]  # upscaled to one slice; overview + a 2x2 grid
 
 
-@pytest.fixture(scope="module", params=sorted(RESAMPLER_GENERATIONS))
+@pytest.fixture(scope="module", params=sorted(GENERATIONS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     gen = request.param
     out = tmp_path_factory.mktemp(f"onnx-{gen}")
@@ -36,7 +46,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     model, _ = build_model(weights)
     _save(onnx, model, out / "fp32.onnx")
     encoder = OnnxEncoder(out / "fp32.onnx", weights.projector(), n_threads=2)
-    with gguf_mcv.load(RESAMPLER_GENERATIONS[gen], model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,
+    with gguf_mcv.load(GENERATIONS[gen], model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,
                        n_ctx=4096, n_threads=2, vision_backend="llama.cpp", embed_cache=EmbeddingCache()) as m:
         yield m, encoder, gen
 
@@ -94,6 +104,21 @@ def test_a_damaged_mmproj_is_a_corrupt_model_error(tmp_path: Path) -> None:
 
 
 def test_another_projector_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    files = synthetic.build(tmp_path, synthetic.PRESETS["4.6"], [])
+    import gguf
+
+    path = tmp_path / "mmproj-llava.gguf"
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_tensor("mm.0.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     with pytest.raises(IncompatibleProjectorError, match="vision_backend='llama.cpp'"):
-        Weights(files.mmproj).projector()
+        Weights(path).projector()
+
+
+def test_merger_indices_follow_libmtmd() -> None:
+    # make_ds_idx(off_r, off_c, h/2, w/2, w) and the window-major order of clip.cpp, on a 4x4 grid
+    assert merge_indices(4, 4).tolist() == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]]
+    assert window_order(4, 4)[:8].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

@@ -15,7 +15,7 @@ import gguf_mcv
 from gguf_mcv import onnx_vision
 from gguf_mcv.embed_cache import EmbeddingCache
 from gguf_mcv.engine import file_identity
-from gguf_mcv.errors import ConfigError, EngineError
+from gguf_mcv.errors import ConfigError, EngineError, NotEnoughDiskError
 from gguf_mcv.media import Image
 from gguf_mcv.onnx_vision import INT8_MIN_COSINE, choose_backend, prepare
 
@@ -49,16 +49,17 @@ def test_auto_takes_int8_on_a_cpu_and_llama_cpp_otherwise() -> None:
     assert backend == "llama.cpp" and "GPU" in reason
     backend, reason = choose_backend("auto", vision_gpu=False, projector_type="resampler", ort_version=None)
     assert backend == "llama.cpp" and "onnxruntime is not installed" in reason
-    backend, reason = choose_backend("auto", vision_gpu=False, projector_type="minicpmv4_6", ort_version="1.32.0")
-    assert backend == "llama.cpp" and "minicpmv4_6" in reason
+    backend, reason = choose_backend("auto", vision_gpu=False, projector_type="mlp", ort_version="1.32.0")
+    assert backend == "llama.cpp" and "'mlp'" in reason
+    assert choose_backend("auto", vision_gpu=False, projector_type="minicpmv4_6", ort_version="1")[0] == "onnx-int8"
     assert choose_backend("llama.cpp", vision_gpu=False, projector_type="resampler", ort_version=None)[0] == "llama.cpp"
 
 
 def test_an_onnx_backend_that_cannot_run_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="onnxruntime is not installed"):
         choose_backend("onnx-int8", vision_gpu=False, projector_type="resampler", ort_version=None)
-    with pytest.raises(ConfigError, match="minicpmv4_6"):
-        choose_backend("onnx-fp32", vision_gpu=False, projector_type="minicpmv4_6", ort_version="1.32.0")
+    with pytest.raises(ConfigError, match="'mlp'"):
+        choose_backend("onnx-fp32", vision_gpu=False, projector_type="mlp", ort_version="1.32.0")
 
 
 @pytest.mark.parametrize("value", ["onnx", "ONNX-INT8", "", None, 3, "llama"])
@@ -216,3 +217,14 @@ def test_a_garbage_onnx_file_is_an_engine_error(converted, tmp_path: Path) -> No
     bad.write_bytes(b"\x08\x07garbage" * 10)
     with pytest.raises(EngineError, match="could not load"):
         onnx_vision.OnnxEncoder(bad, converted.projector)
+
+
+def test_too_little_disk_is_refused_before_writing(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(onnx_vision.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(NotEnoughDiskError, match="vision_backend='llama.cpp'"):
+        prepare(tiny.mmproj, file_identity(tiny.mmproj))
+    assert not [p for p in (tmp_path / "onnx").iterdir() if not p.name.endswith(".lock")]
