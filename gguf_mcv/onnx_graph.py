@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import IO, Any, Callable
 
 import numpy as np
 
@@ -28,6 +29,9 @@ RESAMPLER_HEAD = 128
 POS_GRID = 70
 OPSET = 20  # Gelu with approximate="tanh"
 PROJECTORS = ("resampler", "minicpmv4_6")
+#: weights at least this large go to the external data file, at offsets aligned to EXTERNAL_ALIGN
+EXTERNAL_MIN_BYTES = 1024
+EXTERNAL_ALIGN = 4096
 #: LayerNorm gamma channels larger than this many times the median are moved into the next
 #: MatMul's weights before int8 quantization (exact in fp32; see fold_outliers)
 OUTLIER_FACTOR = 4.0
@@ -178,15 +182,18 @@ def fold_outliers(gamma: np.ndarray, beta: np.ndarray, mats: list[np.ndarray]) -
 
 
 class _Builder:
-    """Collects nodes and initializers; names are unique by construction."""
+    """Collects nodes and initializers; names are unique by construction. With ``external``,
+    tensors over a few KB are written to that file as they come (ONNX external data), so a
+    conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
-    def __init__(self) -> None:
-        from onnx import helper, numpy_helper  # lazy: only for conversion
+    def __init__(self, external: IO[bytes] | None = None, location: str = "") -> None:
+        from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
-        self.h, self.nh = helper, numpy_helper
+        self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
         self._n = 0
+        self._external, self._location = external, location
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -195,7 +202,22 @@ class _Builder:
     def const(self, hint: str, value: np.ndarray) -> str:
         name = self.name(hint)
         # not np.ascontiguousarray: it turns a scalar into a 1-element vector
-        self.inits.append(self.nh.from_array(np.array(value, order="C", copy=True), name))
+        value = np.array(value, order="C", copy=True)
+        if self._external is None or value.nbytes < EXTERNAL_MIN_BYTES:
+            self.inits.append(self.nh.from_array(value, name))
+            return name
+        f = self._external
+        offset = -(-f.tell() // EXTERNAL_ALIGN) * EXTERNAL_ALIGN  # page-aligned: ORT may mmap it
+        f.seek(offset)
+        f.write(value.tobytes())
+        t = self.tp()
+        t.name, t.data_type = name, self.h.np_dtype_to_tensor_dtype(value.dtype)
+        t.dims.extend(value.shape)
+        t.data_location = self.tp.EXTERNAL
+        for key, v in (("location", self._location), ("offset", str(offset)), ("length", str(value.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, v
+        self.inits.append(t)
         return name
 
     def op(self, op: str, inputs: list[str], hint: str | None = None, domain: str = "", **attrs: Any) -> str:
@@ -227,14 +249,22 @@ class _Builder:
         return self.op("Mul", [x, self.op("Sigmoid", [scaled])], hint)
 
 
-def build_model(weights: Weights, *, fold: bool = False,
+def build_model(weights: Weights, *, fold: bool = False, external: Path | None = None,
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
     """The fp32 ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
-    nodes (the ones worth quantizing). ``fold`` applies :func:`fold_outliers` to each block."""
+    nodes (the ones worth quantizing). ``fold`` applies :func:`fold_outliers` to each block;
+    ``external`` is the data file for the weights (the model must be saved beside it)."""
+    if external is None:
+        return _build(weights, _Builder(), fold, progress)
+    with open(external, "wb") as f:
+        return _build(weights, _Builder(f, external.name), fold, progress)
+
+
+def _build(weights: Weights, g: _Builder, fold: bool,
+           progress: Callable[[int, int], None] | None) -> tuple[Any, list[str]]:
     from onnx import TensorProto, helper
 
     p = weights.projector()
-    g = _Builder()
     total = p.blocks + 2
     x = _patch_embedding(g, weights, p)
     if progress:

@@ -3,7 +3,7 @@
 :func:`prepare` converts an mmproj (``gguf_mcv.onnx_graph``) into ``<cache>/onnx/`` —
 fp32, and int8 (``quantize_dynamic``: per-channel int8 weights for the ViT blocks' MatMuls,
 dynamic activation quantization, LayerNorm gamma outliers folded into the weights first;
-the patch embedding and the resampler stay fp32). Files are keyed by the mmproj's identity
+the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
 and the onnxruntime version, written into a temporary folder and moved into place; a
 manifest with each file's size and SHA-256 is written last and checked on every load, so
 a killed conversion or a damaged file is rebuilt, never used. At conversion the int8
@@ -39,9 +39,9 @@ from .units import format_size
 INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
 MANIFEST_VERSION = 1
-#: disk a conversion needs, in mmproj (f16) sizes: fp32 graph 2x, its folded copy 2x while
-#: quantizing, int8 graph about 0.6x
-DISK_FACTOR = 5
+#: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
+#: 0.6x, and room for onnxruntime's quantizer's temporary copies
+DISK_FACTOR = 4
 #: the bundled example photo (also the self-test's)
 EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
 
@@ -151,23 +151,21 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         def step(what: str) -> Callable[[int, int], None]:
             return lambda done, total: progress(what, done, total) if progress else None
 
-        model, quantizable = build_model(weights, progress=step("fp32 graph"))
-        _save(onnx, model, tmp / names["fp32"])
-        del model
-        folded, _ = build_model(weights, fold=True, progress=step("int8 graph"))
+        # one fp32 graph serves both: outliers folded (exact in fp32), the int8 quantized from it
+        fp32 = tmp / names["fp32"]
+        model, quantizable = build_model(weights, fold=True, external=fp32.with_name(fp32.name + ".data"),
+                                         progress=step("fp32 graph"))
         # the graph is already in the form ORT's quantization pre-processing would give (shapes
         # known, nothing to fuse); saying so keeps quantize_dynamic from logging its advice
-        onnx.helper.set_model_props(folded, {"onnx.quant.pre_process": "onnxruntime.quant"})
-        _save(onnx, folded, tmp / "folded.onnx")
-        del folded
+        onnx.helper.set_model_props(model, {"onnx.quant.pre_process": "onnxruntime.quant"})
+        onnx.save_model(model, str(fp32))
+        del model
         if progress:
             progress("int8 quantization", 0, 1)
-        quantize_dynamic(str(tmp / "folded.onnx"), str(tmp / names["int8"]), weight_type=QuantType.QInt8,
+        quantize_dynamic(str(fp32), str(tmp / names["int8"]), weight_type=QuantType.QInt8,
                          per_channel=True, op_types_to_quantize=["MatMul"], nodes_to_quantize=quantizable,
                          use_external_data_format=True,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        for f in tmp.glob("folded.onnx*"):
-            f.unlink()
         if progress:
             progress("int8 quantization", 1, 1)
         cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))

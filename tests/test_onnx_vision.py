@@ -228,3 +228,22 @@ def test_too_little_disk_is_refused_before_writing(tiny, tmp_path: Path, monkeyp
     with pytest.raises(NotEnoughDiskError, match="vision_backend='llama.cpp'"):
         prepare(tiny.mmproj, file_identity(tiny.mmproj))
     assert not [p for p in (tmp_path / "onnx").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_46_merger_end_to_end_with_the_standin(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MiniCPM-V 4.6 (minicpmv4_6 merger, slices whose token count follows their shape): the
+    stand-in tokenizes as the real mmproj does, and every slice is encoded by ONNX once."""
+    from gguf_mcv import synthetic
+
+    files = synthetic.build(tmp_path_factory.mktemp("v46"), synthetic.PRESETS["4.6"], ["Q4_K_M"])
+    load = dict(model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=4096, n_threads=2)
+    with gguf_mcv.load("minicpm-v-4.6", vision_backend="llama.cpp", **load) as ref, \
+            gguf_mcv.load("minicpm-v-4.6", vision_backend="onnx-int8", **load) as onnx:
+        for i, size in enumerate([(1000, 700), (300, 200)]):
+            image = Image(picture(10 + i, size), "p")
+            with ref._engine.tokenize(ref._engine.marker, [image]) as a, \
+                    onnx._engine.tokenize(onnx._engine.marker, [image]) as b:
+                assert [u if isinstance(u, int) else u.n_pos for u in a.units] == \
+                       [u if isinstance(u, int) else u.n_pos for u in b.units]
+        reply = onnx.ask("Describe.", picture(12, (1000, 700)), max_tokens=2, detail="high")
+        assert reply.timings.slices_encoded == 5 == onnx._engine.encoder.encoder.calls
