@@ -174,6 +174,7 @@ def _convert(mmproj: Path, folder: Path, stem: str,
             files[f.name] = [f.stat().st_size, _sha256(f)]
         for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
             os.replace(f, folder / f.name)
+        _forget_other_versions(folder, stem)
         manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
                     "int8_cosine": cosine, "threshold": INT8_MIN_COSINE, "files": files,
                     "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
@@ -184,6 +185,14 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         shutil.rmtree(tmp, ignore_errors=True)
     return Converted(fp32=folder / names["fp32"], int8=folder / names["int8"], projector=projector,
                      int8_cosine=cosine, convert_s=time.perf_counter() - start)
+
+
+def _forget_other_versions(folder: Path, stem: str) -> None:
+    """Delete this mmproj's conversions for other onnxruntime versions (never used again)."""
+    identity = stem.rsplit("-ort", 1)[0]
+    for f in folder.glob(f"{identity}-ort*"):
+        if not f.name.startswith(stem + "-") and not f.name.startswith(stem + ".") and f.is_file():
+            f.unlink(missing_ok=True)
 
 
 def _save(onnx: Any, model: Any, path: Path) -> None:
@@ -239,6 +248,8 @@ class OnnxEncoder:
         if n_threads:
             options.intra_op_num_threads = int(n_threads)
         options.inter_op_num_threads = 1
+        # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes

@@ -247,3 +247,16 @@ def test_46_merger_end_to_end_with_the_standin(tmp_path_factory: pytest.TempPath
                        [u if isinstance(u, int) else u.n_pos for u in b.units]
         reply = onnx.ask("Describe.", picture(12, (1000, 700)), max_tokens=2, detail="high")
         assert reply.timings.slices_encoded == 5 == onnx._engine.encoder.encoder.calls
+
+
+def test_a_new_onnxruntime_version_replaces_the_old_conversion(tiny, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    identity = file_identity(tiny.mmproj)
+    monkeypatch.setattr(onnx_vision, "onnxruntime_version", lambda: "0.0.1")
+    old = prepare(tiny.mmproj, identity)
+    monkeypatch.undo()
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    new = prepare(tiny.mmproj, identity)
+    assert new.int8 != old.int8 and new.int8.is_file()
+    assert not old.int8.exists() and not old.fp32.exists() and not list(tmp_path.glob("onnx/*ort0.0.1.json"))
