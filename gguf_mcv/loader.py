@@ -153,9 +153,11 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
     encoder and a stand-in mmproj without the tower's weights (no double loading)."""
     from . import onnx_vision
 
+    # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
+    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
     backend, reason = onnx_vision.choose_backend(
         options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
-        ort_version=onnx_vision.onnxruntime_version())
+        ort_version=onnx_vision.onnxruntime_version() if may_use else None)
     if backend == "llama.cpp":
         return backend, reason, None, mmproj_path
     identity = file_identity(mmproj_path)

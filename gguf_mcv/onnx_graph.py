@@ -186,7 +186,7 @@ class _Builder:
     tensors over a few KB are written to that file as they come (ONNX external data), so a
     conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
-    def __init__(self, external: IO[bytes] | None = None, location: str = "") -> None:
+    def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False) -> None:
         from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
         self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
@@ -194,6 +194,7 @@ class _Builder:
         self.inits: list[Any] = []
         self._n = 0
         self._external, self._location = external, location
+        self.int8 = int8  #: the ViT blocks' MatMuls as int8 DynamicQuantizeMatMul
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -227,12 +228,23 @@ class _Builder:
 
     def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
         """x @ w.T (+ b): ggml's mul_mat with a (out, in) weight."""
-        y = self.op("MatMul", [x, self.const(hint + ".w", w.T)], hint + ".matmul")
-        return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
+        return self.matmul_in_out(x, w.T, b, hint)
 
     def matmul_in_out(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
+        if self.int8 and hint.startswith("v.blk."):
+            return self._int8_matmul(x, w_in_out, b, hint)
         y = self.op("MatMul", [x, self.const(hint + ".w", w_in_out)], hint + ".matmul")
         return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
+
+    def _int8_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
+        """ONNX Runtime's DynamicQuantizeMatMul (what its quantize_dynamic + graph fusion give for
+        a MatMul): symmetric int8 weights with one scale per output column, the activation
+        quantized per call, the bias added in the same op."""
+        w_q, scale = quantize_columns(w_in_out)
+        inputs = [x, self.const(hint + ".wq", w_q), self.const(hint + ".ws", scale), ""]
+        if b is not None:
+            inputs.append(self.const(hint + ".b", b.astype(np.float32)))
+        return self.op("DynamicQuantizeMatMul", inputs, hint, domain="com.microsoft")
 
     def norm(self, x: str, g: np.ndarray, b: np.ndarray, eps: float, hint: str) -> str:
         return self.op("LayerNormalization", [x, self.const(hint + ".g", g), self.const(hint + ".b", b)],
@@ -249,15 +261,23 @@ class _Builder:
         return self.op("Mul", [x, self.op("Sigmoid", [scaled])], hint)
 
 
-def build_model(weights: Weights, *, fold: bool = False, external: Path | None = None,
+def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-column int8 of an (in × out) weight: (int8 weight, float32 scale per column)."""
+    scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
+    scale[scale == 0] = 1.0
+    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+
+
+def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, external: Path | None = None,
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
-    """The fp32 ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
-    nodes (the ones worth quantizing). ``fold`` applies :func:`fold_outliers` to each block;
+    """The ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
+    nodes. ``fold`` applies :func:`fold_outliers` to each block; ``int8`` makes the tower's
+    MatMuls int8 (:func:`quantize_columns`; patch embedding and projector stay fp32);
     ``external`` is the data file for the weights (the model must be saved beside it)."""
     if external is None:
-        return _build(weights, _Builder(), fold, progress)
+        return _build(weights, _Builder(int8=int8), fold, progress)
     with open(external, "wb") as f:
-        return _build(weights, _Builder(f, external.name), fold, progress)
+        return _build(weights, _Builder(f, external.name, int8=int8), fold, progress)
 
 
 def _build(weights: Weights, g: _Builder, fold: bool,

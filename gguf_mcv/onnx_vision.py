@@ -132,7 +132,6 @@ def _convert(mmproj: Path, folder: Path, stem: str,
     import dataclasses
 
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     need = DISK_FACTOR * mmproj.stat().st_size
     free = shutil.disk_usage(folder).free
@@ -151,23 +150,14 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         def step(what: str) -> Callable[[int, int], None]:
             return lambda done, total: progress(what, done, total) if progress else None
 
-        # one fp32 graph serves both: outliers folded (exact in fp32), the int8 quantized from it
-        fp32 = tmp / names["fp32"]
-        model, quantizable = build_model(weights, fold=True, external=fp32.with_name(fp32.name + ".data"),
-                                         progress=step("fp32 graph"))
-        # the graph is already in the form ORT's quantization pre-processing would give (shapes
-        # known, nothing to fuse); saying so keeps quantize_dynamic from logging its advice
-        onnx.helper.set_model_props(model, {"onnx.quant.pre_process": "onnxruntime.quant"})
-        onnx.save_model(model, str(fp32))
-        del model
-        if progress:
-            progress("int8 quantization", 0, 1)
-        quantize_dynamic(str(fp32), str(tmp / names["int8"]), weight_type=QuantType.QInt8,
-                         per_channel=True, op_types_to_quantize=["MatMul"], nodes_to_quantize=quantizable,
-                         use_external_data_format=True,
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        if progress:
-            progress("int8 quantization", 1, 1)
+        # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
+        # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
+        for variant in VARIANTS:
+            path = tmp / names[variant]
+            model, _ = build_model(weights, fold=True, int8=variant == "int8",
+                                   external=path.with_name(path.name + ".data"), progress=step(f"{variant} graph"))
+            onnx.save_model(model, str(path))
+            del model
         cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))
         files = {}
         for f in sorted(tmp.iterdir()):
@@ -222,14 +212,15 @@ def token_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def validate(fp32: Path, int8: Path, projector: Projector, *,
              progress: Callable[[int, int], None] | None = None, n_threads: int | None = None) -> float:
     """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's."""
-    ref = OnnxEncoder(fp32, projector, n_threads=n_threads)
-    test = OnnxEncoder(int8, projector, n_threads=n_threads)
     images = validation_images()
-    scores = []
-    for i, rgb in enumerate(images):
-        scores.append(float(token_cosines(ref.encode_rgb(rgb, 0), test.encode_rgb(rgb, 0)).mean()))
+    outputs: dict[str, list[np.ndarray]] = {}
+    for n, path in enumerate((fp32, int8)):  # one session at a time: the fp32 one is the size of the tower
+        encoder = OnnxEncoder(path, projector, n_threads=n_threads)
+        outputs[path.name] = [encoder.encode_rgb(rgb, 0) for rgb in images]
+        del encoder
         if progress:
-            progress(i + 1, len(images))
+            progress(n + 1, 2)
+    scores = [float(token_cosines(a, b).mean()) for a, b in zip(outputs[fp32.name], outputs[int8.name], strict=True)]
     return min(scores) if scores else 0.0
 
 

@@ -260,3 +260,24 @@ def test_a_new_onnxruntime_version_replaces_the_old_conversion(tiny, tmp_path: P
     new = prepare(tiny.mmproj, identity)
     assert new.int8 != old.int8 and new.int8.is_file()
     assert not old.int8.exists() and not old.fp32.exists() and not list(tmp_path.glob("onnx/*ort0.0.1.json"))
+
+
+def test_the_llama_cpp_backend_does_not_import_onnxruntime(tiny) -> None:
+    import subprocess
+    import sys
+
+    child = ("import sys, gguf_mcv; m = gguf_mcv.load(model_path=sys.argv[1], mmproj_path=sys.argv[2], "
+             "n_threads=1, vision_backend='llama.cpp'); print('onnxruntime' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", child, str(tiny.quants["Q4_K_M"]), str(tiny.mmproj)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"  # ~25 MiB of RSS saved
+
+
+def test_int8_columns_round_trip() -> None:
+    from gguf_mcv.onnx_graph import quantize_columns
+
+    w = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    w[:, 3] = 0.0  # an all-zero column gets scale 1, not a division by zero
+    q, scale = quantize_columns(w)
+    assert q.dtype == np.int8 and scale.shape == (16,) and np.abs(q).max() <= 127
+    np.testing.assert_allclose(q * scale, w, atol=float(scale.max()) / 2 + 1e-7)
