@@ -1,8 +1,9 @@
 """The vision encoder on ONNX Runtime: converted once from the mmproj, cached, self-validated.
 
 :func:`prepare` converts an mmproj (``gguf_mcv.onnx_graph``) into ``<cache>/onnx/`` —
-fp32, and int8 (``quantize_dynamic``: per-channel int8 weights for the ViT blocks' MatMuls,
-dynamic activation quantization, LayerNorm gamma outliers folded into the weights first;
+fp32, and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
+blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded into the
+weights first;
 the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
 and the onnxruntime version, written into a temporary folder and moved into place; a
 manifest with each file's size and SHA-256 is written last and checked on every load, so
@@ -40,8 +41,8 @@ INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
 MANIFEST_VERSION = 1
 #: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
-#: 0.6x, and room for onnxruntime's quantizer's temporary copies
-DISK_FACTOR = 4
+#: 0.6x, with room to spare
+DISK_FACTOR = 3
 #: the bundled example photo (also the self-test's)
 EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
 
