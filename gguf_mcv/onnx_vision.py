@@ -159,6 +159,7 @@ def _convert(mmproj: Path, folder: Path, stem: str,
                                    external=path.with_name(path.name + ".data"), progress=step(f"{variant} graph"))
             onnx.save_model(model, str(path))
             del model
+        del weights  # unmaps the mmproj: its pages would count on top of the fp32 session's
         cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))
         files = {}
         for f in sorted(tmp.iterdir()):
