@@ -28,11 +28,8 @@ def picture(seed: int, size: tuple[int, int]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def converted(tiny, tmp_path_factory: pytest.TempPathFactory):
-    # module scope runs before the autouse fixture that moves the cache: point it there too
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.getbasetemp() / "gguf_mcv_cache"))
-        return prepare(tiny.mmproj, file_identity(tiny.mmproj))
+def converted(tiny):
+    return prepare(tiny.mmproj, file_identity(tiny.mmproj))  # into the session's private cache (conftest)
 
 
 def _load(tiny, backend: str, cache: EmbeddingCache | None = None, **kw):
