@@ -272,13 +272,3 @@ def test_serve_refuses_a_port_in_use_or_a_bad_host_in_one_line(tiny) -> None:
         assert done.returncode == 1, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: ") and words in lines[0]
-
-
-def test_vision_backend_flag(tiny, picture: Path) -> None:
-    for backend in ("llama.cpp", "onnx-fp32"):
-        done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "What?", "--max-tokens", "1", "--json",
-                   "--vision-backend", backend)
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout)["timings"]["vision_backend"] == backend
-    bad = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "What?", "--vision-backend", "onnx")
-    assert bad.returncode == 2 and "--vision-backend" in bad.stderr

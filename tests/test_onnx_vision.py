@@ -278,3 +278,26 @@ def test_int8_columns_round_trip() -> None:
     q, scale = quantize_columns(w)
     assert q.dtype == np.int8 and scale.shape == (16,) and np.abs(q).max() <= 127
     np.testing.assert_allclose(q * scale, w, atol=float(scale.max()) / 2 + 1e-7)
+
+
+def test_the_cli_vision_backend_flag(tiny, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import PIL.Image
+
+    picture_path = tmp_path / "p.png"
+    PIL.Image.fromarray(picture(20, (300, 200))).save(picture_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gguf_mcv", "ask", str(tiny.quants["Q4_K_M"]),
+                               str(picture_path), "What?", *args], env=os.environ, capture_output=True,
+                              text=True, timeout=180)
+
+    for backend in ("llama.cpp", "onnx-fp32"):
+        done = run("--max-tokens", "1", "--json", "--vision-backend", backend)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["timings"]["vision_backend"] == backend
+    bad = run("--vision-backend", "onnx")
+    assert bad.returncode == 2 and "--vision-backend" in bad.stderr
