@@ -11,7 +11,9 @@ from importlib import metadata as _metadata
 from .chat_handler import MiniCPMVChatHandler
 from .embed_cache import EmbeddingCache
 from .errors import (
+    BatchInputError,
     CatalogError,
+    ClusterError,
     ConfigError,
     ContextOverflowError,
     CorruptModelError,
@@ -27,6 +29,8 @@ from .errors import (
     NoQuantFitsError,
     NotEnoughDiskError,
     OfflineError,
+    OutputBusyError,
+    OutputError,
 )
 from .generation import Stream
 from .hardware import Hardware, probe
@@ -59,3 +63,4 @@ __all__ = [
     "Reply", "Sampling", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
+__all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs

@@ -301,9 +301,13 @@ _ARCH: dict[str, tuple[type, Any]] = {
     "llm_arch": (str, _REQUIRED), "n_layers": (int, _REQUIRED), "n_embd": (int, _REQUIRED),
     "n_head": (int, _REQUIRED), "n_head_kv": (int, _REQUIRED), "head_dim": (int, _REQUIRED),
     "n_vocab": (int, _REQUIRED), "n_ctx_train": (int, _REQUIRED), "n_kv_layers": (int, None),
+    # hybrid text models' recurrent layers (the GGUF's {arch}.ssm.* keys)
+    "ssm_conv_kernel": (int, None), "ssm_inner_size": (int, None), "ssm_state_size": (int, None),
+    "ssm_group_count": (int, None),
 }
 _VISION: dict[str, tuple[type, Any]] = {
-    k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")
+    **{k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")},
+    "full_blocks": (int, None),  # MiniCPM-V 4.6: blocks before its 2x2 token merger
 }
 _SAMPLING: dict[str, tuple[type, Any]] = {
     "temperature": (float, _REQUIRED), "top_p": (float, _REQUIRED), "top_k": (int, _REQUIRED),
@@ -329,7 +333,7 @@ def _build(name: str, table: dict[str, Any], path: Path) -> CatalogEntry:
         projector_type=top["projector_type"], minicpmv_version=top["minicpmv_version"],
         thinking=top["thinking"], thinking_default=top["thinking_default"], n_ctx=n_ctx,
         default_quant=_default_quant(w, top["default_quant"], quants),
-        arch=arch, vision=_vision(w, top["vision"]), sampling=_sampling(w, top["sampling"]),
+        arch=arch, vision=_vision(w, top["vision"], top["projector_type"]), sampling=_sampling(w, top["sampling"]),
         mmproj=_file(w, "mmproj", top["mmproj"]), quants=quants, source=str(path),
     )
 
@@ -360,10 +364,10 @@ def _arch(w: _Where, table: dict[str, Any]) -> TextShape:
     return TextShape.from_catalog(v)
 
 
-def _vision(w: _Where, table: dict[str, Any]) -> VisionShape:
+def _vision(w: _Where, table: dict[str, Any], projector: str) -> VisionShape:
     v = _fields(w, table, _VISION, "vision.")
     _positive(w, v, "vision.", _VISION)
-    return VisionShape.from_catalog(v)
+    return VisionShape.from_catalog(v, projector)
 
 
 def _sampling(w: _Where, table: dict[str, Any]) -> Sampling:

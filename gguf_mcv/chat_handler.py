@@ -10,6 +10,9 @@ images seen before from the embedding cache, renders the GGUF's own chat
 template, and reports usage correctly. ``response_format`` (``{"type": "json_object"}``,
 optionally with a ``"schema"``, as llama-cpp-python takes it, or ``{"type": "json_schema",
 "json_schema": {"schema": ...}}``) and ``grammar`` (a ``LlamaGrammar``) constrain the answer.
+``tools`` and ``tool_choice`` work as in llama-cpp-python's function-calling handlers: the
+answer's ``message.tool_calls`` holds the calls, and ``role: "tool"`` messages carry results
+back (see :mod:`gguf_mcv.tools` for how tools are shown to the model).
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ import os
 import threading
 from typing import Any, Iterator
 
+from . import tools as tooling
 from .embed_cache import EmbeddingCache
 from .engine import Engine
 from .errors import ConfigError, ModelNotFoundError
 from .generation import AnswerLock, Stream, respond
 from .messages import MediaPolicy, convert
-from .openai_compat import completion, completion_chunks
+from .openai_compat import completion, completion_chunks, tool_call_chunks
 from .options import Sampling, stop_list
 from .request import TurnBuilder
 from .structured import Constraint, constraint, grammar_constraint
 from .templates import choose_template
 
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logits_processor")
+_UNSUPPORTED = {"functions": "use tools", "function_call": "use tool_choice",
+                "logits_processor": "use grammar or response_format"}
 
 
 class MiniCPMVChatHandler:
@@ -75,12 +80,21 @@ class MiniCPMVChatHandler:
                  min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
                  stop: str | list[str] | None = None, max_tokens: int | None = None,
                  model: str | None = None, response_format: dict[str, Any] | None = None,
-                 grammar: Any = None, **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+                 grammar: Any = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                 **kwargs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Answer ``messages``; an OpenAI ``chat.completion`` dict, or an iterator of chunks."""
-        for name in _UNSUPPORTED:
+        for name, instead in _UNSUPPORTED.items():
             if kwargs.get(name):
-                raise ConfigError(f"{name} is not supported by MiniCPMVChatHandler.")
+                raise ConfigError(f"{name} is not supported by MiniCPMVChatHandler: {instead}.")
+        box = tooling.toolbox(tools, tool_choice)
         shape = _constraint(response_format, grammar)
+        if box is not None and shape is not None:
+            raise ConfigError("Give tools or a response_format/grammar, not both.")
+        if isinstance(messages, (list, tuple)):  # anything else is refused by convert() below
+            messages = tooling.plain_messages(messages)
+        if box is not None:
+            messages = tooling.with_tools_prompt(list(messages), box)
+            shape = box.constraint()
         engine = self.engine_for(llama)
         if shape is not None:
             engine.check_grammar(shape.grammar)
@@ -101,7 +115,9 @@ class MiniCPMVChatHandler:
                                 max_tokens=budget_tokens, stop=stop_list(stop), lock=self._lock,
                                 constraint=shape))
         name = model or os.path.basename(llama.model_path)
-        return completion_chunks(pieces, model=name) if stream else completion(pieces.result(), model=name)
+        if stream:
+            return (tool_call_chunks if box is not None else completion_chunks)(pieces, model=name)
+        return completion(pieces.result(), model=name)
 
 
 def _constraint(response_format: dict[str, Any] | None, grammar: Any) -> Constraint | None:

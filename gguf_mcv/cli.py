@@ -46,12 +46,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_models)
 
-    p = sub.add_parser("plan", help="show which quant fits this machine, and why")
-    p.add_argument("model", help="catalog name, Hub repo id, or 'auto'")
+    p = sub.add_parser("plan", help="show which quant fits this machine, how fast it runs, and why")
+    p.add_argument("model", help="catalog name, Hub repo id, 'auto', or a local .gguf file")
+    p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
+                                    "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
     p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--quant", help="evaluate this quant only")
+    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
+                   help="image detail the first-answer prediction assumes (default auto)")
+    _speed_args(p)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict speed from default constants instead of measuring this machine once")
+    p.add_argument("--reprobe", action="store_true",
+                   help="measure this machine again (best when nothing else is running)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -62,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _speed_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_pull)
 
@@ -99,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
     p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
+    p.add_argument("--truncate", action="store_true",
+                   help="drop a request's oldest turns when its history does not fit (default: refuse it)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -106,8 +118,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("image", nargs="?", help="image to ask about (default: the bundled example)")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict from default constants instead of measuring this machine once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("batch", help="answer a folder, glob or CSV/JSONL of images and videos into JSONL")
+    _model_args(p)
+    p.add_argument("input", help="folder, glob ('photos/*.jpg'), image or video, or a .csv/.jsonl of rows")
+    p.add_argument("--prompt", action="append", default=[], help="question for every file (repeatable; "
+                   "rows with a prompt column use theirs)")
+    p.add_argument("--out", required=True, help="results file (JSONL); a rerun skips what it holds")
+    p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
+    p.add_argument("--detail", choices=("auto", "low", "high"), help="image detail (default auto)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--frames", type=int, help="videos: at most this many frames")
+    p.add_argument("--fps", type=float, help="videos: frames sampled per second (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on this Ray cluster (e.g. 10.0.0.5:6379 or 'auto'); "
+                   "needs pip install 'gguf-mcv[ray]' and the files visible on every node")
+    p.add_argument("--workers", type=int, help="with --ray: model copies (default: one per node)")
+    p.set_defaults(func=_batch)
 
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
     p.set_defaults(func=_selftest)
@@ -128,6 +161,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="who runs the vision encoder (default auto: ONNX Runtime int8 on a CPU)")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    _speed_args(p)
+
+
+def _speed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-tokens-per-s", type=float, metavar="N",
+                   help="only quants (and, for 'auto', models) predicted to decode at least N tokens/s")
+    p.add_argument("--max-first-answer-s", type=float, metavar="S",
+                   help="only those predicted to answer a photo's first token within S seconds")
 
 
 def _answer_args(p: argparse.ArgumentParser) -> None:
@@ -171,10 +212,22 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .resolver import plan  # lazy: per command
+    from .resolver import plan, plan_local  # lazy: per command
 
-    result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                  kv_cache_type=args.kv)
+    limits: dict[str, Any] = dict(detail=args.detail, min_tokens_per_s=args.min_tokens_per_s,
+                                  max_first_answer_s=args.max_first_answer_s)
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    hw = hardware_probe()
+    rates = machine_rates(hw, False if args.no_probe else None, refresh=args.reprobe)
+    local = _local_files(args)
+    if local is not None:
+        result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
+                            rates=rates, **limits)
+    else:
+        result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
+                      kv_cache_type=args.kv, hardware=hw, rates=rates, **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -186,7 +239,8 @@ def _pull(args: argparse.Namespace) -> int:
     from .resolver import pull  # lazy: per command
 
     files = pull(args.model, quant=args.quant, ram_budget=args.ram, n_ctx=args.ctx,
-                 revision=args.revision, progress=False if args.no_progress else None)
+                 revision=args.revision, progress=False if args.no_progress else None,
+                 min_tokens_per_s=args.min_tokens_per_s, max_first_answer_s=args.max_first_answer_s)
     out = {"repo": files.repo, "revision": files.revision, "quant": files.quant,
            "model": str(files.model), "mmproj": str(files.mmproj)}
     if args.json:
@@ -273,7 +327,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media)
+              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
+              truncate=args.truncate)
     return 0
 
 
@@ -293,11 +348,57 @@ def _bench(args: argparse.Namespace) -> int:
             "follow_up_ttft_s": follow.timings.ttft_ms / 1000,
             "decode_tokens_per_s": first.timings.decode_tokens_per_s,
         }
+        result.update(_bench_predictions(model.info, first, args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
             print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
+    return 0
+
+
+def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
+    from . import speed  # lazy: per command
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .headers import read_projector_header, read_text_header  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
+    threads = args.threads or hardware_probe().recommended_threads
+    rates = machine_rates(hardware_probe(), False if args.no_probe else None)
+    rates = speed.scaled(rates, **{k: threads / rates.threads for k in ("matvec", "prefill_flops", "vision_flops")})
+    prompt = first.usage.prompt_tokens
+    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt)
+    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates)
+    slices = first.timings.slices_encoded
+    return {
+        "predicted_decode_tokens_per_s": 1 / token,
+        "predicted_encode_s": encode * slices,
+        "predicted_first_ttft_s": encode * slices + speed.prefill_seconds(prompt, text.shape, rates) + token,
+        "rates_source": rates.source,
+    }
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from . import batch  # lazy: per command
+
+    schema = batch.load_schema(args.schema) if args.schema else None
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+               "detail": args.detail, "max_frames": args.frames, "fps": args.fps}
+    items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
+    show = False if args.no_progress else None
+    if args.ray:
+        from . import batch_ray  # lazy: per command, and an optional extra
+
+        summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
+                                      progress=show)
+    else:
+        with _load(args) as model:
+            summary = batch.run_items(model, items, args.out, progress=show)
+    repaired = f"; cut a torn last line ({summary.repaired_bytes} bytes)" if summary.repaired_bytes else ""
+    print(f"{summary.answered} answered ({summary.failed} errors), {summary.skipped} already in {args.out}, "
+          f"{summary.items_per_s:.2f} items/s{repaired}", file=sys.stderr)
     return 0
 
 
@@ -314,20 +415,34 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
+    model = load(**_load_kwargs(args))
+    if args.verbose or (getattr(args, "vision_backend", "auto") == "auto" and model.info.vision_backend == "llama.cpp"):
+        print(f"vision encoder: {model.info.vision_backend} ({model.info.vision_backend_reason})", file=sys.stderr)
+    return model
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``load()``'s keywords for MODEL and the model options (plain values: they travel to Ray workers)."""
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
-                                  vision_backend=args.vision_backend, verbose=args.verbose)
+                                  vision_backend=getattr(args, "vision_backend", "auto"), verbose=args.verbose,
+                                  min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
+                                  max_first_answer_s=getattr(args, "max_first_answer_s", None))
+    local = _local_files(args)
+    if local is not None:
+        return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()), **common)
+    return dict(model=args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+
+def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(model, mmproj) when MODEL names a local .gguf file (or --mmproj was given), else None."""
     local = Path(args.model)
-    if args.model.endswith(".gguf") or args.mmproj:
-        if not local.is_file():
-            raise ConfigError(f"Model file {local} does not exist.")
-        model = load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
-    else:
-        model = load(args.model, quant=args.quant, ram_budget=args.ram, **common)
-    if args.verbose or (args.vision_backend == "auto" and model.info.vision_backend == "llama.cpp"):
-        print(f"vision encoder: {model.info.vision_backend} ({model.info.vision_backend_reason})", file=sys.stderr)
-    return model
+    if not (args.model.endswith(".gguf") or args.mmproj):
+        return None
+    if not local.is_file():
+        raise ConfigError(f"Model file {local} does not exist.")
+    return local, Path(args.mmproj) if args.mmproj else _find_mmproj(local)
 
 
 def _find_mmproj(model: Path) -> Path:

@@ -126,7 +126,7 @@ class _Checkpoint:
 
     n_units: int
     n_pos: int
-    data: bytes
+    data: Any  #: the ctypes byte array llama.cpp wrote the state into
 
 
 def _n_pos(units: Sequence[Unit]) -> int:
@@ -618,23 +618,27 @@ class Engine:
 
     def _save_checkpoint(self) -> None:
         """Keep the recurrent part of the sequence state here (llama.cpp's PARTIAL_ONLY state,
-        as llama-server's context checkpoints do); at most MAX_CHECKPOINTS are kept."""
+        as llama-server's context checkpoints do); at most MAX_CHECKPOINTS are kept.
+
+        The oldest goes before the new one is allocated, and the copy llama.cpp writes is the
+        one kept, so checkpoints never hold more than MAX_CHECKPOINTS states (the memory
+        model counts exactly that).
+        """
         lc = self._lc
         flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(lc.llama_state_seq_get_size_ext(self.llama.ctx, 0, flags))
+        del self._checkpoints[:-(MAX_CHECKPOINTS - 1) or None]
         data = (ctypes.c_uint8 * size)()
         if int(lc.llama_state_seq_get_data_ext(self.llama.ctx, data, size, 0, flags)) != size:
             return  # no checkpoint: a rewind re-evaluates from the start, as before
-        self._checkpoints = [*self._checkpoints[-(MAX_CHECKPOINTS - 1):],
-                             _Checkpoint(len(self._units), self.n_past, bytes(data))]
+        self._checkpoints.append(_Checkpoint(len(self._units), self.n_past, data))
 
     def _restore_checkpoint(self, mem) -> tuple[int, int]:
         """Go back to the latest checkpoint still valid; (units kept, positions kept)."""
         lc = self._lc
         while self._checkpoints:
             c = self._checkpoints.pop()
-            buf = (ctypes.c_uint8 * len(c.data)).from_buffer_copy(c.data)
-            restored = lc.llama_state_seq_set_data_ext(self.llama.ctx, buf, len(c.data), 0,
+            restored = lc.llama_state_seq_set_data_ext(self.llama.ctx, c.data, len(c.data), 0,
                                                        lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
             # the recurrent state now ends at the checkpoint: attention cells after it can go
             if restored and lc.llama_memory_seq_rm(mem, 0, c.n_pos, -1):

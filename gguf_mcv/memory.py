@@ -74,6 +74,19 @@ RESAMPLER_TENSORS = 3.75
 #: Checked against llama.cpp's "compute buffer size" log for T=512 (within 2 %).
 TEXT_EMBD_TENSORS = 6
 TEXT_FF_TENSORS = 3
+#: Copies of a hybrid model's recurrent state the engine keeps to rewind to
+#: (``engine.MAX_CHECKPOINTS``; the two are checked to agree by the tests).
+RECURRENT_CHECKPOINTS = 2
+#: Graph metadata per node of llama.cpp's compute graphs (two ``llm_graph_result`` meta
+#: buffers of ggml_tensor_overhead() per node plus the scheduler's hash sets). Regular
+#: models' few thousand nodes are inside RUNTIME_BASE; hybrid models reserve
+#: max(n_ubatch x 40, 32 x n_tensors) nodes (llama-context.cpp ``graph_max_nodes``)
+#: instead of max(1024, 8 x n_tensors). Measured: the 4.6 tiny preset's peak was 20.2 MiB
+#: over the estimate without this term, for 19456 extra nodes.
+GRAPH_NODE_BYTES = 1088
+#: Tensors per repeating layer of a hybrid text model (the 4.6 presets: 55 tensors for 4
+#: layers, 320 for 24), to size ``graph_max_nodes`` before a header is read.
+HYBRID_TENSORS_PER_LAYER = 13
 #: Text positions of a typical image question besides image tokens (system prompt,
 #: markers, question, answer) -- sizes the KV view the attention reads.
 PROMPT_TEXT_TOKENS = 96
@@ -174,10 +187,12 @@ class MemoryEstimate:
     vision_compute: int  #: one slice's encoder graph plus the matmul work buffer
     images: int  #: decoded image and its f32 slices while the prompt is tokenized
     vocab: int  #: llama.cpp's tokenizer tables
-    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, + GPU runtime)
+    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, hybrid graph metadata, + GPU runtime)
     reclaimable: int  #: file pages in ``weights`` never read after loading
     long_prompt: int  #: extra compute pages a full 512-token batch at full context touches
     gpu: GpuMemory | None = None
+    #: hybrid models: the recurrent layers' state and the engine's checkpoints of it
+    recurrent: int = 0
     #: the GPU shares RAM (Jetson, Apple): ``gpu.total`` is counted in ``needed`` too
     unified: bool = False
 
@@ -185,7 +200,7 @@ class MemoryEstimate:
     def runtime(self) -> int:
         """Peak RSS while answering: every resident term together."""
         return (self.weights + self.repacked + self.kv_cache + self.compute + self.vision_weights
-                + self.vision_compute + self.images + self.vocab + self.overhead)
+                + self.vision_compute + self.images + self.vocab + self.overhead + self.recurrent)
 
     @property
     def total(self) -> int:
@@ -226,6 +241,25 @@ def kv_cache_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16",
     return int(2 * layers * t.n_head_kv * t.head_dim * cells * KV_BYTES_PER_ELEMENT[kv_cache_type])
 
 
+def recurrent_bytes(text: TextShape, *, on_cpu: float = 1.0) -> int:
+    """A hybrid model's recurrent state: llama.cpp's RS buffer (one sequence, f32; the
+    ``on_cpu`` share of it stays in RAM) plus the engine's checkpoints, each a copy of
+    that state kept in host memory (at most :data:`RECURRENT_CHECKPOINTS`)."""
+    state = text.recurrent_values * 4
+    return int(state * on_cpu + state * RECURRENT_CHECKPOINTS)
+
+
+def graph_meta_bytes(text: TextShape, n_ubatch: int = 512) -> int:
+    """What a hybrid model's larger graph reservation adds over a regular model's (0 for
+    attention-only models, whose graph metadata is part of :data:`RUNTIME_BASE`)."""
+    if not text.recurrent_values:
+        return 0
+    n_tensors = text.n_layers * HYBRID_TENSORS_PER_LAYER + 3
+    hybrid = max(n_ubatch * 40, 32 * n_tensors)
+    regular = max(1024, 8 * n_tensors)
+    return max(0, hybrid - regular) * GRAPH_NODE_BYTES
+
+
 def text_compute_bytes(text: TextShape, n_tokens: int, n_kv: int, *, flash_attn: bool,
                        n_outputs: int = 1) -> int:
     """Peak of llama.cpp's text graph for one ubatch of ``n_tokens`` against ``n_kv`` cells.
@@ -256,7 +290,7 @@ def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
     state + residual-width tensors, plus the 16 x 1024 x 1024 attention scores without
     flash attention) and the resampler (tensors of patches x text width). The CPU
     backend also converts each matmul's activations to the weights' type in a work
-    buffer: patches x ff at f16 for an f16 mmproj.
+    buffer: patches x ff at f16 for an f16 mmproj. MiniCPM-V 4.6's merger adds its mask.
     """
     v = vision or VisionShape()
     p = v.patches
@@ -265,7 +299,10 @@ def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
         vit += v.heads * p * p * 4
     resampler = p * 4 * RESAMPLER_TENSORS * text_width
     work = p * v.ff * mmproj_bytes_per_weight
-    return int(max(vit, resampler) + work)
+    # MiniCPM-V 4.6's window-attention merger takes a patches x patches f32 block-diagonal
+    # mask as a graph input (minicpmv.cpp, vit_merger_window_mask): beside the rest
+    window_mask = p * p * 4 if v.projector == "minicpmv4_6" else 0
+    return int(max(vit, resampler) + work + window_mask)
 
 
 def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | None = None) -> int:
@@ -430,10 +467,11 @@ def estimate(
         vision_compute=0 if vision_on_gpu else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision),
         images=image_bytes(image_pixels, image_tokens, v),
         vocab=vocab_bytes(t),
-        overhead=RUNTIME_BASE + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
+        overhead=RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
         reclaimable=repacked + offloaded,
         long_prompt=max(0, worst - compute),
         gpu=gpu,
+        recurrent=recurrent_bytes(t, on_cpu=1 - gpu_layers / max(1, t.n_layers)),
         unified=unified_memory,
     )
 

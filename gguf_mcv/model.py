@@ -444,6 +444,30 @@ class Chat:
         self._turns = kept[len(head):-1]
         return dropped
 
+    def regenerate(self, *, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
+                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   repeat_penalty: float | None = None, seed: int | None = None,
+                   stop: str | Sequence[str] | None = None, schema: Any = None,
+                   format: str | dict[str, Any] | None = None) -> Reply | Stream:
+        """Answer the last question again (say, with another ``seed``), replacing its answer.
+
+        The cache still holds everything up to that question, so only the answer is
+        generated again (a hybrid model rewinds to its checkpoint near the question's end);
+        no image is encoded again. The tools of the last question apply again.
+        :class:`ConfigError` when there is no answered question to regenerate.
+        """
+        if len(self._turns) < 2 or self._turns[-1].role != "assistant" or self._turns[-2].role != "user":
+            raise ConfigError("Nothing to regenerate: the conversation has no answered question yet.")
+        model = self.model
+        sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                 repeat_penalty=repeat_penalty, seed=seed)
+        shape = model.checked(self._tools.constraint()) if self._tools is not None else model.constraint(schema, format)
+        *self._turns, user, _ = self._turns
+        self._used = 0
+        pieces = self._turn(user, FrameCounts(), 0, max_tokens=check_max_tokens(max_tokens), stop=stop,
+                            sampling=sampling, on_progress=None, constraint=shape)
+        return _deliver(Stream(pieces), stream)
+
     def undo(self) -> None:
         """Drop the last user turn and its answer (the next turn reuses the cache up to there)."""
         self._used = 0

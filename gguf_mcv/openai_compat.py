@@ -15,21 +15,26 @@ def new_id() -> str:
 
 
 def usage(reply: Reply) -> dict[str, Any]:
-    """OpenAI ``usage``, with image and cached prompt tokens in the details."""
+    """OpenAI ``usage``, with image and cached prompt tokens in the details, and
+    ``dropped_turns`` when turns were dropped to make the conversation fit."""
     u = reply.usage
-    return {
+    counts = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "image_tokens": u.image_tokens},
     }
+    return {**counts, "dropped_turns": reply.dropped_turns} if reply.dropped_turns else counts
 
 
 def completion(reply: Reply, *, model: str) -> dict[str, Any]:
-    """A ``chat.completion`` object."""
+    """A ``chat.completion`` object, with the reply's ``tool_calls`` (content None if empty)."""
     message: dict[str, Any] = {"role": "assistant", "content": str(reply)}
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["content"] = str(reply) or None
+        message["tool_calls"] = [call.openai() for call in reply.tool_calls]
     return {
         "id": new_id(),
         "object": "chat.completion",
@@ -61,6 +66,22 @@ def completion_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]
             yield chunk({"content": piece})
         reply = stream.reply
         assert reply is not None
+        yield chunk({}, reply.finish_reason, usage=usage(reply))
+    finally:
+        stream.close()
+
+
+def tool_call_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
+    """Chunks of an answer that may call a tool: the text is sent once the answer is known (a call
+    must not reach the client as text), then the calls, then the finish (with usage)."""
+    chunk = chunk_maker(model)
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        reply = stream.result()
+        if str(reply):
+            yield chunk({"content": str(reply)})
+        if reply.tool_calls:
+            yield chunk({"tool_calls": [{"index": i, **call.openai()} for i, call in enumerate(reply.tool_calls)]})
         yield chunk({}, reply.finish_reason, usage=usage(reply))
     finally:
         stream.close()

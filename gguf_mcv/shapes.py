@@ -16,6 +16,8 @@ FF_RATIO = 5.4
 #: whose minicpmv_version is 2; 64 for the later resamplers).
 _QUERY_TOKENS_BY_VERSION = {2: 96}
 _DEFAULT_QUERY_TOKENS = 64
+#: A hybrid model's recurrent-layer sizes, as the GGUF (``{arch}.ssm.*``) and the catalog name them.
+_SSM_FIELDS = ("ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,11 @@ class TextShape:
     tied_embeddings: bool = False  #: no separate output matrix (it reuses token_embd)
     architecture: str = ""  #: llama.cpp's ``general.architecture``
     n_ctx_train: int = 0  #: the context length it was trained for (0: unknown)
+    # hybrid models' recurrent (gated delta net) layers; 0 on attention-only models
+    ssm_conv_kernel: int = 0
+    ssm_inner_size: int = 0
+    ssm_state_size: int = 0
+    ssm_group_count: int = 0
 
     @classmethod
     def from_gguf(cls, fields: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> "TextShape":
@@ -45,11 +52,12 @@ class TextShape:
             return int(_scalar(fields.get(f"{arch}.{key}", default)))
 
         n_embd, n_head = num("embedding_length"), num("attention.head_count")
+        n_layers, interval = num("block_count"), num("full_attention_interval")
         embd = tensor_shapes.get("token_embd.weight")
         tokens = fields.get("tokenizer.ggml.tokens")
         merges = fields.get("tokenizer.ggml.merges")
         return cls(
-            n_layers=num("block_count"), n_embd=n_embd, n_head=n_head,
+            n_layers=n_layers, n_embd=n_embd, n_head=n_head,
             n_head_kv=num("attention.head_count_kv", n_head),
             head_dim=num("attention.key_length", n_embd // n_head if n_head else 0),
             n_vocab=embd[0] if embd else _length(tokens),
@@ -57,6 +65,10 @@ class TextShape:
             n_merges=_length(merges) if merges is not None else (0 if tensor_shapes else None),
             tied_embeddings=bool(tensor_shapes) and "output.weight" not in tensor_shapes,
             architecture=arch, n_ctx_train=num("context_length"),
+            # llama.cpp (qwen35): layer i keeps a KV cache when (i + 1) % interval == 0
+            n_kv_layers=n_layers // interval if interval else None,
+            ssm_conv_kernel=num("ssm.conv_kernel"), ssm_inner_size=num("ssm.inner_size"),
+            ssm_state_size=num("ssm.state_size"), ssm_group_count=num("ssm.group_count"),
         )  # fmt: skip
 
     @classmethod
@@ -67,6 +79,7 @@ class TextShape:
             n_head_kv=table["n_head_kv"], head_dim=table["head_dim"], n_vocab=table["n_vocab"],
             n_kv_layers=table.get("n_kv_layers"), architecture=table["llm_arch"],
             n_ctx_train=table["n_ctx_train"],
+            **{k: table[k] for k in _SSM_FIELDS if table.get(k) is not None},
         )  # fmt: skip
 
     @property
@@ -78,6 +91,21 @@ class TextShape:
     def ff(self) -> int:
         """The FFN width (estimated from the embedding width when unknown)."""
         return self.n_ff if self.n_ff else round(FF_RATIO * self.n_embd)
+
+    @property
+    def recurrent_values(self) -> int:
+        """f32 values of one sequence's recurrent state, summed over the recurrent layers.
+
+        llama.cpp's ``n_embd_r`` (the convolution's last kernel-1 inputs: the value
+        channels plus keys and queries of every group) plus ``n_embd_s`` (the delta
+        net's state, state size x inner size) per layer that keeps no KV cache.
+        """
+        if not self.ssm_inner_size:
+            return 0
+        conv = max(0, self.ssm_conv_kernel - 1) * (self.ssm_inner_size + 2 * self.ssm_group_count
+                                                   * self.ssm_state_size)
+        state = self.ssm_state_size * self.ssm_inner_size
+        return (self.n_layers - self.kv_layers) * (conv + state)
 
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> int:
         """KV-cache bytes one token costs (keys and values, every attention layer)."""
@@ -98,6 +126,12 @@ class VisionShape:
     patch_size: int = 14
     image_size: int = 448
     query_tokens: int = 64
+    #: blocks that see every patch before a 2x2 token merger (MiniCPM-V 4.6's
+    #: ``minicpmv4_6``: the merger follows block ``wa_layer_indexes[0]``, the later
+    #: blocks see a quarter of the patches); None: every block sees every patch
+    full_blocks: int | None = None
+    #: clip.cpp's projector: ``resampler`` (2.5 to 4.5) or ``minicpmv4_6`` (window-attention merger)
+    projector: str = "resampler"
 
     @classmethod
     def from_gguf(cls, fields: Mapping[str, Any]) -> "VisionShape":
@@ -108,17 +142,22 @@ class VisionShape:
 
         version = fields.get("clip.minicpmv_version")
         default_queries = _QUERY_TOKENS_BY_VERSION.get(int(_scalar(version or 0)), _DEFAULT_QUERY_TOKENS)
+        merger = fields.get("clip.vision.wa_layer_indexes")
+        merges = fields.get("clip.projector_type") == "minicpmv4_6" and merger not in (None, [])
         return cls(
             width=num("clip.vision.embedding_length"), blocks=num("clip.vision.block_count"),
             heads=num("clip.vision.attention.head_count"), ff=num("clip.vision.feed_forward_length"),
             patch_size=num("clip.vision.patch_size"), image_size=num("clip.vision.image_size"),
             query_tokens=num("clip.minicpmv_query_num") or default_queries,
+            full_blocks=int(_scalar(merger)) + 1 if merges else None,
+            projector=str(_scalar(fields.get("clip.projector_type") or "resampler")),
         )  # fmt: skip
 
     @classmethod
-    def from_catalog(cls, table: Mapping[str, Any]) -> "VisionShape":
-        """From a catalog entry's validated ``vision`` table (SigLIP-400M for what it omits)."""
-        return cls(**{k: v for k, v in table.items() if v is not None})
+    def from_catalog(cls, table: Mapping[str, Any], projector: str = "resampler") -> "VisionShape":
+        """From a catalog entry's validated ``vision`` table (SigLIP-400M for what it omits)
+        and its ``projector_type``."""
+        return cls(**{k: v for k, v in table.items() if v is not None}, projector=projector)
 
     @property
     def patches(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import llama_cpp
 import numpy as np
@@ -76,11 +77,44 @@ def test_file_paths_work_and_remote_urls_are_refused(llm, tmp_path) -> None:
         llama.create_chat_completion(messages=[user("?", "https://example.com/x.png")], max_tokens=1)
 
 
-def test_unsupported_features_are_refused(llm) -> None:
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["city"]}}}
+
+
+def test_tools_round_trip_like_llama_cpp_python_handlers(llm) -> None:
+    llama, handler = llm
+    messages = [user("Weather in Paris?")]
+    out = llama.create_chat_completion(messages=messages, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=100, seed=1)
+    message = out["choices"][0]["message"]
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+
+    messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+    answer = llama.create_chat_completion(messages=messages, tools=[WEATHER], max_tokens=4, seed=2)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= out["usage"]["prompt_tokens"]
+
+    chunks = list(llama.create_chat_completion(messages=[user("Again?")], tools=[WEATHER], stream=True,
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                               max_tokens=100, seed=3))
+    calls = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"functions": [{"name": "f"}]}, "use tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "not both"),
+    ({"tools": "get_weather"}, "must be a list"),
+])
+def test_unsupported_or_bad_tool_arguments_are_refused(llm, kwargs, message) -> None:
     llama, _ = llm
-    with pytest.raises(ConfigError, match="tools"):
-        llama.create_chat_completion(messages=[user("?")], tools=[{"type": "function",
-                                     "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(ConfigError, match=message):
+        llama.create_chat_completion(messages=[user("?")], max_tokens=2, **kwargs)
 
 
 def test_missing_mmproj_is_model_not_found(tmp_path) -> None:

@@ -166,6 +166,10 @@ def test_bench_json(tiny, picture: Path) -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["slices_encoded"] >= 1 and out["follow_up_ttft_s"] >= 0
+    # predicted next to measured (from the default rates: the suite does not probe)
+    assert out["rates_source"] == "defaults"
+    assert out["predicted_decode_tokens_per_s"] > 0 and out["predicted_encode_s"] > 0
+    assert out["predicted_first_ttft_s"] > out["predicted_encode_s"]
 
 
 def test_models_json_lists_the_catalog_and_the_cache(hub, tiny) -> None:
@@ -272,3 +276,43 @@ def test_serve_refuses_a_port_in_use_or_a_bad_host_in_one_line(tiny) -> None:
         assert done.returncode == 1, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: ") and words in lines[0]
+
+
+def test_plan_takes_a_local_gguf_and_predicts_speed(tiny) -> None:
+    data = json.loads(run("plan", str(tiny.quants["Q4_K_M"]), "--ram", "8GB", "--json").stdout)
+    assert data["quant"] == "Q4_K_M" and data["rates"]["source"] == "defaults"
+    (row,) = data["rows"]
+    assert row["decode_tokens_per_s"] > 0 and row["video_first_answer_s"] > row["first_answer_s"] > 0
+    table = run("plan", str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj), "--ram", "8GB", "--detail", "low")
+    assert table.returncode == 0, table.stderr
+    assert "tok/s" in table.stdout and "detail='low' (1 encoder passes)" in table.stdout
+
+
+def test_plan_speed_limits_from_the_command_line(hub, tiny) -> None:
+    hub.add_repo("acme/plan-speed", {**{f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()},
+                                     "mmproj-model-f16.gguf": tiny.mmproj})
+    free = json.loads(run("plan", "acme/plan-speed", "--ram", "8GB", "--json").stdout)
+    rows = sorted(free["rows"], key=lambda r: -r["decode_tokens_per_s"])
+    floor = (rows[0]["decode_tokens_per_s"] + rows[1]["decode_tokens_per_s"]) / 2
+    fast = json.loads(run("plan", "acme/plan-speed", "--ram", "8GB", "--json",
+                          "--min-tokens-per-s", str(floor)).stdout)
+    assert fast["quant"] == rows[0]["quant"] != free["quant"]
+    pulled = run("pull", "acme/plan-speed", "--ram", "8GB", "--no-progress", "--json", "--min-tokens-per-s", str(floor))
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["quant"] == rows[0]["quant"]
+    refused = run("plan", "acme/plan-speed", "--ram", "8GB", "--min-tokens-per-s", "1e12")
+    assert refused.returncode == 1 and f"the fastest that fits is {rows[0]['quant']}" in refused.stderr
+    for bad in ("nan", "-1"):  # 0, inf and the rest: tests/test_speed.py
+        done = run("plan", "acme/plan-speed", "--ram", "8GB", "--max-first-answer-s", bad)
+        assert done.returncode == 1 and "max_first_answer_s must be a positive number" in done.stderr, bad
+    assert run("plan", "acme/plan-speed", "--min-tokens-per-s", "fast").returncode == 2  # argparse
+
+
+def test_plan_of_a_missing_local_file_is_one_line() -> None:
+    done = run("plan", "/no/such/model.gguf")
+    assert done.returncode == 1 and "does not exist" in done.stderr
+
+
+def test_speed_limits_with_local_files_are_refused_before_loading(tiny) -> None:
+    done = run("ask", str(tiny.quants["Q4_K_M"]), "x.png", "hi", "--min-tokens-per-s", "5")
+    assert done.returncode == 1 and "Speed limits choose a model and quant" in done.stderr

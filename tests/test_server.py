@@ -943,3 +943,43 @@ def test_ollama_tool_round_trip(srv: Running) -> None:
     parts = list(client.chat(model=served(srv), messages=messages, tools=[WEATHER_TOOL], stream=True,
                              options={"num_predict": 6, "seed": 2}))
     assert parts[-1].done
+
+
+def long_history(turns: int = 12, words: int = 400) -> list[dict[str, Any]]:
+    """A conversation far longer than the test model's 4096-token context, ending in a question."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for i in range(turns):
+        history.append({"role": "user", "content": f"question {i}: " + "tell me more " * (words // 3)})
+        history.append({"role": "assistant", "content": f"answer {i}: " + "there is more " * (words // 3)})
+    return history + [{"role": "user", "content": "And finally?"}]
+
+
+def test_truncate_drops_oldest_turns_and_says_so_without_it_the_request_is_refused(srv: Running, model) -> None:
+    body = {"messages": long_history(), "max_tokens": 4, "temperature": 0}
+    refused = requests.post(f"{srv.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert refused.status_code == 400 and "n_ctx" in refused.text
+    assert "X-Gguf-Mcv-Dropped-Turns" not in refused.headers
+
+    running = Running(server.build_app(model, api_key="", truncate=True))
+    try:
+        answered = requests.post(f"{running.url}/v1/chat/completions", json=body, timeout=120)
+        assert answered.status_code == 200, answered.text
+        dropped = answered.json()["usage"]["dropped_turns"]
+        assert 0 < dropped < 12 and answered.headers["X-Gguf-Mcv-Dropped-Turns"] == str(dropped)
+        assert answered.json()["usage"]["prompt_tokens"] <= 4096
+
+        chunks = list(oai(running).chat.completions.create(model=served(running), stream=True, **body))
+        assert chunks[-1].usage.model_extra["dropped_turns"] == dropped
+
+        ollama_body = {"model": served(running), "messages": body["messages"], "stream": False,
+                       "options": {"num_predict": 4, "temperature": 0}}
+        ollama = requests.post(f"{running.url}/api/chat", json=ollama_body, timeout=120)
+        assert ollama.status_code == 200 and ollama.json()["dropped_turns"] == dropped
+        assert ollama.headers["X-Gguf-Mcv-Dropped-Turns"] == str(dropped)
+
+        short = requests.post(f"{running.url}/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert "dropped_turns" not in short.json()["usage"]
+        assert "X-Gguf-Mcv-Dropped-Turns" not in short.headers
+    finally:
+        running.stop()

@@ -43,6 +43,17 @@ def test_vision_shape_defaults_the_query_count_by_generation(tmp_path) -> None:
     assert VisionShape.from_gguf({"clip.minicpmv_version": 3}).query_tokens == 64
 
 
+def test_vision_shape_knows_where_minicpm_v_46_merges_its_tokens(tmp_path) -> None:
+    spec = replace(synthetic.GENERATIONS["4.6"][0], v_layer=4, merger_layer=2)
+    v46 = synthetic.write_mmproj(tmp_path / "v46.gguf", spec)
+    assert read_projector_header(v46).shape.full_blocks == 3  # blocks 0..2 see every patch
+    assert VisionShape.from_gguf({"clip.projector_type": "resampler",
+                                  "clip.vision.wa_layer_indexes": [2]}).full_blocks is None
+    assert VisionShape.from_gguf({"clip.projector_type": "minicpmv4_6"}).full_blocks is None
+    assert load_catalog().get("minicpm-v-4.6").vision.full_blocks == 7
+    assert load_catalog().get("minicpm-v-2.6").vision.full_blocks is None
+
+
 def test_catalog_entries_carry_the_same_types() -> None:
     for entry in load_catalog().entries():
         assert isinstance(entry.arch, TextShape) and isinstance(entry.vision, VisionShape)
@@ -60,3 +71,37 @@ def test_memory_estimate_for_files_uses_the_header_shapes(tiny) -> None:
     from_files = memory.estimate_files(tiny.quants["Q8_0"], tiny.mmproj, quant="Q8_0", cpu="none",
                                        tensors=None)
     assert direct.kv_cache == from_files.kv_cache and direct.vision_compute == from_files.vision_compute
+
+
+def test_a_hybrid_header_gives_its_kv_layers_and_recurrent_state(tmp_path) -> None:
+    files = synthetic.build(tmp_path / "v46", synthetic.PRESETS["4.6"], ["Q4_K_M"])
+    text = read_text_header(files.quants["Q4_K_M"]).shape
+    spec = synthetic.PRESETS["4.6"]
+    assert text.kv_layers == spec.n_layer // spec.full_attention_interval == 1
+    # llama.cpp's log for this file: "RS buffer size = 0.21 MiB" (R 0.03 + S 0.19, 3 recurrent layers)
+    inner = spec.ssm_heads * spec.ssm_head_dim
+    per_layer = 3 * (inner + 2 * spec.ssm_heads * spec.ssm_head_dim) + spec.ssm_head_dim * inner
+    assert text.recurrent_values == 3 * per_layer
+    assert round(text.recurrent_values * 4 / 2**20, 2) == 0.21
+    assert read_projector_header(files.mmproj).shape.projector == "minicpmv4_6"
+
+
+def test_attention_only_models_have_no_recurrent_state(tiny) -> None:
+    text = read_text_header(tiny.quants["Q4_K_M"]).shape
+    assert text.recurrent_values == 0 and text.kv_layers == text.n_layers
+    assert read_projector_header(tiny.mmproj).shape.projector == "resampler"
+
+
+def test_the_memory_model_counts_as_many_checkpoints_as_the_engine_keeps() -> None:
+    from gguf_mcv import engine
+
+    assert memory.RECURRENT_CHECKPOINTS == engine.MAX_CHECKPOINTS
+
+
+def test_the_catalog_46_entry_has_a_recurrent_state() -> None:
+    from gguf_mcv import catalog
+
+    entry = catalog.lookup("minicpm-v-4.6")
+    assert entry is not None and entry.arch.kv_layers == 6 and entry.arch.recurrent_values > 0
+    assert entry.vision.projector == "minicpmv4_6"
+    assert catalog.lookup("minicpm-v-2.6").arch.recurrent_values == 0

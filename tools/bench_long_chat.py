@@ -40,6 +40,22 @@ def run(model_path: Path, mmproj: Path, *, turns: int, n_ctx: int, shift: bool, 
                 "shifted": model.engine.shifted_positions}
 
 
+def overflow_turn(model_path: Path, mmproj: Path, *, turns: int, n_ctx: int, threads: int) -> str:
+    """The same chat with ``overflow="error"``: the turn whose ContextOverflowError ends it."""
+    import gguf_mcv
+
+    with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=n_ctx, n_threads=threads) as model:
+        chat = model.chat(overflow="error")
+        for i in range(turns):
+            image = np.random.default_rng(1000 + i).integers(0, 256, (448, 448, 3), np.uint8) if i % 5 == 0 else ()
+            try:
+                chat.send(f"Turn {i}: what do you see now, and what changed?", image, detail="low",
+                          max_tokens=16, temperature=0)
+            except gguf_mcv.errors.ContextOverflowError as exc:
+                return f"overflow=\"error\": ContextOverflowError at turn {i}: {str(exc)[:90]}..."
+    return f"overflow=\"error\": all {turns} turns fit (no overflow to report)"
+
+
 def summary(name: str, result: dict) -> str:
     rows = result["rows"]
     plain = [r["seconds"] for r in rows if not r["dropped"] and not r["image"]]
@@ -73,6 +89,7 @@ def main() -> int:
     same = sum(a["answer"] == b["answer"] for a, b in pairs if a["dropped"] or b["dropped"])
     total = sum(1 for a, b in pairs if a["dropped"] or b["dropped"])
     print(f"greedy answers equal in both modes on turns with a drop: {same} of {total}")
+    print(overflow_turn(model, mmproj, turns=args.turns, n_ctx=args.ctx, threads=args.threads))
     return 0
 
 

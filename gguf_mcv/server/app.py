@@ -39,12 +39,16 @@ def build_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     allow_local_files: bool = False,
     allow_remote_media: bool = False,
+    truncate: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``model`` over the OpenAI and Ollama APIs (see the module doc).
 
     ``model_name`` is the name clients see (default: the catalog name, else the model's
     name). ``api_key=None`` reads ``$GGUF_MCV_API_KEY``; ``api_key=""`` means no key.
-    ``max_queue`` requests may wait while one is answered.
+    ``max_queue`` requests may wait while one is answered. With ``truncate`` a request
+    whose history does not fit loses its oldest turns, whole, as :class:`~gguf_mcv.Chat` does
+    (reported in ``usage.dropped_turns`` and the ``X-Gguf-Mcv-Dropped-Turns`` header);
+    without it such a request is refused with a 400.
     """
     if max_queue < 0 or max_body_bytes < 1:
         raise ConfigError("max_queue must be >= 0 and max_body_bytes >= 1.")
@@ -53,7 +57,7 @@ def build_app(
     state = State(
         model=model, name=served, names=names, api_key=key or None, max_body_bytes=max_body_bytes,
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
-        allow_remote=allow_remote_media, gate=Gate(max_queue), metrics=Metrics(),
+        allow_remote=allow_remote_media, gate=Gate(max_queue), metrics=Metrics(), truncate=truncate,
     )
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -77,6 +81,7 @@ def serve(
     max_queue: int = DEFAULT_MAX_QUEUE,
     allow_local_files: bool = False,
     allow_remote_media: bool = False,
+    truncate: bool = False,
     log_level: str = "info",
 ) -> None:
     """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`).
@@ -88,7 +93,7 @@ def serve(
     _check_port(port)
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
-                    allow_remote_media=allow_remote_media)
+                    allow_remote_media=allow_remote_media, truncate=truncate)
     return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not _is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "

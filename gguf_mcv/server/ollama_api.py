@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..errors import MediaError
 from ..generation import Stream
@@ -24,7 +24,7 @@ from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError
-from .state import State, file_mtime, model_stream, state_of
+from .state import State, dropped_turns_header, file_mtime, model_stream, state_of
 
 #: The Ollama API version reported by /api/version (tools gate features on it).
 OLLAMA_API_VERSION = "0.12.0"
@@ -202,7 +202,8 @@ async def _ollama_answer(request: Request, place: Place, body: _OllamaRequest, n
         shape = partial(_ollama_chunks, model=name, chat=chat, began=began, hold=tools)
         return await answer_stream(request, place, start, shape, ndjson=True)
     reply = await answer(request, place, start)
-    return _ollama_final(name, reply, chat=chat, began=began, text=str(reply))
+    return JSONResponse(_ollama_final(name, reply, chat=chat, began=began, text=str(reply)),
+                        headers=dropped_turns_header(reply))
 
 
 def _ollama_user(role: str, text: str, images: list[str],
@@ -269,6 +270,8 @@ def _ollama_final(model: str, reply: Reply, *, chat: bool, began: float, text: s
         prompt_eval_count=reply.usage.prompt_tokens, prompt_eval_duration=ns(reply.timings.prefill_ms),
         eval_count=reply.usage.completion_tokens, eval_duration=ns(reply.timings.decode_ms),
     )
+    if reply.dropped_turns:  # not an Ollama field: what `serve --truncate` dropped
+        final["dropped_turns"] = reply.dropped_turns
     return final
 
 

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from ..generation import Stream
-from ..openai_compat import chunk_maker, completion, completion_chunks, usage
+from ..openai_compat import completion, completion_chunks, tool_call_chunks
 from ..options import check_sampling, stop_list
-from ..reply import Reply
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError
 from .media_urls import check_media_urls
 from .remote_media import fetch_remote_media
-from .state import State, file_mtime, model_stream, state_of
+from .state import State, dropped_turns_header, file_mtime, model_stream, state_of
 
 
 class StreamOptions(Body):
@@ -131,32 +129,7 @@ async def chat_completions(
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
     start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
     if body.stream:
-        shape = _tool_chunks if body.tools and body.tool_choice != "none" else completion_chunks
+        shape = tool_call_chunks if body.tools and body.tool_choice != "none" else completion_chunks
         return await answer_stream(request, place, start, partial(shape, model=name), ndjson=False)
     reply = await answer(request, place, start)
-    return _with_tool_calls(completion(reply, model=name), reply)
-
-
-def _with_tool_calls(body: dict[str, Any], reply: Reply) -> dict[str, Any]:
-    """A ``chat.completion`` with the reply's tool calls in its message (content None if empty)."""
-    if reply.tool_calls:
-        message = body["choices"][0]["message"]
-        message["content"] = str(reply) or None
-        message["tool_calls"] = [call.openai() for call in reply.tool_calls]
-    return body
-
-
-def _tool_chunks(stream: Stream, *, model: str) -> Iterator[dict[str, Any]]:
-    """Chunks of an answer that may call a tool: the text is sent once the answer is known (a call
-    must not reach the client as text), then the calls, then the finish."""
-    chunk = chunk_maker(model)
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        reply = stream.result()
-        if str(reply):
-            yield chunk({"content": str(reply)})
-        if reply.tool_calls:
-            yield chunk({"tool_calls": [{"index": i, **call.openai()} for i, call in enumerate(reply.tool_calls)]})
-        yield chunk({}, reply.finish_reason, usage=usage(reply))
-    finally:
-        stream.close()
+    return JSONResponse(completion(reply, model=name), headers=dropped_turns_header(reply))

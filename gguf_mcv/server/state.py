@@ -11,10 +11,13 @@ from fastapi import Request
 from ..generation import Stream
 from ..messages import MediaPolicy
 from ..model import Model
+from ..reply import Reply
 from .gate import Gate
 from .http_errors import HTTPError
 from .metrics import Metrics
 from .naming import normal_name
+
+DROPPED_TURNS_HEADER = "X-Gguf-Mcv-Dropped-Turns"
 
 
 @dataclass
@@ -30,6 +33,8 @@ class State:
     allow_remote: bool
     gate: Gate
     metrics: Metrics
+    #: drop a request's oldest turns (whole) when it does not fit, instead of refusing it
+    truncate: bool = False
 
     def check_model(self, requested: str | None) -> str:
         """The name to echo for ``requested``; 404 if it names another model."""
@@ -48,9 +53,15 @@ def state_of(request: Request) -> State:
 
 def model_stream(state: State, messages: list[dict[str, Any]], options: dict[str, Any]) -> Stream:
     """Start answering ``messages`` (on the answer's thread) under the server's media policy."""
-    stream = state.model.chat_completion(messages, stream=True, policy=state.policy, **options)
+    stream = state.model.chat_completion(messages, stream=True, policy=state.policy,
+                                         truncate=state.truncate, **options)
     assert isinstance(stream, Stream)
     return stream
+
+
+def dropped_turns_header(reply: Reply) -> dict[str, str]:
+    """The response header saying how many turns ``--truncate`` dropped (none when none were)."""
+    return {DROPPED_TURNS_HEADER: str(reply.dropped_turns)} if reply.dropped_turns else {}
 
 
 def file_mtime(path: str) -> float:
