@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError
+from .options import VISION_BACKENDS
 from .units import format_size
 
 
@@ -160,6 +161,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads (default: performance cores)")
     p.add_argument("--gpu-layers", default="0", help="layers to offload to a GPU: N, -1 (all) or auto")
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
+    p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
+                   help="who runs the vision encoder (default auto: ONNX Runtime int8 on a CPU)")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     _speed_args(p)
@@ -371,7 +374,7 @@ def _bench(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, temperature=0)
         follow = chat.send("What colours are in it?", max_tokens=args.max_tokens, temperature=0)
         result = {
-            "model": model.info.name, "quant": model.info.quant,
+            "model": model.info.name, "quant": model.info.quant, "vision_backend": model.info.vision_backend,
             "image_tokens": first.usage.image_tokens, "slices_encoded": first.timings.slices_encoded,
             "first_ttft_s": first.timings.ttft_ms / 1000, "encode_s": first.timings.encode_ms / 1000,
             "follow_up_ttft_s": follow.timings.ttft_ms / 1000,
@@ -444,7 +447,10 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
-    return load(**_load_kwargs(args), embed_cache=_embed_cache(args))
+    model = load(**_load_kwargs(args), embed_cache=_embed_cache(args))
+    if args.verbose or (getattr(args, "vision_backend", "auto") == "auto" and model.info.vision_backend == "llama.cpp"):
+        print(f"vision encoder: {model.info.vision_backend} ({model.info.vision_backend_reason})", file=sys.stderr)
+    return model
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -452,7 +458,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
-                                  verbose=args.verbose, min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
+                                  vision_backend=getattr(args, "vision_backend", "auto"), verbose=args.verbose,
+                                  min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
                                   max_first_answer_s=getattr(args, "max_first_answer_s", None))
     local = _local_files(args)
     if local is not None:

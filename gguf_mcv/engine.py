@@ -19,7 +19,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Sequence, Union, cast
+from typing import Any, Callable, Generator, Protocol, Sequence, Union, cast
 
 import numpy as np
 
@@ -42,6 +42,16 @@ MAX_CHECKPOINTS = 2
 #: a stretch dropped from the middle of the cache is shifted out (not re-evaluated) only when
 #: at least this many units after it are reused (or all that remain)
 MIN_SHIFT_MATCH = 8
+
+
+class VisionEncoder(Protocol):
+    """A vision encoder other than libmtmd's (``gguf_mcv.onnx_vision``)."""
+
+    name: str  #: the backend, for messages
+    key_tag: str  #: embedding-cache key prefix: the mmproj's identity and the backend
+
+    def encode(self, image: Image, index: int) -> np.ndarray:
+        """Embeddings (tokens × width) of slice ``index`` (0 = the overview) of ``image``."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class Prompt:
     image_tokens: int
     _chunks: list[object] = field(default_factory=list)  # native chunk lists, freed by close()
     _image_chunks: dict[int, object] = field(default_factory=dict)
+    _image_sources: dict[int, tuple[Image, int]] = field(default_factory=dict)  # unit -> (image, slice)
 
     @property
     def n_pos(self) -> int:
@@ -89,6 +100,8 @@ class Prompt:
         self.units[start:end] = list(replacement)
         self._image_chunks = {(k + shift if k >= end else k): chunk
                               for k, chunk in self._image_chunks.items()}
+        self._image_sources = {(k + shift if k >= end else k): source
+                               for k, source in self._image_sources.items()}
 
     def close(self) -> None:
         if self._chunks:
@@ -98,6 +111,7 @@ class Prompt:
                 mtmd_cpp.mtmd_input_chunks_free(chunks)
             self._chunks.clear()
             self._image_chunks.clear()
+            self._image_sources.clear()
 
     def __enter__(self) -> "Prompt":
         return self
@@ -159,6 +173,7 @@ class Engine:
         embed_cache: EmbeddingCache | None = None,
         warmup: bool = False,
         slice_size: int | None = None,
+        encoder: VisionEncoder | None = None,
     ) -> None:
         import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
         from llama_cpp import mtmd_cpp
@@ -168,12 +183,16 @@ class Engine:
         self._lc = llama_cpp
         self._mt = mtmd_cpp
         self.mmproj_path = os.fspath(mmproj_path)
-        self.mmproj_id = file_identity(self.mmproj_path)
+        #: encodes slices instead of libmtmd (which then holds a stand-in mmproj); its key
+        #: tag keeps its embeddings apart from libmtmd's in a shared cache
+        self.encoder = encoder
+        self.mmproj_id = encoder.key_tag if encoder is not None else file_identity(self.mmproj_path)
+        #: what encodes images: part of every cache key and of a saved chat's identity
+        self.vision_backend = encoder.name if encoder is not None else DEFAULT_BACKEND
         if slice_size is None:
             slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
-        self.vision_backend = DEFAULT_BACKEND  #: what encodes images: part of every cache key
         self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
@@ -361,7 +380,8 @@ class Engine:
                 raise MediaError(f"libmtmd could not prepare the images for this model: {details}.")
             prompt._chunks.append(chunks)
             chunks = None  # owned by the prompt now
-            self._read_chunks(prompt._chunks[-1], prompt)
+            by_id = {f"{o}|{image.digest}".encode(): image for o, image in enumerate(images, start=first)}
+            self._read_chunks(prompt._chunks[-1], prompt, by_id)
         finally:
             if chunks is not None:
                 mt.mtmd_input_chunks_free(chunks)
@@ -382,7 +402,7 @@ class Engine:
         self._mt.mtmd_bitmap_set_id(bitmap, bitmap_id.encode())
         return bitmap
 
-    def _read_chunks(self, chunks, prompt: Prompt) -> None:
+    def _read_chunks(self, chunks, prompt: Prompt, images: dict[bytes, Image]) -> None:
         mt = self._mt
         slice_index: dict[bytes, int] = {}
         for i in range(mt.mtmd_input_chunks_size(chunks)):
@@ -401,6 +421,8 @@ class Engine:
             digest = bitmap_id.decode().partition("|")[2]
             n_pos = int(mt.mtmd_input_chunk_get_n_pos(chunk))
             prompt._image_chunks[len(prompt.units)] = chunk
+            if bitmap_id in images:
+                prompt._image_sources[len(prompt.units)] = (images[bitmap_id], index)
             prompt.units.append(ImageUnit(self.image_key(digest, index), n_pos))
             prompt.image_tokens += n_pos
 
@@ -588,7 +610,7 @@ class Engine:
         embd = self.embed_cache.get(unit.key, n_values=n_values)  # a wrong-sized entry is a miss
         if embd is None:
             start = time.perf_counter()
-            embd = self._encode(chunk, unit)
+            embd = self._encode(chunk, unit, prompt._image_sources.get(index))
             stats.encode_ms += (time.perf_counter() - start) * 1000.0
             stats.slices_encoded += 1
             stats.encoded_keys.append(unit.key)
@@ -609,7 +631,9 @@ class Engine:
         self.llama.input_ids[n_past:new_n_past.value] = IMAGE_SENTINEL
         self._units.append(unit)
 
-    def _encode(self, chunk, unit: ImageUnit) -> np.ndarray:
+    def _encode(self, chunk, unit: ImageUnit, source: tuple[Image, int] | None = None) -> np.ndarray:
+        if self.encoder is not None:
+            return self._encode_with(self.encoder, chunk, unit, source)
         native.clear_recent()
         rc = self._mt.mtmd_encode_chunk(self._ctx, chunk)
         if rc != 0:
@@ -618,6 +642,20 @@ class Engine:
         n_tokens = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk))
         ptr = self._mt.mtmd_get_output_embd(self._ctx)
         embd = np.ctypeslib.as_array(ptr, shape=(n_tokens * self.n_embd,)).copy()
+        self.embed_cache.put(unit.key, embd)
+        return embd
+
+    def _encode_with(self, encoder: VisionEncoder, chunk, unit: ImageUnit,
+                     source: tuple[Image, int] | None) -> np.ndarray:
+        if source is None:
+            raise EngineError("An image chunk without its image reached the encoder (a prompt built elsewhere?).")
+        n_tokens = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk))
+        embd = encoder.encode(source[0], source[1]).reshape(-1)
+        if embd.size != n_tokens * self.n_embd:
+            raise EngineError(f"The {encoder.name} vision encoder gave {embd.size} values for a slice where libmtmd "
+                              f"expects {n_tokens} tokens of {self.n_embd}; use vision_backend='llama.cpp'.")
+        self.encoder_calls += 1
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
         self.embed_cache.put(unit.key, embd)
         return embd
 

@@ -222,6 +222,7 @@ def respond(
             slices_encoded=stats.slices_encoded,
             slices_from_cache=stats.slices_from_cache,
             completion_tokens=n_generated,
+            vision_backend=engine.vision_backend,
         )
         finish = "stop" if assembler.stopped else engine.finish_reason
         reply = Reply(

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import constants, native
 from .catalog import CatalogEntry, lookup
 from .embed_cache import EmbeddingCache
-from .engine import Engine
+from .engine import Engine, VisionEncoder, file_identity
 from .errors import ConfigError, CorruptModelError, EngineError
 from .hardware import probe
 from .headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
@@ -39,6 +39,7 @@ def load(
     vision_gpu: bool | None = None,
     flash_attn: bool | None = None,
     kv_cache_type: str = "f16",
+    vision_backend: str = "auto",
     revision: str | None = None,
     chat_template: str | None = None,
     embed_cache: EmbeddingCache | None = None,
@@ -64,11 +65,14 @@ def load(
     the catalog family's. ``embed_cache`` shares an :class:`EmbeddingCache` (e.g.
     one with a disk tier) between models. ``min_tokens_per_s`` and ``max_first_answer_s``
     make the plan keep only quants (and, for ``"auto"``, models) predicted to meet them
-    (:func:`gguf_mcv.plan`).
+    (:func:`gguf_mcv.plan`). ``vision_backend`` picks who runs the vision encoder:
+    ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
+    converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.onnx_vision.choose_backend``);
+    ``model.info`` says which and why.
     """
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
                           n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
-                          kv_cache_type=kv_cache_type)
+                          kv_cache_type=kv_cache_type, vision_backend=vision_backend)
     if options.wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
@@ -118,12 +122,14 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
     if vision_gpu is None:
         vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
     slice_size = projector.shape.image_size
+    backend, reason, encoder, libmtmd_mmproj = _vision_backend(
+        options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads)
     llama = _open_llama(model_path, options.n_ctx, n_threads, options.n_threads_batch or n_threads,
                         int(n_gpu), options.flash_attn, options.kv_cache_type, verbose)
     try:
-        engine = Engine(llama, mmproj_path, vision_on_gpu=vision_gpu,
+        engine = Engine(llama, libmtmd_mmproj, vision_on_gpu=vision_gpu,
                         vision_flash_attn=options.flash_attn, embed_cache=embed_cache,
-                        slice_size=slice_size)
+                        slice_size=slice_size, encoder=encoder)
     except BaseException:
         llama.close()
         raise
@@ -140,11 +146,38 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
         n_ctx=options.n_ctx,
         slice_size=slice_size,
         vision_gpu=vision_gpu,
+        vision_backend=backend,
+        vision_backend_reason=reason,
     )
     if verbose:
         native.verbose_acquire()
     return Model(engine, info=info, template=template, sampling=_sampling(entry),
                  allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
+                    vision_gpu: bool, n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
+    """(backend, reason, encoder, the mmproj libmtmd loads): for an ONNX backend the converted
+    encoder and a stand-in mmproj without the tower's weights (no double loading)."""
+    from . import onnx_vision
+
+    # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
+    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
+    backend, reason = onnx_vision.choose_backend(
+        options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
+        ort_version=onnx_vision.onnxruntime_version() if may_use else None)
+    if backend == "llama.cpp":
+        return backend, reason, None, mmproj_path
+    identity = file_identity(mmproj_path)
+    converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar())
+    if options.vision_backend == "auto" and not converted.int8_ok:
+        backend = "onnx-fp32"
+        reason = (f"auto: int8 embeddings agree with fp32 only to cosine {converted.int8_cosine:.4f} "
+                  f"(< {onnx_vision.INT8_MIN_COSINE}) on this mmproj")
+    elif backend.startswith("onnx"):
+        reason += f"; int8 vs fp32 cosine {converted.int8_cosine:.4f}"
+    encoder = onnx_vision.OnnxVision(converted, backend.removeprefix("onnx-"), identity, n_threads=n_threads)
+    return backend, reason, encoder, onnx_vision.standin(mmproj_path, identity)
 
 
 def _template(llama, text: TextHeader, entry: CatalogEntry | None, chat_template: str | None) -> ChatTemplate:

@@ -49,6 +49,8 @@ class ModelInfo:
     n_ctx: int
     slice_size: int
     vision_gpu: bool = False
+    vision_backend: str = "llama.cpp"  #: "llama.cpp", "onnx-int8" or "onnx-fp32"
+    vision_backend_reason: str = ""  #: why that backend (``vision_backend="auto"`` decides)
 
 
 class Model:

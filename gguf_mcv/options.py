@@ -15,6 +15,8 @@ from typing import Any, Sequence
 from .errors import ConfigError
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+#: who runs the vision encoder: libmtmd, or ONNX Runtime on a graph converted from the mmproj
+VISION_BACKENDS = ("auto", "llama.cpp", "onnx-int8", "onnx-fp32")
 #: Smallest context: one image alone takes 64 to 660 positions.
 MIN_N_CTX = 256
 #: Largest context accepted (llama.cpp allocates the KV cache for all of it up front).
@@ -146,6 +148,7 @@ class LoadOptions:
     vision_gpu: bool | None = None
     flash_attn: bool | None = None
     kv_cache_type: str = "f16"
+    vision_backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("n_ctx", self.n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
@@ -163,6 +166,12 @@ class LoadOptions:
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, "
                               f"not {self.kv_cache_type!r}.")
+        if self.vision_backend not in VISION_BACKENDS:
+            raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)}, "
+                              f"not {self.vision_backend!r}.")
+        if self.vision_backend.startswith("onnx") and self.vision_gpu:
+            raise ConfigError(f"vision_backend={self.vision_backend!r} runs on the CPU: drop vision_gpu=True "
+                              "or use vision_backend='llama.cpp'.")
         if self.kv_cache_type != "f16" and self.flash_attn is False:
             raise ConfigError(
                 f"A {self.kv_cache_type} KV cache needs flash attention in llama.cpp: "

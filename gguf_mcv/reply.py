@@ -47,6 +47,7 @@ class Timings:
     slices_encoded: int
     slices_from_cache: int
     completion_tokens: int
+    vision_backend: str = "llama.cpp"  #: who ran the vision encoder (see ``Model.info``)
 
     @property
     def decode_tokens_per_s(self) -> float:

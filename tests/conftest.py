@@ -115,6 +115,15 @@ def hub(hub_server: HubServer, hf_env: HfEnv, tmp_path: Path) -> Iterator[HubSer
 # session; `tiny_model` is one loaded Model shared by the tests that only ask questions.
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_for_session_fixtures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The same private cache for session- and module-scoped fixtures, which run before the
+    function-scoped one below (a model they load converts its ONNX encoder into this cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.getbasetemp() / "gguf_mcv_cache"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _private_caches(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test writes into the user's gguf_mcv cache or reads their catalog."""

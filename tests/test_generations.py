@@ -348,7 +348,9 @@ PEAK_TOLERANCE = {
 _PEAK_CHILD = """
 import json, sys
 import gguf_mcv
-model = gguf_mcv.load(sys.argv[1], model_path=sys.argv[2], mmproj_path=sys.argv[3], n_ctx=4096)
+# the memory model describes libmtmd's encoder (the ONNX backend: tools/bench_vision.py)
+model = gguf_mcv.load(sys.argv[1], model_path=sys.argv[2], mmproj_path=sys.argv[3], n_ctx=4096,
+                      vision_backend="llama.cpp")
 reply = model.ask("What is in this picture?", sys.argv[4], max_tokens=4, detail="high")
 # VmHWM, not ru_maxrss: ru_maxrss inherits the (big) pytest parent's high-water mark
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))

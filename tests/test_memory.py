@@ -200,7 +200,8 @@ def test_local_cpu_family_is_known() -> None:
 _CHILD = textwrap.dedent("""
     import json, sys
     import gguf_mcv
-    model = gguf_mcv.load(model_path=sys.argv[1], mmproj_path=sys.argv[2], n_ctx=4096)
+    # the memory model describes libmtmd's encoder (the ONNX backend: tools/bench_vision.py)
+    model = gguf_mcv.load(model_path=sys.argv[1], mmproj_path=sys.argv[2], n_ctx=4096, vision_backend="llama.cpp")
     model.ask("What is in this picture?", sys.argv[3], max_tokens=4, detail="high")
     # VmHWM, not ru_maxrss: ru_maxrss inherits the (big) pytest parent's high-water mark
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))

@@ -82,8 +82,9 @@ def child(args: argparse.Namespace) -> None:
 
     stages = {"import": _status()}
     start = time.perf_counter()
+    # the memory model describes libmtmd's encoder (the ONNX backend: tools/bench_vision.py)
     model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, n_ctx=args.n_ctx,
-                          kv_cache_type=args.kv_type)
+                          kv_cache_type=args.kv_type, vision_backend="llama.cpp")
     stages["load"] = _status()
     load_s = time.perf_counter() - start
     start = time.perf_counter()

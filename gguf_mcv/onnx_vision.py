@@ -1,0 +1,340 @@
+"""The vision encoder on ONNX Runtime: converted once from the mmproj, cached, self-validated.
+
+:func:`prepare` converts an mmproj (``gguf_mcv.onnx_graph``) into ``<cache>/onnx/`` —
+fp32, and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
+blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded into the
+weights first;
+the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
+and the onnxruntime version, written into a temporary folder and moved into place; a
+manifest with each file's size and SHA-256 is written last and checked on every load, so
+a killed conversion or a damaged file is rebuilt, never used. At conversion the int8
+graph's embeddings are compared with the fp32 graph's on the bundled example image and
+synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8.
+:class:`OnnxEncoder` runs one slice: libmtmd's preprocessing (``mtmd_preprocess``) and the
+position inputs for that slice's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import constants
+from .errors import ConfigError, EngineError, NotEnoughDiskError
+from .media import Image
+from .mtmd_preprocess import PreprocessParams, slice_pixels
+from .onnx_graph import PROJECTORS, Projector, Weights, build_model, graph_inputs
+from .units import format_size
+
+#: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
+#: (mean over tokens of the per-token cosine, on the validation images)
+INT8_MIN_COSINE = 0.995
+VARIANTS = ("fp32", "int8")
+MANIFEST_VERSION = 1
+#: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
+#: 0.6x, with room to spare
+DISK_FACTOR = 3
+#: the bundled example photo (also the self-test's)
+EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A validated conversion: the ONNX files and what self-validation measured."""
+
+    fp32: Path
+    int8: Path
+    projector: Projector
+    int8_cosine: float  #: mean per-token cosine of int8 vs fp32 on the validation images
+    convert_s: float  #: how long the conversion took (0 when it came from the cache)
+
+    @property
+    def int8_ok(self) -> bool:
+        return self.int8_cosine >= INT8_MIN_COSINE
+
+    def path(self, variant: str) -> Path:
+        return self.int8 if variant == "int8" else self.fp32
+
+
+def onnxruntime_version() -> str | None:
+    """onnxruntime's version, or None when it cannot be imported here."""
+    try:
+        import onnxruntime  # lazy: ~0.2 s and a native library
+    except ImportError:
+        return None
+    return str(onnxruntime.__version__)
+
+
+def cache_folder() -> Path:
+    return constants.cache_dir() / "onnx"
+
+
+def _stem(identity: str, ort_version: str) -> str:
+    return f"{identity}-ort{ort_version}"
+
+
+def prepare(mmproj_path: str | os.PathLike, identity: str, *,
+            progress: Callable[[str, int, int], None] | None = None) -> Converted:
+    """The validated conversion of ``mmproj_path`` (identity ``identity``): from the cache when
+    its manifest checks out, else converted now (under a lock, so two processes convert once)."""
+    from filelock import FileLock
+
+    version = onnxruntime_version()
+    if version is None:
+        raise ConfigError("onnxruntime is not installed: pip install onnxruntime onnx, or use "
+                          "vision_backend='llama.cpp'.")
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = _stem(identity, version)
+    with FileLock(str(folder / f"{stem}.lock")):
+        found = _load_manifest(folder, stem)
+        if found is not None:
+            return found
+        return _convert(Path(mmproj_path), folder, stem, progress)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_manifest(folder: Path, stem: str) -> Converted | None:
+    """The conversion described by ``<stem>.json`` if every file it lists is intact, else None."""
+    path = folder / f"{stem}.json"
+    try:
+        m = json.loads(path.read_text())
+        if m.get("version") != MANIFEST_VERSION:
+            return None
+        for name, (size, digest) in m["files"].items():
+            f = folder / name
+            if not f.is_file() or f.stat().st_size != size or _sha256(f) != digest:
+                return None
+        return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=Projector(**{
+            **m["projector"], "mean": tuple(m["projector"]["mean"]), "std": tuple(m["projector"]["std"])}),
+            int8_cosine=float(m["int8_cosine"]), convert_s=0.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _convert(mmproj: Path, folder: Path, stem: str,
+             progress: Callable[[str, int, int], None] | None) -> Converted:
+    import dataclasses
+
+    import onnx
+
+    need = DISK_FACTOR * mmproj.stat().st_size
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotEnoughDiskError(
+            f"Converting {mmproj.name} for ONNX Runtime needs about {format_size(need)} free in {folder} "
+            f"(the fp32 graph, a temporary copy and the int8 graph); {format_size(free)} is free. Free some "
+            f"space, point GGUF_MCV_CACHE elsewhere, or use vision_backend='llama.cpp'.")
+    start = time.perf_counter()
+    weights = Weights(mmproj)
+    projector = weights.projector()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=folder))
+    try:
+        names = {v: f"{stem}-{v}.onnx" for v in VARIANTS}
+
+        def step(what: str) -> Callable[[int, int], None]:
+            return lambda done, total: progress(what, done, total) if progress else None
+
+        # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
+        # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
+        for variant in VARIANTS:
+            path = tmp / names[variant]
+            model, _ = build_model(weights, fold=True, int8=variant == "int8",
+                                   external=path.with_name(path.name + ".data"), progress=step(f"{variant} graph"))
+            onnx.save_model(model, str(path))
+            del model
+        del weights  # unmaps the mmproj: its pages would count on top of the fp32 session's
+        cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            files[f.name] = [f.stat().st_size, _sha256(f)]
+        for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
+            os.replace(f, folder / f.name)
+        _forget_other_versions(folder, stem)
+        manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
+                    "int8_cosine": cosine, "threshold": INT8_MIN_COSINE, "files": files,
+                    "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
+        part = folder / f"{stem}.json.part"
+        part.write_text(json.dumps(manifest, indent=1))
+        os.replace(part, folder / f"{stem}.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Converted(fp32=folder / names["fp32"], int8=folder / names["int8"], projector=projector,
+                     int8_cosine=cosine, convert_s=time.perf_counter() - start)
+
+
+def _forget_other_versions(folder: Path, stem: str) -> None:
+    """Delete this mmproj's conversions for other onnxruntime versions (never used again)."""
+    identity = stem.rsplit("-ort", 1)[0]
+    for f in folder.glob(f"{identity}-ort*"):
+        if not f.name.startswith(stem + "-") and not f.name.startswith(stem + ".") and f.is_file():
+            f.unlink(missing_ok=True)
+
+
+def _save(onnx: Any, model: Any, path: Path) -> None:
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def validation_images() -> list[np.ndarray]:
+    """The bundled example photo and synthetic patterns (a gradient, a checkerboard), one slice each."""
+    from .media import load_image
+
+    photo = load_image(EXAMPLE_IMAGE).resized_to(448, 448).rgb
+    y, x = np.mgrid[0:448, 0:448]
+    gradient = np.stack([x * 255 // 447, y * 255 // 447, (x + y) * 255 // 894], axis=-1).astype(np.uint8)
+    checker = (((x // 32 + y // 32) % 2) * 255).astype(np.uint8)[..., None].repeat(3, axis=-1)
+    return [photo, gradient, checker]
+
+
+def token_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each token (row) of two (tokens × width) embeddings."""
+    a = a.reshape(-1, a.shape[-1]).astype(np.float64)
+    b = b.reshape(-1, b.shape[-1]).astype(np.float64)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-30), 1.0)
+
+
+def validate(fp32: Path, int8: Path, projector: Projector, *,
+             progress: Callable[[int, int], None] | None = None, n_threads: int | None = None) -> float:
+    """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's."""
+    images = validation_images()
+    outputs: dict[str, list[np.ndarray]] = {}
+    for n, path in enumerate((fp32, int8)):  # one session at a time: the fp32 one is the size of the tower
+        encoder = OnnxEncoder(path, projector, n_threads=n_threads)
+        outputs[path.name] = [encoder.encode_rgb(rgb, 0) for rgb in images]
+        del encoder
+        if progress:
+            progress(n + 1, 2)
+    scores = [float(token_cosines(a, b).mean()) for a, b in zip(outputs[fp32.name], outputs[int8.name], strict=True)]
+    return min(scores) if scores else 0.0
+
+
+class OnnxEncoder:
+    """One ONNX Runtime session of the vision encoder; encodes slices of an image."""
+
+    def __init__(self, path: str | os.PathLike, projector: Projector, *, n_threads: int | None = None) -> None:
+        import onnxruntime as ort  # lazy: a native library
+
+        self.path = Path(path)
+        self.projector = projector
+        self.params = PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
+                                       mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if n_threads:
+            options.intra_op_num_threads = int(n_threads)
+        options.inter_op_num_threads = 1
+        # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
+            raise EngineError(f"ONNX Runtime could not load {self.path}: {exc}") from exc
+        self._last: tuple[str, list[np.ndarray]] | None = None
+        self.calls = 0
+
+    def encode_rgb(self, rgb: np.ndarray, index: int, digest: str | None = None) -> np.ndarray:
+        """Embeddings (tokens × width, float32) of slice ``index`` (0 = the overview) of ``rgb``."""
+        if digest is None or self._last is None or self._last[0] != digest:
+            slices = slice_pixels(rgb, self.params)
+            self._last = (digest, slices) if digest is not None else None
+        else:
+            slices = self._last[1]
+        if not 0 <= index < len(slices):
+            raise EngineError(f"libmtmd asked for slice {index} of an image that has {len(slices)}; "
+                              "the ONNX preprocessing disagrees with libmtmd's slicing.")
+        return self.encode_pixels(slices[index])
+
+    def encode_pixels(self, pixels: np.ndarray) -> np.ndarray:
+        """Embeddings of one normalised 3×H×W slice."""
+        h, w = pixels.shape[1] // self.projector.patch_size, pixels.shape[2] // self.projector.patch_size
+        feeds = {"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(self.projector, h, w)}
+        try:
+            (out,) = self._session.run(["embeddings"], feeds)
+        except Exception as exc:  # onnxruntime's own error classes
+            raise EngineError(f"The ONNX vision encoder failed: {exc}") from exc
+        self.calls += 1
+        return np.ascontiguousarray(out[0], dtype=np.float32)
+
+
+class OnnxVision:
+    """The engine's view of an ONNX encoder (:class:`gguf_mcv.engine.VisionEncoder`)."""
+
+    def __init__(self, converted: Converted, variant: str, mmproj_identity: str, *,
+                 n_threads: int | None = None) -> None:
+        if variant not in VARIANTS:
+            raise ConfigError(f"ONNX variant must be one of {', '.join(VARIANTS)}, not {variant!r}.")
+        self.name = f"onnx-{variant}"
+        self.key_tag = f"{mmproj_identity}+{self.name}"
+        self.encoder = OnnxEncoder(converted.path(variant), converted.projector, n_threads=n_threads)
+
+    def encode(self, image: Image, index: int) -> np.ndarray:
+        return self.encoder.encode_rgb(image.rgb, index, image.digest)
+
+
+def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
+    """The stand-in of ``mmproj_path`` (``gguf_mcv.mmproj_standin``) in the cache folder: written
+    on every load (a few KB, atomically), so a damaged or stale copy is never used."""
+    from .mmproj_standin import write_standin
+
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_standin(mmproj_path, folder / f"{identity}-standin.gguf")
+
+
+def choose_backend(requested: str, *, vision_gpu: bool, projector_type: str,
+                   ort_version: str | None) -> tuple[str, str]:
+    """(backend, reason) for ``requested`` (options.VISION_BACKENDS) before any conversion:
+    ``auto`` takes ``onnx-int8`` for a CPU encoder when onnxruntime imports and the projector is
+    one the converter knows, else ``llama.cpp``. An explicit ONNX backend that cannot run is a
+    ConfigError."""
+    if requested == "llama.cpp":
+        return "llama.cpp", "asked for"
+    problem = ("the vision encoder runs on the GPU" if vision_gpu
+               else "onnxruntime is not installed (pip install onnxruntime onnx)" if ort_version is None
+               else f"the ONNX converter does not handle the {projector_type!r} projector"
+               if projector_type not in PROJECTORS else None)
+    if requested == "auto":
+        if problem:
+            return "llama.cpp", f"auto: {problem}"
+        return "onnx-int8", f"auto: CPU encoder, onnxruntime {ort_version}"
+    if problem:
+        raise ConfigError(f"vision_backend={requested!r} cannot be used: {problem}. "
+                          "Use vision_backend='llama.cpp' (or 'auto').")
+    return requested, "asked for"
+
+
+def progress_bar() -> Callable[[str, int, int], None]:
+    """A tqdm progress callback for :func:`prepare` (shown on a terminal only)."""
+    from tqdm.auto import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(what: str, done: int, total: int) -> None:
+        bar = bars.get(what)
+        if bar is None:
+            bar = bars[what] = tqdm(total=total, desc=f"ONNX vision: {what}", unit="step", disable=None,
+                                    leave=False)
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    return update

@@ -1,0 +1,124 @@
+"""The ONNX graph built from an mmproj against libmtmd's own encoder, for every projector in
+the catalog (the resampler of 2.5, 2.6, o-2.6, 4.0, 4.5; 4.6's merger): per-token cosine
+>= 0.9999 on every slice of images that exercise the slicing (upscaled to one slice, a grid)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf_mcv
+from gguf_mcv import synthetic
+from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
+from gguf_mcv.media import Image
+from gguf_mcv.onnx_graph import (
+    Weights,
+    build_model,
+    fold_outliers,
+    merge_indices,
+    resampler_positions,
+    vit_positions,
+    window_order,
+)
+from gguf_mcv.onnx_vision import OnnxEncoder, _save, token_cosines
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("llama_cpp")
+
+#: one per projector in the catalog: the resampler of versions 2 (96 queries), 3, 4, 5, 6 and
+#: MiniCPM-V 4.6's minicpmv4_6 merger (4.6 Thinking has the same mmproj layout)
+GENERATIONS = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
+               "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}
+SIZES = [(300, 200), (1000, 700)]  # upscaled to one slice; overview + a 2x2 grid
+
+
+@pytest.fixture(scope="module", params=sorted(GENERATIONS))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    gen = request.param
+    out = tmp_path_factory.mktemp(f"onnx-{gen}")
+    files = synthetic.build(out, synthetic.PRESETS[gen], ["Q4_K_M"])
+    weights = Weights(files.mmproj)
+    model, _ = build_model(weights)
+    _save(onnx, model, out / "fp32.onnx")
+    encoder = OnnxEncoder(out / "fp32.onnx", weights.projector(), n_threads=2)
+    with gguf_mcv.load(GENERATIONS[gen], model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,
+                       n_ctx=4096, n_threads=2, vision_backend="llama.cpp", embed_cache=EmbeddingCache()) as m:
+        yield m, encoder, gen
+
+
+def test_fp32_graph_matches_libmtmd_on_every_slice(pair: tuple) -> None:
+    model, encoder, gen = pair
+    engine = model._engine
+    rng = np.random.default_rng(7)
+    n_slices = 0
+    for width, height in SIZES:
+        image = Image(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "random")
+        with engine.tokenize(engine.marker, [image]) as prompt:
+            for index, (unit_index, chunk) in enumerate(sorted(prompt._image_chunks.items())):
+                ref = engine._encode(chunk, prompt.units[unit_index]).reshape(-1, engine.n_embd)
+                got = encoder.encode_rgb(image.rgb, index, image.digest)
+                assert got.shape == ref.shape
+                cos = token_cosines(ref, got)
+                assert cos.min() >= 0.9999, (gen, (width, height), index, cos.min())
+                n_slices += 1
+    assert n_slices == 1 + 5
+
+
+def test_positions_follow_libmtmd() -> None:
+    # clip.cpp: bucket = floor(70 * i / n), id = bucket_h * 70 + bucket_w
+    ids = vit_positions(2, 3)
+    assert ids.tolist() == [0, 23, 46, 35 * 70, 35 * 70 + 23, 35 * 70 + 46]
+    rpos = resampler_positions(2, 3, 256)
+    assert rpos.shape == (6, 256) and rpos.dtype == np.float32
+    # patch 4 is row 1, column 1: sin(w*omega0) = sin(1), cos(h*omega0) = cos(1)
+    assert rpos[4, 0] == pytest.approx(np.sin(1.0), abs=1e-6)
+    assert rpos[4, 192] == pytest.approx(np.cos(1.0), abs=1e-6)
+    assert rpos[0, 64] == pytest.approx(1.0)  # cos(0)
+
+
+def test_folding_outliers_is_exact_in_fp32() -> None:
+    rng = np.random.default_rng(0)
+    gamma = np.ones(64, np.float32)
+    gamma[[3, 40]] = [80.0, -60.0]
+    beta = rng.standard_normal(64).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((10, 64)).astype(np.float32)
+    xn = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-6)
+    before = (xn * gamma + beta) @ w
+    w2 = w.copy()
+    g2, b2 = fold_outliers(gamma, beta, [w2])
+    assert np.abs(g2).max() <= 1.0 + 1e-6  # the outliers left the activation
+    np.testing.assert_allclose((xn * g2 + b2) @ w2, before, rtol=1e-4, atol=1e-4)
+
+
+def test_a_damaged_mmproj_is_a_corrupt_model_error(tmp_path: Path) -> None:
+    bad = tmp_path / "mmproj.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 100)
+    with pytest.raises(CorruptModelError, match="download it again"):
+        Weights(bad)
+
+
+def test_another_projector_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "mmproj-llava.gguf"
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_tensor("mm.0.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(IncompatibleProjectorError, match="vision_backend='llama.cpp'"):
+        Weights(path).projector()
+
+
+def test_merger_indices_follow_libmtmd() -> None:
+    # make_ds_idx(off_r, off_c, h/2, w/2, w) and the window-major order of clip.cpp, on a 4x4 grid
+    assert merge_indices(4, 4).tolist() == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]]
+    assert window_order(4, 4)[:8].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

@@ -1,0 +1,303 @@
+"""The ONNX vision backend end to end on the tiny model: conversion cache (atomic, validated,
+rebuilt when damaged), int8 self-validation, the backend choice, no double loading (the
+stand-in mmproj), cache keys per backend, threads, and hostile inputs."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf_mcv
+from gguf_mcv import onnx_vision
+from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.engine import file_identity
+from gguf_mcv.errors import ConfigError, EngineError, NotEnoughDiskError
+from gguf_mcv.media import Image
+from gguf_mcv.onnx_vision import INT8_MIN_COSINE, choose_backend, prepare
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("llama_cpp")
+
+
+def picture(seed: int, size: tuple[int, int]) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny):
+    return prepare(tiny.mmproj, file_identity(tiny.mmproj))  # into the session's private cache (conftest)
+
+
+def _load(tiny, backend: str, cache: EmbeddingCache | None = None, **kw):
+    return gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2,
+                         vision_backend=backend, embed_cache=cache if cache is not None else EmbeddingCache(), **kw)
+
+
+# --- the backend choice (pure) ----------------------------------------------------------
+
+
+def test_auto_takes_int8_on_a_cpu_and_llama_cpp_otherwise() -> None:
+    assert choose_backend("auto", vision_gpu=False, projector_type="resampler", ort_version="1.32.0")[0] == "onnx-int8"
+    backend, reason = choose_backend("auto", vision_gpu=True, projector_type="resampler", ort_version="1.32.0")
+    assert backend == "llama.cpp" and "GPU" in reason
+    backend, reason = choose_backend("auto", vision_gpu=False, projector_type="resampler", ort_version=None)
+    assert backend == "llama.cpp" and "onnxruntime is not installed" in reason
+    backend, reason = choose_backend("auto", vision_gpu=False, projector_type="mlp", ort_version="1.32.0")
+    assert backend == "llama.cpp" and "'mlp'" in reason
+    assert choose_backend("auto", vision_gpu=False, projector_type="minicpmv4_6", ort_version="1")[0] == "onnx-int8"
+    assert choose_backend("llama.cpp", vision_gpu=False, projector_type="resampler", ort_version=None)[0] == "llama.cpp"
+
+
+def test_an_onnx_backend_that_cannot_run_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="onnxruntime is not installed"):
+        choose_backend("onnx-int8", vision_gpu=False, projector_type="resampler", ort_version=None)
+    with pytest.raises(ConfigError, match="'mlp'"):
+        choose_backend("onnx-fp32", vision_gpu=False, projector_type="mlp", ort_version="1.32.0")
+
+
+@pytest.mark.parametrize("value", ["onnx", "ONNX-INT8", "", None, 3, "llama"])
+def test_a_wrong_vision_backend_is_refused_before_loading(tiny, value) -> None:
+    with pytest.raises(ConfigError, match="vision_backend"):
+        _load(tiny, value)
+
+
+def test_onnx_with_vision_gpu_is_refused(tiny) -> None:
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        _load(tiny, "onnx-int8", vision_gpu=True)
+
+
+def test_auto_without_onnxruntime_falls_back_and_says_why(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(onnx_vision, "onnxruntime_version", lambda: None)
+    with _load(tiny, "auto") as model:
+        assert model.info.vision_backend == "llama.cpp"
+        assert "onnxruntime is not installed" in model.info.vision_backend_reason
+
+
+# --- conversion cache -------------------------------------------------------------------
+
+
+def test_conversion_is_cached_and_validated(tiny, converted) -> None:
+    assert converted.fp32.is_file() and converted.int8.is_file()
+    assert converted.int8_cosine >= INT8_MIN_COSINE and converted.int8_ok
+    again = prepare(tiny.mmproj, file_identity(tiny.mmproj))
+    assert again.convert_s == 0.0 and again.int8 == converted.int8  # from the cache
+    manifest = json.loads(next(converted.fp32.parent.glob(f"{file_identity(tiny.mmproj)}-*.json")).read_text())
+    assert manifest["threshold"] == INT8_MIN_COSINE and len(manifest["files"]) == 4  # 2 graphs + 2 data files
+
+
+@pytest.mark.parametrize("damage", ["truncate-and-flip", "manifest"])
+def test_a_damaged_cache_is_rebuilt_not_used(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             damage: str) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    identity = file_identity(tiny.mmproj)
+    first = prepare(tiny.mmproj, identity)
+    data = first.int8.with_name(first.int8.name + ".data")
+    if damage == "truncate-and-flip":  # one byte changed in the middle, another file cut short
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        first.fp32.write_bytes(first.fp32.read_bytes()[:-10])
+    else:
+        next(tmp_path.glob("onnx/*.json")).write_text("{not json")
+    second = prepare(tiny.mmproj, identity)
+    assert second.convert_s > 0  # converted again
+    assert prepare(tiny.mmproj, identity).convert_s == 0.0
+
+
+def test_an_interrupted_conversion_leaves_nothing_that_is_used(tiny, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(onnx_vision, "validate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(tiny.mmproj, file_identity(tiny.mmproj))
+    assert not list(tmp_path.glob("onnx/*.json")) and not list(tmp_path.glob("onnx/*.onnx"))
+    assert not [p for p in tmp_path.glob("onnx/.*") if p.is_dir()]  # no temporary folder left
+    monkeypatch.undo()
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    assert prepare(tiny.mmproj, file_identity(tiny.mmproj)).convert_s > 0
+
+
+def test_concurrent_loads_convert_once(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(prepare(tiny.mmproj, file_identity(tiny.mmproj))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and sum(r.convert_s > 0 for r in results) == 1
+
+
+def test_int8_below_the_threshold_makes_auto_use_fp32(tiny, converted, monkeypatch: pytest.MonkeyPatch) -> None:
+    poor = onnx_vision.Converted(converted.fp32, converted.int8, converted.projector, 0.97, 0.0)
+    monkeypatch.setattr(onnx_vision, "prepare", lambda *a, **k: poor)
+    with _load(tiny, "auto") as model:
+        assert model.info.vision_backend == "onnx-fp32"
+        assert "0.9700" in model.info.vision_backend_reason and str(INT8_MIN_COSINE) in model.info.vision_backend_reason
+    with _load(tiny, "onnx-int8") as model:  # asked for explicitly: used, with the number
+        assert model.info.vision_backend == "onnx-int8" and "0.9700" in model.info.vision_backend_reason
+
+
+# --- the engine with an ONNX encoder ----------------------------------------------------
+
+
+def test_standin_gives_the_same_prompt_layout(tiny, converted) -> None:
+    sizes = [(448, 448), (200, 300), (1000, 700), (1344, 1344), (2000, 500), (50, 900)]
+    with _load(tiny, "llama.cpp") as ref, _load(tiny, "onnx-int8") as onnx:
+        standin = Path(onnx._engine.mmproj_path)
+        assert standin.stat().st_size < 64 * 1024 < Path(tiny.mmproj).stat().st_size
+        for i, size in enumerate(sizes):
+            image = Image(picture(i, size), "p")
+            text = f"<|im_start|>user\n{ref._engine.marker}\nWhat?<|im_end|>\n<|im_start|>assistant\n"
+            with ref._engine.tokenize(text, [image]) as a, onnx._engine.tokenize(text, [image]) as b:
+                assert [u if isinstance(u, int) else u.n_pos for u in a.units] == \
+                       [u if isinstance(u, int) else u.n_pos for u in b.units]
+                assert a.image_tokens == b.image_tokens > 0
+
+
+def test_onnx_answers_encode_each_slice_once_and_report_the_backend(tiny, converted) -> None:
+    rgb = picture(3, (1000, 700))
+    with _load(tiny, "onnx-int8") as model:
+        reply = model.ask("Describe.", rgb, max_tokens=4, temperature=0, detail="high")
+        assert reply.timings.vision_backend == "onnx-int8" and model.info.vision_backend == "onnx-int8"
+        assert reply.timings.slices_encoded == 5 and model._engine.encoder_calls == 5
+        assert model._engine.encoder.encoder.calls == 5  # ONNX ran them, not libmtmd
+        chat = model.chat()
+        chat.send("What?", rgb, max_tokens=2, temperature=0)
+        follow = chat.send("And?", max_tokens=2, temperature=0)
+        assert follow.timings.slices_encoded == 0
+        again = model.ask("Again.", rgb, max_tokens=2, temperature=0, detail="high")
+        assert again.timings.slices_encoded == 0 and model._engine.encoder.encoder.calls == 5
+
+
+def test_same_embeddings_give_the_same_greedy_answer(tiny, converted) -> None:
+    """The stand-in decode path is libmtmd's: fed libmtmd's own embeddings, the ONNX-backed
+    model answers token for token as the llama.cpp one."""
+    rgb = picture(4, (900, 600))
+    cache = EmbeddingCache()
+    with _load(tiny, "llama.cpp", cache) as ref:
+        want = ref.ask("Describe.", rgb, max_tokens=8, temperature=0, detail="high")
+        ref_tag = ref._engine.mmproj_id
+    with _load(tiny, "onnx-fp32", cache) as onnx:
+        tag = onnx._engine.mmproj_id
+        assert tag != ref_tag  # backends never share cache entries ...
+        for key in [k for k in cache._items if k.startswith(ref_tag + ":")]:  # ... unless copied, as here
+            cache.put(tag + key[len(ref_tag):], cache.get(key))
+        got = onnx.ask("Describe.", rgb, max_tokens=8, temperature=0, detail="high")
+    assert got.timings.slices_encoded == 0
+    assert str(got) == str(want)
+
+
+def test_ort_threads_follow_the_encoder_threads(tiny, converted) -> None:
+    with _load(tiny, "onnx-int8", n_threads_batch=1) as model:
+        session = model._engine.encoder.encoder._session
+        assert session.get_session_options().intra_op_num_threads == 1
+
+
+def test_a_slice_libmtmd_does_not_have_is_an_engine_error(converted) -> None:
+    encoder = onnx_vision.OnnxEncoder(converted.int8, converted.projector, n_threads=1)
+    with pytest.raises(EngineError, match="slicing"):
+        encoder.encode_rgb(picture(6, (300, 300)), 3)
+
+
+def test_a_garbage_onnx_file_is_an_engine_error(converted, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage" * 10)
+    with pytest.raises(EngineError, match="could not load"):
+        onnx_vision.OnnxEncoder(bad, converted.projector)
+
+
+def test_too_little_disk_is_refused_before_writing(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(onnx_vision.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(NotEnoughDiskError, match="vision_backend='llama.cpp'"):
+        prepare(tiny.mmproj, file_identity(tiny.mmproj))
+    assert not [p for p in (tmp_path / "onnx").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_46_merger_end_to_end_with_the_standin(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """MiniCPM-V 4.6 (minicpmv4_6 merger, slices whose token count follows their shape): the
+    stand-in tokenizes as the real mmproj does, and every slice is encoded by ONNX once."""
+    from gguf_mcv import synthetic
+
+    files = synthetic.build(tmp_path_factory.mktemp("v46"), synthetic.PRESETS["4.6"], ["Q4_K_M"])
+    load = dict(model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=4096, n_threads=2)
+    with gguf_mcv.load("minicpm-v-4.6", vision_backend="llama.cpp", **load) as ref, \
+            gguf_mcv.load("minicpm-v-4.6", vision_backend="onnx-int8", **load) as onnx:
+        for i, size in enumerate([(1000, 700), (300, 200)]):
+            image = Image(picture(10 + i, size), "p")
+            with ref._engine.tokenize(ref._engine.marker, [image]) as a, \
+                    onnx._engine.tokenize(onnx._engine.marker, [image]) as b:
+                assert [u if isinstance(u, int) else u.n_pos for u in a.units] == \
+                       [u if isinstance(u, int) else u.n_pos for u in b.units]
+        reply = onnx.ask("Describe.", picture(12, (1000, 700)), max_tokens=2, detail="high")
+        assert reply.timings.slices_encoded == 5 == onnx._engine.encoder.encoder.calls
+
+
+def test_a_new_onnxruntime_version_replaces_the_old_conversion(tiny, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    identity = file_identity(tiny.mmproj)
+    monkeypatch.setattr(onnx_vision, "onnxruntime_version", lambda: "0.0.1")
+    old = prepare(tiny.mmproj, identity)
+    monkeypatch.undo()
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    new = prepare(tiny.mmproj, identity)
+    assert new.int8 != old.int8 and new.int8.is_file()
+    assert not old.int8.exists() and not old.fp32.exists() and not list(tmp_path.glob("onnx/*ort0.0.1.json"))
+
+
+def test_the_llama_cpp_backend_does_not_import_onnxruntime(tiny) -> None:
+    import subprocess
+    import sys
+
+    child = ("import sys, gguf_mcv; m = gguf_mcv.load(model_path=sys.argv[1], mmproj_path=sys.argv[2], "
+             "n_threads=1, vision_backend='llama.cpp'); print('onnxruntime' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", child, str(tiny.quants["Q4_K_M"]), str(tiny.mmproj)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"  # ~25 MiB of RSS saved
+
+
+def test_int8_columns_round_trip() -> None:
+    from gguf_mcv.onnx_graph import quantize_columns
+
+    w = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    w[:, 3] = 0.0  # an all-zero column gets scale 1, not a division by zero
+    q, scale = quantize_columns(w)
+    assert q.dtype == np.int8 and scale.shape == (16,) and np.abs(q).max() <= 127
+    np.testing.assert_allclose(q * scale, w, atol=float(scale.max()) / 2 + 1e-7)
+
+
+def test_the_cli_vision_backend_flag(tiny, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import PIL.Image
+
+    picture_path = tmp_path / "p.png"
+    PIL.Image.fromarray(picture(20, (300, 200))).save(picture_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gguf_mcv", "ask", str(tiny.quants["Q4_K_M"]),
+                               str(picture_path), "What?", *args], env=os.environ, capture_output=True,
+                              text=True, timeout=180)
+
+    for backend in ("llama.cpp", "onnx-fp32"):
+        done = run("--max-tokens", "1", "--json", "--vision-backend", backend)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["timings"]["vision_backend"] == backend
+    bad = run("--vision-backend", "onnx")
+    assert bad.returncode == 2 and "--vision-backend" in bad.stderr

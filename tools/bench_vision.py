@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Vision encoder backends: per-slice time, one-time conversion, fidelity and peak RSS.
+
+On a generated model (``tools/make_test_model.py --preset bench``: the real SigLIP-400M
+tower, 1152 wide, 27 blocks), each backend in a fresh process of its own:
+
+* ``convert``: the ONNX conversion (fp32 graph, int8 quantization, self-validation) into an
+  empty cache folder, timed;
+* ``llama.cpp`` (libmtmd, the mmproj as it is), ``onnx-fp32`` and ``onnx-int8``: one
+  ``detail="low"`` question per fresh random image (one 448-px slice each), ``--runs`` times
+  after one warm-up image; the median ``reply.timings.encode_ms``; the embeddings of a fixed
+  image for the cosine against libmtmd's; peak RSS (``VmHWM``) of the process.
+
+    python tools/bench_vision.py --ladder /tmp/bench-onnx --threads 2 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BACKENDS = ("llama.cpp", "onnx-fp32", "onnx-int8")
+
+
+def _vmhwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Run in a fresh process: one backend, or the conversion."""
+    ladder = Path(args.ladder)
+    mmproj = ladder / "mmproj-model-f16.gguf"
+    if args.worker == "convert":
+        from gguf_mcv.engine import file_identity
+        from gguf_mcv.onnx_vision import prepare
+
+        start = time.perf_counter()
+        converted = prepare(mmproj, file_identity(mmproj))
+        return {"convert_s": time.perf_counter() - start, "int8_cosine": converted.int8_cosine,
+                "peak_rss": _vmhwm()}
+    import gguf_mcv
+    from gguf_mcv.embed_cache import EmbeddingCache
+
+    cache = EmbeddingCache()
+    start = time.perf_counter()
+    model = gguf_mcv.load(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=mmproj, n_ctx=2048,
+                          n_threads=args.threads, vision_backend=args.worker, embed_cache=cache)
+    load_s = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    fixed = rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)
+    model.ask("x", fixed, max_tokens=1, detail="low")  # warm-up, and the fixed image's embeddings
+    (key,) = list(cache._items)
+    np.save(args.embeddings, cache.get(key))
+    times = []
+    for _ in range(args.runs):
+        reply = model.ask("x", rng.integers(0, 256, (448, 448, 3), dtype=np.uint8), max_tokens=1, detail="low")
+        times.append(reply.timings.encode_ms)
+    info = model.info
+    model.close()
+    return {"backend": info.vision_backend, "reason": info.vision_backend_reason, "load_s": load_s,
+            "encode_ms": times, "median_ms": statistics.median(times), "peak_rss": _vmhwm()}
+
+
+def run(name: str, args: argparse.Namespace, env: dict, embeddings: Path) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name, "--ladder", args.ladder, "--quant", args.quant,
+           "--threads", str(args.threads), "--runs", str(args.runs), "--embeddings", str(embeddings)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ladder", required=True, help="folder of tools/make_test_model.py --preset bench")
+    ap.add_argument("--quant", default="Q4_K_M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--embeddings", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    from gguf_mcv.onnx_vision import token_cosines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GGUF_MCV_CACHE": tmp}
+        results = {"convert": run("convert", args, env, Path(tmp) / "none.npy")}
+        print(f"conversion: {results['convert']['convert_s']:.1f} s, int8 vs fp32 cosine "
+              f"{results['convert']['int8_cosine']:.5f}, peak RSS {results['convert']['peak_rss'] / 2**20:.0f} MiB",
+              flush=True)
+        embeddings = {}
+        for name in BACKENDS:
+            path = Path(tmp) / f"{name}.npy"
+            results[name] = run(name, args, env, path)
+            embeddings[name] = np.load(path)
+            print(f"{name}: {results[name]['median_ms']:.0f} ms per slice {results[name]['encode_ms']}, "
+                  f"peak RSS {results[name]['peak_rss'] / 2**20:.0f} MiB, load {results[name]['load_s']:.1f} s",
+                  flush=True)
+    ref = embeddings["llama.cpp"].reshape(64, -1)
+    base = results["llama.cpp"]["median_ms"]
+    print("\n| backend | ms per 448-px slice | vs llama.cpp | per-token cosine vs libmtmd (min / mean) | peak RSS |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in BACKENDS:
+        cos = token_cosines(ref, embeddings[name].reshape(64, -1))
+        r = results[name]
+        print(f"| {name} | {r['median_ms']:.0f} | {r['median_ms'] / base:.2f}x | {cos.min():.5f} / {cos.mean():.5f} "
+              f"| {r['peak_rss'] / 2**20:.0f} MiB |")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
