@@ -71,3 +71,7 @@ class ModelClosedError(GgufMcvError, RuntimeError):
 
 class ModelBusyError(GgufMcvError, RuntimeError):
     """This thread started a second answer while its first one is still being streamed."""
+
+
+class AnswerCancelled(GgufMcvError, RuntimeError):
+    """An answer was cancelled (its stream closed, its client gone) before it ended."""
