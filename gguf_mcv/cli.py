@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key (default: $GGUF_MCV_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
+    p.add_argument("--parallel", default="1", metavar="auto|N",
+                   help="answer N requests at once in one context (default 1; auto: as many as "
+                        "the RAM budget holds, at most 8)")
     p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
@@ -318,6 +321,8 @@ def _load(args: argparse.Namespace):
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
                                   verbose=args.verbose)
+    parallel = getattr(args, "parallel", "1")
+    common["parallel"] = parallel if parallel == "auto" else _int(parallel, "--parallel")
     local = Path(args.model)
     if args.model.endswith(".gguf") or args.mmproj:
         if not local.is_file():

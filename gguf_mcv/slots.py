@@ -73,6 +73,7 @@ class _Slot:
         self.cursor = 0  # next prompt unit to evaluate
         self.stats = PrefillStats()
         self.started = 0.0
+        self.served = 0  # the scheduler's turn count when this slot's prompt was last served
         self.todo_images = 0
         self.done_images = 0
         self.tokens: Generator[int, None, None] | None = None
@@ -136,6 +137,7 @@ class Scheduler:
         self._can_rewind = not engine._recurrent  # recurrent state cannot go back partly
         self._closed = False
         self.steps = 0  #: batches evaluated (for tests and benchmarks)
+        self.steps_taken = 0  # prompt turns handed out
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
         self._thread = threading.Thread(target=self._loop, name="gguf_mcv-slots", daemon=True)
         self._thread.start()
@@ -246,7 +248,7 @@ class Scheduler:
     def _start(self, slot: _Slot, job: Job) -> None:
         units = job.prompt.units
         slot.job, slot.cursor, slot.tokens, slot.pending = job, 0, None, None
-        slot.started = time.perf_counter()
+        slot.started, slot.served = time.perf_counter(), 0
         slot.stats = PrefillStats(prompt_tokens=job.prompt.n_pos, image_tokens=job.prompt.image_tokens)
         keep = _common_prefix(slot.units, units)
         source = max((s for s in self._slots if s is not slot), default=None,
@@ -283,7 +285,12 @@ class Scheduler:
 
     def _step(self) -> None:
         """One batch: every answering slot's pending token, plus one chunk of one prompt."""
-        prefill = next((s for s in sorted(self._slots, key=lambda s: s.started) if s.prefilling), None)
+        # prompts take turns (the least recently served first): a short question is not kept
+        # waiting behind every slice of another one's big image
+        prefill = min((s for s in self._slots if s.prefilling), default=None,
+                      key=lambda s: (s.served, s.started))
+        if prefill is not None:
+            prefill.served = self.steps_taken = self.steps_taken + 1
         if prefill is not None and isinstance(cast(Job, prefill.job).prompt.units[prefill.cursor], ImageUnit):
             if not self._image_step(prefill):
                 return
