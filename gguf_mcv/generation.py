@@ -17,7 +17,7 @@ from .errors import AnswerCancelled, ModelBusyError, ModelClosedError
 from .media import Image
 from .options import Sampling
 from .reply import Progress, Reply, Timings, Usage
-from .slots import Job, Scheduler, job_events
+from .slots import Job, Scheduler
 from .structured import Constraint
 from .templates import THINK_OPEN
 from .textstream import ReasoningFilter, TextAssembler
@@ -360,7 +360,7 @@ class _Scheduled:
             prompt.close()
             raise
         self._job = job
-        self._events = job_events(job, self._progress)
+        self._events = self._scheduler.events(job, self._progress)
         try:
             kind, stats = next(self._events)  # "prefilled" comes first; errors are raised
         except BaseException:

@@ -21,6 +21,7 @@ Only the scheduler's thread touches the context. Callers tokenize on their own t
 from __future__ import annotations
 
 import ctypes
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,8 @@ from typing import Any, Callable, Generator, Iterator, Sequence, cast
 from .engine import Engine, ImageUnit, PrefillStats, Prompt, Unit, _common_prefix, _n_pos
 from .errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from .options import Sampling
+
+log = logging.getLogger(__name__)
 
 #: Most prompt tokens evaluated in one step beside the running answers' tokens: a new
 #: prompt delays running answers by at most one such chunk (or one image slice).
@@ -136,6 +139,7 @@ class Scheduler:
         self._mem = self._lc.llama_get_memory(engine.llama.ctx)
         self._can_rewind = not engine._recurrent  # recurrent state cannot go back partly
         self._closed = False
+        self._died = ""
         self.steps = 0  #: batches evaluated (for tests and benchmarks)
         self.steps_taken = 0  # prompt turns handed out
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
@@ -158,8 +162,34 @@ class Scheduler:
             )
         if self._closed:
             raise ModelClosedError("This model has been closed; load it again.")
+        self._check_alive()
         self._inbox.put(job)
         return job
+
+    def events(self, job: Job, on_progress: Callable[[int, int, int], None] | None = None
+               ) -> Iterator[tuple[str, Any]]:
+        """``job``'s events as they come, up to its end (progress handed to ``on_progress``);
+        raises its error, or :class:`EngineError` if the step loop died without answering it."""
+        while True:
+            try:
+                kind, value = job.events.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if kind == "progress":
+                if on_progress is not None:
+                    on_progress(*value)
+                continue
+            if kind == "error":
+                raise value
+            yield kind, value
+            if kind == "end":
+                return
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive() and not self._closed:
+            raise EngineError(f"The parallel-slot scheduler stopped ({self._died or 'no reason known'}); "
+                              "load the model again.")
 
     @property
     def active(self) -> int:
@@ -189,6 +219,7 @@ class Scheduler:
     # -- the step loop ---------------------------------------------------------------
 
     def _loop(self) -> None:
+        gone: Exception = ModelClosedError("The model was closed while this answer was running.")
         try:
             while not self._closed:
                 self._take_inbox(block=not any(not s.free for s in self._slots) and not self._waiting)
@@ -196,8 +227,11 @@ class Scheduler:
                 self._assign()
                 if any(not s.free for s in self._slots):
                     self._step()
+        except Exception as exc:  # a fault of this loop: every answer learns of it, none waits forever
+            self._died = f"{type(exc).__name__}: {exc}"
+            log.error("The parallel-slot scheduler failed", exc_info=exc)
+            gone = EngineError(f"The parallel-slot scheduler failed: {self._died}.")
         finally:
-            gone = ModelClosedError("The model was closed while this answer was running.")
             for slot in self._slots:
                 if slot.job is not None:
                     self._finish(slot, "error", gone)
@@ -423,18 +457,3 @@ class Scheduler:
     def _fail(self, job: Job, error: Exception) -> None:
         job.prompt.close()
         job.events.put(("error", error))
-
-
-def job_events(job: Job, on_progress: Callable[[int, int, int], None] | None) -> Iterator[tuple[str, Any]]:
-    """``job``'s events as they come (progress handed to ``on_progress``); raises its error."""
-    while True:
-        kind, value = job.events.get()
-        if kind == "progress":
-            if on_progress is not None:
-                on_progress(*value)
-            continue
-        if kind == "error":
-            raise value
-        yield kind, value
-        if kind == "end":
-            return

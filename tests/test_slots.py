@@ -13,7 +13,7 @@ import pytest
 import gguf_mcv
 from gguf_mcv.embed_cache import EmbeddingCache
 from gguf_mcv.engine import Prompt
-from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, ModelClosedError
+from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from gguf_mcv.options import Sampling
 from gguf_mcv.slots import Job
 
@@ -239,3 +239,15 @@ def test_auto_parallel_follows_the_budget(tiny) -> None:
     with load(tiny, parallel="auto", ram_budget="1MB") as small:
         assert small.info.parallel == 1
         assert small.scheduler is None
+
+
+def test_a_failing_step_loop_fails_answers_instead_of_hanging(tiny, monkeypatch) -> None:
+    with load(tiny, parallel=2) as model:
+        def broken() -> None:
+            raise RuntimeError("injected fault")
+
+        monkeypatch.setattr(model.scheduler, "_step", broken)
+        with pytest.raises(EngineError, match="injected fault"):
+            model.ask("Hello?", max_tokens=2)
+        with pytest.raises(EngineError, match="stopped"):  # later questions: an error, not a hang
+            model.ask("Anyone?", max_tokens=2)
