@@ -61,7 +61,9 @@ def clients(model: gguf_mcv.Model, n: int, max_tokens: int) -> tuple[float, list
 
 def raw_bound(model: gguf_mcv.Model, sizes: list[int], prompt_tokens: int = 48, reps: int = 24) -> dict[int, float]:
     """Seconds per ``llama_decode`` of a batch of n tokens (n sequences), for each n in ``sizes``,
-    on ``model``'s own context (its scheduler is idle: nothing else touches the context)."""
+    on ``model``'s own context. Only before the model answered anything: the slots must be
+    empty and idle (the memory is cleared afterwards, and nothing else touches the context)."""
+    assert model.scheduler is not None and not any(model.scheduler.slot_units()), "a fresh model"
     engine = model.engine
     lc, ctx = engine._lc, engine.llama.ctx
     mem = lc.llama_get_memory(ctx)
@@ -109,8 +111,8 @@ def main() -> None:
     sizes = [int(n) for n in args.clients.split(",")]
     rows = []
     with gguf_mcv.load(**files, parallel=max(sizes)) as par:
+        bound_s = raw_bound(par, sorted(set(sizes) | {1}))  # first: the slots are still empty
         par.ask("Warm up.", max_tokens=4, **GREEDY)
-        bound_s = raw_bound(par, sorted(set(sizes) | {1}))
         for n in sizes:
             rows.append(("parallel", n, *clients(par, n, args.max_tokens)))
     with gguf_mcv.load(**files) as one:
