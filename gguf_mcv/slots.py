@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence, cast
 
-from .engine import Engine, ImageUnit, PrefillStats, Prompt, Unit, _common_prefix, _n_pos
+from .engine import MAX_CHECKPOINTS, Engine, ImageUnit, PrefillStats, Prompt, Unit, _Checkpoint, _common_prefix, _n_pos
 from .errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from .options import Sampling
 
@@ -79,6 +79,8 @@ class _Slot:
         self.served = 0  # the scheduler's turn count when this slot's prompt was last served
         self.todo_images = 0
         self.done_images = 0
+        self.checkpoints: list[_Checkpoint] = []  # recurrent state saved along the way
+        self.checkpoint_at = -1  # where the prompt being evaluated gets its checkpoint
         self.tokens: Generator[int, None, None] | None = None
         self.pending: int | None = None  # the last sampled token
         self.evaluated = False  # whether ``pending`` is in the sequence (not yet counted)
@@ -143,6 +145,7 @@ class Scheduler:
         self.steps = 0  #: batches evaluated (for tests and benchmarks)
         self.steps_taken = 0  # prompt turns handed out
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
+        self.restored_checkpoints = 0  #: rewinds of a recurrent slot served by a checkpoint
         self._thread = threading.Thread(target=self._loop, name="gguf_mcv-slots", daemon=True)
         self._thread.start()
 
@@ -299,6 +302,7 @@ class Scheduler:
         else:
             self._truncate(slot, min(keep, limit))
         slot.cursor = len(slot.units)
+        slot.checkpoint_at = Engine._checkpoint_point(units) if not self._can_rewind else -1
         slot.stats.reused_tokens = slot.n_past
         slot.todo_images = sum(1 for u in units[slot.cursor:] if isinstance(u, ImageUnit))
         slot.done_images = 0
@@ -306,16 +310,40 @@ class Scheduler:
             job.events.put(("progress", (0, slot.todo_images, 0)))
 
     def _truncate(self, slot: _Slot, n_units: int) -> None:
-        """Keep the first ``n_units`` units of ``slot``'s sequence (or nothing, where the
-        cache cannot go back partly)."""
+        """Keep the first ``n_units`` units of ``slot``'s sequence — or, where the cache cannot
+        go back partly (recurrent state), the units up to its latest checkpoint before them,
+        or nothing."""
+        slot.checkpoints = [c for c in slot.checkpoints if c.n_units <= n_units]
         if n_units >= len(slot.units):
             return
         pos = _n_pos(slot.units[:n_units])
         if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, pos, -1):
-            self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-            n_units, pos = 0, 0
+            n_units, pos = self._restore_checkpoint(slot)
         del slot.units[n_units:]
         slot.n_past = pos
+
+    def _save_checkpoint(self, slot: _Slot) -> None:
+        """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
+        lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(lc.llama_state_seq_get_size_ext(ctx, slot.seq, flags))
+        data = (ctypes.c_uint8 * size)()
+        if int(lc.llama_state_seq_get_data_ext(ctx, data, size, slot.seq, flags)) == size:
+            slot.checkpoints = [*slot.checkpoints[-(MAX_CHECKPOINTS - 1):],
+                                _Checkpoint(len(slot.units), slot.n_past, bytes(data))]
+
+    def _restore_checkpoint(self, slot: _Slot) -> tuple[int, int]:
+        """Go back to ``slot``'s latest usable checkpoint: (units kept, positions kept)."""
+        lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        while slot.checkpoints:
+            c = slot.checkpoints.pop()
+            buf = (ctypes.c_uint8 * len(c.data)).from_buffer_copy(c.data)
+            if (lc.llama_state_seq_set_data_ext(ctx, buf, len(c.data), slot.seq, flags)
+                    and lc.llama_memory_seq_rm(self._mem, slot.seq, c.n_pos, -1)):
+                slot.checkpoints.append(c)
+                self.restored_checkpoints += 1
+                return c.n_units, c.n_pos
+        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+        return 0, 0
 
     def _step(self) -> None:
         """One batch: every answering slot's pending token, plus one chunk of one prompt."""
@@ -340,7 +368,11 @@ class Scheduler:
         if prefill is not None:
             units = cast(Job, prefill.job).prompt.units
             end = prefill.cursor
-            while end < len(units) and isinstance(units[end], int) and end - prefill.cursor < self.prefill_chunk:
+            if prefill.cursor == prefill.checkpoint_at:  # the next turn re-renders what follows
+                self._save_checkpoint(prefill)
+            stop_at = prefill.checkpoint_at if prefill.checkpoint_at > prefill.cursor else len(units)
+            while (end < min(len(units), stop_at) and isinstance(units[end], int)
+                   and end - prefill.cursor < self.prefill_chunk):
                 end += 1
             chunk = cast(Sequence[int], units[prefill.cursor:end])
             last = end == len(units)
@@ -441,6 +473,7 @@ class Scheduler:
         for slot in slots:
             self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
             slot.units.clear()
+            slot.checkpoints.clear()
             slot.n_past = 0
             self._finish(slot, "error", error)
 

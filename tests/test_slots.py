@@ -251,3 +251,26 @@ def test_a_failing_step_loop_fails_answers_instead_of_hanging(tiny, monkeypatch)
             model.ask("Hello?", max_tokens=2)
         with pytest.raises(EngineError, match="stopped"):  # later questions: an error, not a hang
             model.ask("Anyone?", max_tokens=2)
+
+
+@pytest.mark.slow  # builds a MiniCPM-V 4.6-shaped model (~5 s)
+def test_a_hybrid_model_answers_in_slots_and_rewinds_to_its_checkpoints(tmp_path_factory) -> None:
+    from gguf_mcv.synthetic import GENERATIONS, build
+
+    files = build(tmp_path_factory.mktemp("v46"), GENERATIONS["4.6"][0], quants=("Q8_0",))
+    kw = dict(model_path=files.quants["Q8_0"], mmproj_path=files.mmproj, n_ctx=N_CTX, n_threads=2)
+
+    def conversation(model):
+        chat = model.chat()
+        first = chat.send("Hello there. " * 30, max_tokens=6, **GREEDY)
+        return first, chat.send("And then?", max_tokens=6, **GREEDY)
+
+    with gguf_mcv.load(**kw) as alone_46:
+        lone = [str(alone_46.ask(q, max_tokens=12, **GREEDY)) for q in QUESTIONS[:4]]
+        serial = conversation(alone_46)
+    with gguf_mcv.load(**kw, parallel=2) as par_46:
+        assert [str(r) for r in together(lambda q: par_46.ask(q, max_tokens=12, **GREEDY), QUESTIONS[:4], 4)] == lone
+        slots = conversation(par_46)
+        assert par_46.scheduler.restored_checkpoints >= 1  # its recurrent state went back, not to 0
+    assert [str(r) for r in slots] == [str(r) for r in serial]
+    assert slots[1].usage.cached_tokens == serial[1].usage.cached_tokens > 100
