@@ -521,8 +521,10 @@ AUTO_MAX_PARALLEL = 8
 
 def slot_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16") -> int:
     """What one more parallel slot costs: its KV cells (``n_ctx`` of them, in llama.cpp's
-    unified cache) plus its row of the decode batch (one more logits row and activations)."""
-    return kv_cache_bytes(text, n_ctx, kv_cache_type) + text.n_vocab * 4 + TEXT_EMBD_TENSORS * text.n_embd * 4
+    unified cache), its row of the decode batch (one more logits row and activations), and
+    on a hybrid model its recurrent state with the slot's checkpoints of it."""
+    row = text.n_vocab * 4 + TEXT_EMBD_TENSORS * text.n_embd * 4
+    return kv_cache_bytes(text, n_ctx, kv_cache_type) + row + recurrent_bytes(text)
 
 
 def parallel_for_budget(needed_one: int, per_slot: int, budget: int,

@@ -326,18 +326,17 @@ class Scheduler:
         """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
         lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(lc.llama_state_seq_get_size_ext(ctx, slot.seq, flags))
+        del slot.checkpoints[:-(MAX_CHECKPOINTS - 1) or None]  # the oldest goes first (memory.recurrent_bytes)
         data = (ctypes.c_uint8 * size)()
         if int(lc.llama_state_seq_get_data_ext(ctx, data, size, slot.seq, flags)) == size:
-            slot.checkpoints = [*slot.checkpoints[-(MAX_CHECKPOINTS - 1):],
-                                _Checkpoint(len(slot.units), slot.n_past, bytes(data))]
+            slot.checkpoints.append(_Checkpoint(len(slot.units), slot.n_past, data))
 
     def _restore_checkpoint(self, slot: _Slot) -> tuple[int, int]:
         """Go back to ``slot``'s latest usable checkpoint: (units kept, positions kept)."""
         lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         while slot.checkpoints:
             c = slot.checkpoints.pop()
-            buf = (ctypes.c_uint8 * len(c.data)).from_buffer_copy(c.data)
-            if (lc.llama_state_seq_set_data_ext(ctx, buf, len(c.data), slot.seq, flags)
+            if (lc.llama_state_seq_set_data_ext(ctx, c.data, len(c.data), slot.seq, flags)
                     and lc.llama_memory_seq_rm(self._mem, slot.seq, c.n_pos, -1)):
                 slot.checkpoints.append(c)
                 self.restored_checkpoints += 1
