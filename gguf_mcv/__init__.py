@@ -12,7 +12,9 @@ from .chat_handler import MiniCPMVChatHandler
 from .embed_cache import EmbeddingCache
 from .errors import (
     AnswerCancelled,
+    BatchInputError,
     CatalogError,
+    ClusterError,
     ConfigError,
     ContextOverflowError,
     CorruptModelError,
@@ -28,6 +30,9 @@ from .errors import (
     NoQuantFitsError,
     NotEnoughDiskError,
     OfflineError,
+    OutputBusyError,
+    OutputError,
+    SavedChatError,
 )
 from .generation import Stream
 from .hardware import Hardware, probe
@@ -57,6 +62,7 @@ __all__ = [
     "HubAuthError", "Image", "IncompatibleProjectorError", "MediaError", "MediaPolicy",
     "MiniCPMVChatHandler", "Model", "ModelBusyError", "ModelClosedError", "ModelFiles", "ModelInfo",
     "ModelNotFoundError", "NoQuantFitsError", "NotEnoughDiskError", "OfflineError", "Plan", "Progress",
-    "Reply", "Sampling", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
+    "Reply", "Sampling", "SavedChatError", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
+__all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs

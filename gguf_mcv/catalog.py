@@ -306,7 +306,8 @@ _ARCH: dict[str, tuple[type, Any]] = {
     "ssm_group_count": (int, None),
 }
 _VISION: dict[str, tuple[type, Any]] = {
-    k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")
+    **{k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")},
+    "full_blocks": (int, None),  # MiniCPM-V 4.6: blocks before its 2x2 token merger
 }
 _SAMPLING: dict[str, tuple[type, Any]] = {
     "temperature": (float, _REQUIRED), "top_p": (float, _REQUIRED), "top_k": (int, _REQUIRED),

@@ -45,12 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_models)
 
-    p = sub.add_parser("plan", help="show which quant fits this machine, and why")
-    p.add_argument("model", help="catalog name, Hub repo id, or 'auto'")
+    p = sub.add_parser("plan", help="show which quant fits this machine, how fast it runs, and why")
+    p.add_argument("model", help="catalog name, Hub repo id, 'auto', or a local .gguf file")
+    p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
+                                    "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
     p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--quant", help="evaluate this quant only")
+    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
+                   help="image detail the first-answer prediction assumes (default auto)")
+    _speed_args(p)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict speed from default constants instead of measuring this machine once")
+    p.add_argument("--reprobe", action="store_true",
+                   help="measure this machine again (best when nothing else is running)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -61,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _speed_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_pull)
 
@@ -70,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--example", action="store_true", help="ask about the bundled example image")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_ask)
 
     p = sub.add_parser("video", help="ask a question about a video")
@@ -81,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dedupe", action="store_true", help="keep near-duplicate frames")
     p.add_argument("--no-timestamps", action="store_true", help="no frame times in the prompt")
     _answer_args(p)
+    _cache_args(p)
     p.set_defaults(func=_video)
 
     p = sub.add_parser("chat", help="talk about images and videos interactively")
@@ -88,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--quiet", action="store_true", help="no progress line while images are encoded")
+    _cache_args(p)
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs")
@@ -103,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
                    help="drop a request's oldest turns when its history does not fit (default: refuse it)")
+    _cache_args(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
@@ -110,8 +124,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("image", nargs="?", help="image to ask about (default: the bundled example)")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--no-probe", action="store_true",
+                   help="predict from default constants instead of measuring this machine once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("batch", help="answer a folder, glob or CSV/JSONL of images and videos into JSONL")
+    _model_args(p)
+    p.add_argument("input", help="folder, glob ('photos/*.jpg'), image or video, or a .csv/.jsonl of rows")
+    p.add_argument("--prompt", action="append", default=[], help="question for every file (repeatable; "
+                   "rows with a prompt column use theirs)")
+    p.add_argument("--out", required=True, help="results file (JSONL); a rerun skips what it holds")
+    p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
+    p.add_argument("--detail", choices=("auto", "low", "high"), help="image detail (default auto)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--frames", type=int, help="videos: at most this many frames")
+    p.add_argument("--fps", type=float, help="videos: frames sampled per second (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on this Ray cluster (e.g. 10.0.0.5:6379 or 'auto'); "
+                   "needs pip install 'gguf-mcv[ray]' and the files visible on every node")
+    p.add_argument("--workers", type=int, help="with --ray: model copies (default: one per node)")
+    p.set_defaults(func=_batch)
 
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
     p.set_defaults(func=_selftest)
@@ -130,6 +165,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
+    _speed_args(p)
+
+
+def _speed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-tokens-per-s", type=float, metavar="N",
+                   help="only quants (and, for 'auto', models) predicted to decode at least N tokens/s")
+    p.add_argument("--max-first-answer-s", type=float, metavar="S",
+                   help="only those predicted to answer a photo's first token within S seconds")
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", help="folder of the image-embedding disk cache "
+                                       "(default: $GGUF_MCV_CACHE/embeddings, else ~/.cache/gguf_mcv/embeddings)")
+    p.add_argument("--cache-size", default="2GiB", help="size cap of that cache, e.g. 500MB (default 2GiB)")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep image embeddings in memory only")
 
 
 def _answer_args(p: argparse.ArgumentParser) -> None:
@@ -173,10 +223,22 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .resolver import plan  # lazy: per command
+    from .resolver import plan, plan_local  # lazy: per command
 
-    result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                  kv_cache_type=args.kv)
+    limits: dict[str, Any] = dict(detail=args.detail, min_tokens_per_s=args.min_tokens_per_s,
+                                  max_first_answer_s=args.max_first_answer_s)
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    hw = hardware_probe()
+    rates = machine_rates(hw, False if args.no_probe else None, refresh=args.reprobe)
+    local = _local_files(args)
+    if local is not None:
+        result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
+                            rates=rates, **limits)
+    else:
+        result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
+                      kv_cache_type=args.kv, hardware=hw, rates=rates, **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -188,7 +250,8 @@ def _pull(args: argparse.Namespace) -> int:
     from .resolver import pull  # lazy: per command
 
     files = pull(args.model, quant=args.quant, ram_budget=args.ram, n_ctx=args.ctx,
-                 revision=args.revision, progress=False if args.no_progress else None)
+                 revision=args.revision, progress=False if args.no_progress else None,
+                 min_tokens_per_s=args.min_tokens_per_s, max_first_answer_s=args.max_first_answer_s)
     out = {"repo": files.repo, "revision": files.revision, "quant": files.quant,
            "model": str(files.model), "mmproj": str(files.mmproj)}
     if args.json:
@@ -226,7 +289,8 @@ def _chat(args: argparse.Namespace) -> int:
         chat = model.chat(system=args.system, overflow="drop_oldest")
         images: list[str] = []
         videos: list[str] = []
-        print("Type a question. /image PATH, /video PATH, /reset, /exit.", file=sys.stderr)
+        print("Type a question. /image PATH, /video PATH, /again (answer the last question anew), "
+              "/save PATH, /load PATH, /reset, /exit.", file=sys.stderr)
         while True:
             try:
                 line = input("> ").strip()
@@ -240,6 +304,22 @@ def _chat(args: argparse.Namespace) -> int:
                 images.clear()
                 videos.clear()
                 print("(conversation cleared)", file=sys.stderr)
+            elif command in ("/save", "/load") and rest.strip():
+                try:
+                    if command == "/save":
+                        kept = chat.save(rest.strip())
+                        print(f"(saved to {rest.strip()}{'' if kept else '; its turns will be evaluated again'})",
+                              file=sys.stderr)
+                    else:
+                        chat = model.load_chat(rest.strip())
+                        print(f"(loaded {len(chat.history) // 2} question(s) from {rest.strip()})", file=sys.stderr)
+                except GgufMcvError as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
+            elif command == "/again":
+                try:
+                    _print_pieces(chat.regenerate(stream=True, max_tokens=args.max_tokens))
+                except ConfigError as exc:
+                    print(f"(error: {_one_line(exc)})", file=sys.stderr)
             elif command in ("/image", "/video"):
                 if not Path(rest.strip()).exists():
                     print(f"(no such file: {rest.strip()})", file=sys.stderr)
@@ -250,9 +330,7 @@ def _chat(args: argparse.Namespace) -> int:
                 try:
                     stream = chat.send(line, images, videos=videos, stream=True,
                                        max_tokens=args.max_tokens, on_progress=_progress_line(args))
-                    for piece in stream:
-                        print(piece, end="", flush=True)
-                    print()
+                    _print_pieces(stream)
                     dropped = stream.reply.dropped_turns if stream.reply is not None else 0
                     if dropped > 0:
                         print(f"(the context was full: the {dropped} oldest question(s) and their "
@@ -265,6 +343,12 @@ def _chat(args: argparse.Namespace) -> int:
                     print(f"(error: {_one_line(exc)})", file=sys.stderr)
                 images.clear()
                 videos.clear()
+
+
+def _print_pieces(stream: Any) -> None:
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -296,11 +380,57 @@ def _bench(args: argparse.Namespace) -> int:
             "follow_up_ttft_s": follow.timings.ttft_ms / 1000,
             "decode_tokens_per_s": first.timings.decode_tokens_per_s,
         }
+        result.update(_bench_predictions(model.info, first, args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
             print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
+    return 0
+
+
+def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
+    from . import speed  # lazy: per command
+    from .hardware import probe as hardware_probe  # lazy: per command
+    from .headers import read_projector_header, read_text_header  # lazy: per command
+    from .resolver import machine_rates  # lazy: per command
+
+    text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
+    threads = args.threads or hardware_probe().recommended_threads
+    rates = machine_rates(hardware_probe(), False if args.no_probe else None)
+    rates = speed.scaled(rates, **{k: threads / rates.threads for k in ("matvec", "prefill_flops", "vision_flops")})
+    prompt = first.usage.prompt_tokens
+    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt)
+    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates)
+    slices = first.timings.slices_encoded
+    return {
+        "predicted_decode_tokens_per_s": 1 / token,
+        "predicted_encode_s": encode * slices,
+        "predicted_first_ttft_s": encode * slices + speed.prefill_seconds(prompt, text.shape, rates) + token,
+        "rates_source": rates.source,
+    }
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from . import batch  # lazy: per command
+
+    schema = batch.load_schema(args.schema) if args.schema else None
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+               "detail": args.detail, "max_frames": args.frames, "fps": args.fps}
+    items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
+    show = False if args.no_progress else None
+    if args.ray:
+        from . import batch_ray  # lazy: per command, and an optional extra
+
+        summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
+                                      progress=show)
+    else:
+        with _load(args) as model:
+            summary = batch.run_items(model, items, args.out, progress=show)
+    repaired = f"; cut a torn last line ({summary.repaired_bytes} bytes)" if summary.repaired_bytes else ""
+    print(f"{summary.answered} answered ({summary.failed} errors), {summary.skipped} already in {args.out}, "
+          f"{summary.items_per_s:.2f} items/s{repaired}", file=sys.stderr)
     return 0
 
 
@@ -317,18 +447,50 @@ def _selftest(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from .loader import load  # lazy: per command
 
+    return load(**_load_kwargs(args), embed_cache=_embed_cache(args))
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``load()``'s keywords for MODEL and the model options (plain values: they travel to Ray workers)."""
     gpu = args.gpu_layers if args.gpu_layers == "auto" else _int(args.gpu_layers, "--gpu-layers")
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
+                                  max_first_answer_s=getattr(args, "max_first_answer_s", None))
     parallel = getattr(args, "parallel", "1")
     common["parallel"] = parallel if parallel == "auto" else _int(parallel, "--parallel")
+    local = _local_files(args)
+    if local is not None:
+        return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()), **common)
+    return dict(model=args.model, quant=args.quant, ram_budget=args.ram, **common)
+
+
+def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(model, mmproj) when MODEL names a local .gguf file (or --mmproj was given), else None."""
     local = Path(args.model)
-    if args.model.endswith(".gguf") or args.mmproj:
-        if not local.is_file():
-            raise ConfigError(f"Model file {local} does not exist.")
-        return load(model_path=local, mmproj_path=args.mmproj or _find_mmproj(local), **common)
-    return load(args.model, quant=args.quant, ram_budget=args.ram, **common)
+    if not (args.model.endswith(".gguf") or args.mmproj):
+        return None
+    if not local.is_file():
+        raise ConfigError(f"Model file {local} does not exist.")
+    return local, Path(args.mmproj) if args.mmproj else _find_mmproj(local)
+
+
+def _embed_cache(args: argparse.Namespace):
+    """The embedding cache the command's options ask for: a disk tier unless --no-disk-cache
+    (None for commands without those options: the model's own, in memory)."""
+    from .embed_cache import EmbeddingCache, default_disk_dir  # lazy: per command
+    from .units import parse_size  # lazy: per command
+
+    if not hasattr(args, "no_disk_cache"):
+        return None
+    if args.no_disk_cache:
+        if args.cache_dir is not None:
+            raise ConfigError("Give --cache-dir or --no-disk-cache, not both.")
+        return EmbeddingCache()
+    folder = Path(args.cache_dir).expanduser() if args.cache_dir else default_disk_dir()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--cache-dir {folder} is a file, not a folder: name a folder (it is created).")
+    return EmbeddingCache(disk_dir=folder, max_disk_bytes=parse_size(args.cache_size))
 
 
 def _find_mmproj(model: Path) -> Path:

@@ -44,3 +44,13 @@ def user_catalog_path() -> Path:
 def hardware_root() -> Path:
     """Root the hardware probe reads ``/proc``, ``/sys`` and ``/etc`` under."""
     return Path(os.environ.get(ENV_HW_ROOT) or "/")
+
+
+#: Set (to anything but 0/false/no) to skip the speed probe: the speed model then uses
+#: :data:`gguf_mcv.speed.DEFAULT_RATES`.
+ENV_NO_PROBE = "GGUF_MCV_NO_PROBE"
+
+
+def no_probe() -> bool:
+    """Whether ``$GGUF_MCV_NO_PROBE`` asks for the default speed constants instead of a probe."""
+    return os.environ.get(ENV_NO_PROBE, "").strip().lower() not in ("", "0", "false", "no")

@@ -1,17 +1,21 @@
 """A cache of vision-encoder outputs, so an image already seen is never encoded again.
 
-Keys are strings the engine builds from the mmproj's identity, the image's
-content hash, the preprocessing settings and the slice index. Values are flat
-float32 arrays (image tokens × embedding width). The memory tier is an LRU bounded
-in bytes; the optional disk tier keeps one ``.npz`` file per entry in a folder
-(written to a temporary name, then renamed, so a crash never leaves a half file
-under a real key) and is trimmed oldest-first to its own byte bound.
+Keys are strings built by :func:`cache_key` from the vision backend's name, the
+mmproj's identity, the image's content hash and the slice index: another projector
+or another backend never reuses an entry. Values are flat float32 arrays (image
+tokens × embedding width). The memory tier is an LRU bounded in bytes; the optional
+disk tier is a `diskcache <https://grantjenks.com/docs/diskcache/>`_ store (SQLite
+index plus one file per entry), bounded in bytes with least-recently-used eviction,
+and safe for several processes and threads sharing one folder.
 
 libmtmd reads as many floats as the image needs from whatever buffer it is given,
 so a damaged disk entry would silently change the answer or read past the buffer.
-Each file therefore holds its key and a SHA-256 of its values, and is checked
-(file size, dtype, shape, key, checksum, and the length the caller expects) before
-use; an entry that fails any check is a miss, removed, and encoded again.
+Each stored value therefore starts with a header (a magic string, a SHA-256 of its
+key and one of its values) and is checked (length, key, checksum, and the length
+the caller expects) before use; an entry that fails any check is a miss, removed,
+and encoded again. A disk tier that cannot be opened or written (a damaged index, a
+full or read-only disk, a lock held too long) never fails an answer: the problem is
+logged and the memory tier carries on.
 """
 
 from __future__ import annotations
@@ -20,29 +24,55 @@ import collections
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from . import constants
+from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_BYTES = 512 * 2**20
 DEFAULT_DISK_BYTES = 2 * 2**30
-#: Suffix of disk entries (``.npy`` files of older versions carry no checksum and are ignored).
-DISK_SUFFIX = ".npz"
-#: Bytes an entry file may hold besides its values (zip and ``.npy`` headers, key, checksum).
-_ENTRY_OVERHEAD_BYTES = 64 * 2**10
+#: The smallest disk budget accepted: the SQLite index alone takes some tens of KiB.
+MIN_DISK_BYTES = 2**20
+#: The vision backend every entry was made by unless the engine says otherwise.
+DEFAULT_BACKEND = "llama.cpp"
+#: First bytes of every stored value (the format's version is in it).
+MAGIC = b"GMCVEMB1"
+_HEADER_BYTES = len(MAGIC) + 32 + 32  # magic, sha256(key), sha256(values)
 _DTYPE = np.dtype("<f4")
+#: Seconds a disk operation waits for another process's lock before giving up (then: a miss).
+DISK_TIMEOUT_S = 5.0
 
 
 class _BadEntry(Exception):
     """A disk entry that must not be used (the message says why)."""
 
 
+def cache_key(backend: str, projector: str, digest: str, index: int = 0) -> str:
+    """The key of slice ``index`` of an image (``digest``) encoded by ``backend`` with ``projector``.
+
+    ``backend`` names the vision encoder's implementation (``"llama.cpp"``, ``"onnx-int8"``…)
+    and ``projector`` identifies the mmproj file: embeddings of one never serve the other.
+    """
+    for name, value in (("backend", backend), ("projector", projector), ("digest", digest)):
+        if not isinstance(value, str) or not value or ":" in value:
+            raise ConfigError(f"The embedding cache key's {name} must be a non-empty string "
+                              f"without ':', not {value!r}.")
+    return f"{backend}:{projector}:{digest}:{int(index)}"
+
+
+def default_disk_dir() -> Path:
+    """Where the disk tier lives unless told otherwise: ``<cache_dir>/embeddings``."""
+    return constants.cache_dir() / "embeddings"
+
+
 class EmbeddingCache:
-    """LRU of image embeddings by bytes, with an optional on-disk tier."""
+    """LRU of image embeddings by bytes, with an optional on-disk tier (``disk_dir``)."""
 
     def __init__(
         self,
@@ -51,14 +81,21 @@ class EmbeddingCache:
         disk_dir: str | os.PathLike | None = None,
         max_disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> None:
+        if isinstance(max_disk_bytes, bool) or not isinstance(max_disk_bytes, int) \
+                or max_disk_bytes < MIN_DISK_BYTES:
+            raise ConfigError(f"max_disk_bytes must be an integer of at least {MIN_DISK_BYTES} "
+                              f"(1 MiB), not {max_disk_bytes!r}.")
         self.max_bytes = max_bytes
-        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        self.disk_dir = Path(disk_dir).expanduser() if disk_dir is not None else None
         self.max_disk_bytes = max_disk_bytes
         self._items: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._disk: Any = None  # the diskcache.Cache, opened on first use
+        self._disk_failed = False
         self.hits = 0
         self.misses = 0
+        self.disk_hits = 0  #: hits served by the disk tier (a subset of ``hits``)
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +121,7 @@ class EmbeddingCache:
         if value is None:
             value = self._read_disk(key, n_values)
             if value is not None:
+                self.disk_hits += 1
                 self._remember(key, value)
         if value is None:
             self.misses += 1
@@ -104,6 +142,24 @@ class EmbeddingCache:
             self._items.clear()
             self._bytes = 0
 
+    def close(self) -> None:
+        """Close the disk tier's files (it is opened again when next needed)."""
+        with self._lock:
+            disk, self._disk = self._disk, None
+        if disk is not None:
+            disk.close()
+
+    def disk_usage(self) -> int:
+        """Bytes the disk tier takes now (0 without one)."""
+        disk = self._open_disk()
+        if disk is None:
+            return 0
+        try:
+            return int(disk.volume())
+        except Exception as exc:  # noqa: BLE001 - see _disk_error
+            self._disk_error("measure", exc)
+            return 0
+
     def _forget(self, key: str) -> None:
         """Drop ``key`` from the memory tier; the caller holds the lock."""
         old = self._items.pop(key, None)
@@ -121,90 +177,113 @@ class EmbeddingCache:
                 _, dropped = self._items.popitem(last=False)
                 self._bytes -= dropped.nbytes
 
-    def _path(self, key: str) -> Path:
-        assert self.disk_dir is not None
-        return self.disk_dir / (hashlib.sha256(key.encode()).hexdigest() + DISK_SUFFIX)
+    # -- the disk tier ----------------------------------------------------------
+
+    def _open_disk(self):
+        if self.disk_dir is None or self._disk_failed:
+            return None
+        with self._lock:
+            if self._disk is None:
+                import diskcache  # lazy: only caches with a disk tier need it
+
+                try:
+                    self._disk = diskcache.Cache(
+                        os.fspath(self.disk_dir), timeout=DISK_TIMEOUT_S, size_limit=self.max_disk_bytes,
+                        eviction_policy="least-recently-used", cull_limit=16, disk=_bytes_only_disk())
+                except Exception as exc:  # noqa: BLE001 - see _disk_error
+                    self._disk_failed = True
+                    logger.warning("not using the embedding disk cache in %s: %s (%s). Delete that "
+                                   "folder to start it afresh.", self.disk_dir, exc, type(exc).__name__)
+                    return None
+            return self._disk
+
+    def _disk_error(self, action: str, exc: BaseException) -> None:
+        # diskcache raises sqlite3 errors, its own Timeout and OSError: each means the disk tier
+        # cannot help this time, never that the answer should fail (the memory tier has it).
+        logger.warning("embedding disk cache in %s: could not %s (%s: %s)", self.disk_dir, action,
+                       type(exc).__name__, exc)
 
     def _read_disk(self, key: str, n_values: int | None) -> np.ndarray | None:
-        if self.disk_dir is None:
+        disk = self._open_disk()
+        if disk is None:
             return None
-        path = self._path(key)
         try:
-            value = _load_entry(path, key, n_values, self.max_disk_bytes)
-        except FileNotFoundError:
+            stored = disk.get(key, read=True)
+        except Exception as exc:  # noqa: BLE001 - see _disk_error
+            self._disk_error("read", exc)
             return None
+        if stored is None:
+            return None
+        try:
+            return _decode(_read_limited(stored, n_values, self.max_disk_bytes), key, n_values)
         except (OSError, _BadEntry) as exc:
-            logger.warning("ignoring embedding cache entry %s: %s", path, exc)
-            path.unlink(missing_ok=True)  # the caller encodes again and writes a good one
+            logger.warning("ignoring embedding cache entry for %s in %s: %s", key, self.disk_dir, exc)
+            try:
+                disk.delete(key)  # the caller encodes again and writes a good one
+            except Exception as exc2:  # noqa: BLE001 - see _disk_error
+                self._disk_error("delete a bad entry", exc2)
             return None
-        try:
-            os.utime(path)  # mark as recently used for trimming
-        except OSError:
-            pass
-        return value
 
     def _write_disk(self, key: str, value: np.ndarray) -> None:
-        if self.disk_dir is None:
+        disk = self._open_disk()
+        if disk is None:
             return
-        tmp = None
         try:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.disk_dir, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, values=value, key=np.array(key), sha256=np.array(_checksum(value)))
-            os.replace(tmp, self._path(key))
-        except OSError as exc:
-            # A full or read-only disk must not fail the answer: the memory tier has it.
-            logger.warning("could not write embedding cache file in %s: %s", self.disk_dir, exc)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            return
-        self._trim_disk()
-
-    def _trim_disk(self) -> None:
-        assert self.disk_dir is not None
-        files = []
-        for path in self.disk_dir.glob("*" + DISK_SUFFIX):
-            try:
-                stat = path.stat()
-            except OSError:
-                continue  # removed meanwhile by another process
-            files.append((stat.st_mtime, stat.st_size, path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.max_disk_bytes:
-                break
-            path.unlink(missing_ok=True)
-            total -= size
+            disk.set(key, _encode(key, value))
+        except Exception as exc:  # noqa: BLE001 - see _disk_error
+            self._disk_error("write", exc)
 
 
-def _checksum(values: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(values).data).hexdigest()
+def _bytes_only_disk() -> type:
+    """A diskcache ``Disk`` that hands back stored bytes as they are and never unpickles:
+    a value of another kind (text, a pickle someone else stored) reads as an empty entry."""
+    import diskcache  # lazy: see _open_disk
+
+    class BytesOnlyDisk(diskcache.Disk):
+        def fetch(self, mode, filename, value, read):
+            if mode in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
+                return super().fetch(mode, filename, value, read)
+            return b""
+
+    return BytesOnlyDisk
 
 
-def _load_entry(path: Path, key: str, n_values: int | None, max_bytes: int) -> np.ndarray:
-    """The values of the entry file at ``path``, checked; :class:`_BadEntry` says what is wrong."""
-    size = path.stat().st_size
-    low, high = 0, max_bytes + _ENTRY_OVERHEAD_BYTES
-    if n_values is not None:
-        low, high = n_values * _DTYPE.itemsize, n_values * _DTYPE.itemsize + _ENTRY_OVERHEAD_BYTES
-    if not low < size <= high:
-        raise _BadEntry(f"its size ({size} bytes) cannot be right")
-    try:
-        with np.load(path, allow_pickle=False) as entry:
-            values, stored_key, stored_sum = entry["values"], entry["key"], entry["sha256"]
-    except Exception as exc:  # noqa: BLE001
-        # np.load and zipfile raise many kinds of exception on a truncated, overwritten or
-        # foreign file (BadZipFile, ValueError, EOFError, KeyError, NotImplementedError...):
-        # each one means this entry is unusable, never that the answer should fail.
-        raise _BadEntry(f"unreadable ({type(exc).__name__}: {exc})") from exc
-    if values.dtype != _DTYPE or values.ndim != 1:
-        raise _BadEntry(f"it holds {values.dtype} values of shape {values.shape}, not flat float32")
+def _checksum(values: np.ndarray) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(values).data).digest()
+
+
+def _encode(key: str, values: np.ndarray) -> bytes:
+    """A stored value: magic, SHA-256 of the key, SHA-256 of the values, the float32 values."""
+    return b"".join((MAGIC, hashlib.sha256(key.encode()).digest(), _checksum(values),
+                     np.ascontiguousarray(values, dtype=_DTYPE).tobytes()))
+
+
+def _read_limited(stored: Any, n_values: int | None, max_bytes: int) -> bytes:
+    """The bytes of a stored value (diskcache gives small ones as bytes, others as a file),
+    never reading more than an entry of the expected size could hold."""
+    limit = _HEADER_BYTES + (n_values * _DTYPE.itemsize if n_values is not None else max_bytes)
+    if isinstance(stored, (bytes, str)):  # a str: a MODE_RAW text value someone else stored
+        data = stored if isinstance(stored, bytes) else b""
+    else:
+        with stored:
+            data = stored.read(limit + 1)
+    if len(data) > limit:
+        raise _BadEntry(f"it is larger ({len(data)}+ bytes) than an entry can be")
+    return data
+
+
+def _decode(data: bytes, key: str, n_values: int | None) -> np.ndarray:
+    """The values of a stored entry, checked; :class:`_BadEntry` says what is wrong."""
+    if len(data) < _HEADER_BYTES or not data.startswith(MAGIC):
+        raise _BadEntry("it is not an embedding entry of this version")
+    body = data[_HEADER_BYTES:]
+    if len(body) % _DTYPE.itemsize or not body:
+        raise _BadEntry(f"its length ({len(data)} bytes) cannot be right")
+    values = np.frombuffer(body, dtype=_DTYPE)
     if n_values is not None and values.size != n_values:
         raise _BadEntry(f"it holds {values.size} values, not the {n_values} expected")
-    if stored_key.shape != () or str(stored_key) != key:
+    if data[len(MAGIC):len(MAGIC) + 32] != hashlib.sha256(key.encode()).digest():
         raise _BadEntry("it belongs to another key")
-    if stored_sum.shape != () or str(stored_sum) != _checksum(values):
+    if data[len(MAGIC) + 32:_HEADER_BYTES] != _checksum(values):
         raise _BadEntry("its checksum does not match its values")
-    values.setflags(write=False)
-    return values
+    return values  # frombuffer over bytes: already read-only

@@ -24,7 +24,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence, Union, cast
 import numpy as np
 
 from . import native, plaintext
-from .embed_cache import EmbeddingCache
+from .embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from .errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
 from .headers import read_projector_header
 from .media import Image
@@ -106,6 +106,16 @@ class Prompt:
         self.close()
 
 
+@dataclass
+class KVState:
+    """A copy of what the KV cache holds (:meth:`Engine.save_state`): its units, llama.cpp's
+    sequence state, and checkpoints of the recurrent state as ``(n_units, n_pos, data)``."""
+
+    units: list[Unit]
+    data: bytes
+    checkpoints: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class _Checkpoint:
     """The recurrent part of the sequence state after ``n_units`` units (``n_pos`` positions)."""
@@ -117,6 +127,10 @@ class _Checkpoint:
 
 def _n_pos(units: Sequence[Unit]) -> int:
     return sum(1 if isinstance(u, int) else u.n_pos for u in units)
+
+
+def _width(unit: Unit) -> int:
+    return 1 if isinstance(unit, int) else unit.n_pos
 
 
 def file_identity(path: str | os.PathLike) -> str:
@@ -159,6 +173,7 @@ class Engine:
             slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
+        self.vision_backend = DEFAULT_BACKEND  #: what encodes images: part of every cache key
         self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.encoder_calls = 0
@@ -216,6 +231,53 @@ class Engine:
         """Forget everything in the KV cache."""
         self._check_open()
         self._truncate(0)
+
+    def save_state(self) -> KVState:
+        """What the KV cache holds: its units, llama.cpp's state of the sequence and the
+        recurrent-state checkpoints (to save it)."""
+        self._check_open()
+        self._sync_with_llama()
+        lc, ctx = self._lc, self.llama.ctx
+        size = int(lc.llama_state_seq_get_size(ctx, 0))
+        buf = (ctypes.c_uint8 * size)()
+        if int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
+            raise EngineError("llama.cpp could not copy the KV cache's state.")
+        return KVState(list(self._units), bytes(buf),
+                       [(c.n_units, c.n_pos, bytes(c.data)) for c in self._checkpoints])
+
+    def restore_state(self, state: KVState) -> None:
+        """Make the KV cache hold ``state.units`` from ``state`` (from :meth:`save_state` with this model).
+
+        :class:`EngineError` (and an empty cache) when llama.cpp refuses the state, it does
+        not hold exactly the units' positions, or a checkpoint does not fall on a unit;
+        :class:`ContextOverflowError` when the units do not fit in this context.
+        """
+        self._check_open()
+        units, data = list(state.units), state.data
+        n_pos = _n_pos(units)
+        if n_pos > self.n_ctx:
+            raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
+                                       "load the model with a larger n_ctx.")
+        checkpoints = [_Checkpoint(n, p, (ctypes.c_uint8 * len(d)).from_buffer_copy(d))
+                       for n, p, d in state.checkpoints]
+        if any(not 0 < c.n_units <= len(units) or c.n_pos != _n_pos(units[:c.n_units]) for c in checkpoints):
+            raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
+        lc, ctx = self._lc, self.llama.ctx
+        mem = lc.llama_get_memory(ctx)
+        self._truncate(0)
+        self._checkpoints = []
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        native.clear_recent()
+        restored = int(lc.llama_state_seq_set_data(ctx, buf, len(data), 0)) == len(data) and len(data) > 0
+        if not restored or int(lc.llama_memory_seq_pos_max(mem, 0)) != n_pos - 1:
+            lc.llama_memory_clear(mem, True)
+            raise EngineError("llama.cpp did not accept the saved KV state "
+                              f"({native.recent_errors() or 'it holds other positions than the conversation'}).")
+        ids = [u if isinstance(u, int) else IMAGE_SENTINEL for u in units for _ in range(_width(u))]
+        self.llama.input_ids[:n_pos] = ids
+        self.llama.n_tokens = n_pos
+        self._units = units
+        self._checkpoints = checkpoints[-MAX_CHECKPOINTS:]
 
     @property
     def closed(self) -> bool:
@@ -345,7 +407,7 @@ class Engine:
 
     def image_key(self, digest: str, index: int = 0) -> str:
         """The cache key of slice ``index`` of an image with this content digest."""
-        return f"{self.mmproj_id}:{digest}:{index}"
+        return cache_key(self.vision_backend, self.mmproj_id, digest, index)
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.llama.token_bos()

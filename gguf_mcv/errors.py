@@ -73,5 +73,25 @@ class ModelBusyError(GgufMcvError, RuntimeError):
     """This thread started a second answer while its first one is still being streamed."""
 
 
+class BatchInputError(GgufMcvError, ValueError):
+    """A batch job's input is not a folder, glob or CSV/JSONL of items (a bad row is only an error row)."""
+
+
+class OutputError(GgufMcvError, OSError):
+    """A batch job's results file cannot be opened, read back or written."""
+
+
+class OutputBusyError(OutputError):
+    """Another batch job is writing the same results file."""
+
+
+class ClusterError(GgufMcvError, RuntimeError):
+    """A Ray cluster could not be joined, or its job failed as a whole (a bad item is only an error row)."""
+
+
+class SavedChatError(GgufMcvError, ValueError):
+    """A saved conversation cannot be used: damaged, of another model, or not one at all."""
+
+
 class AnswerCancelled(GgufMcvError, RuntimeError):
     """An answer was cancelled (its stream closed, its client gone) before it ended."""

@@ -47,6 +47,8 @@ def load(
     embed_cache: EmbeddingCache | None = None,
     allow_remote_media: bool = False,
     verbose: bool = False,
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
     parallel: int | str = 1,
 ) -> Model:
     """Load a MiniCPM-V model and its vision projector; return a :class:`Model`.
@@ -64,7 +66,10 @@ def load(
     overrides the prompt format: a family name (``"chatml"``, ``"llama3"``,
     ``"qwen3"``) or Jinja source; by default the GGUF's own template is used, else
     the catalog family's. ``embed_cache`` shares an :class:`EmbeddingCache` (e.g.
-    one with a disk tier) between models. ``parallel=N`` answers up to N questions at once
+    one with a disk tier) between models. ``min_tokens_per_s`` and ``max_first_answer_s``
+    make the plan keep only quants (and, for ``"auto"``, models) predicted to meet them
+    (:func:`gguf_mcv.plan`).
+    ``parallel=N`` answers up to N questions at once
     (N slots of ``n_ctx`` positions each in one llama.cpp context, decoded together: see
     :mod:`gguf_mcv.slots`); ``"auto"`` takes as many as the memory budget holds (at most 8).
     """
@@ -80,6 +85,9 @@ def load(
     if model_path is not None or mmproj_path is not None:
         if model_path is None or mmproj_path is None:
             raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
+        if min_tokens_per_s is not None or max_first_answer_s is not None:
+            raise ConfigError("Speed limits choose a model and quant; local files leave nothing to choose. "
+                              "Use `gguf-mcv plan FILE.gguf` (or gguf_mcv.plan) to see their predicted speed.")
         entry, repo, planned = lookup(model), None, None
         name = entry.display_name if entry is not None else (model or Path(model_path).stem)
         quant_name = quant
@@ -87,7 +95,8 @@ def load(
         if not model or not isinstance(model, str):
             raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
-                     kv_cache_type=kv_cache_type, revision=revision)
+                     kv_cache_type=kv_cache_type, revision=revision,
+                     min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
         model_path, mmproj_path, quant_name, repo = files.model, files.mmproj, files.quant, files.repo
         entry, planned = files.entry, files.plan
         name = entry.display_name if entry is not None else (files.repo or str(model))

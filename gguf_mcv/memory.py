@@ -77,6 +77,16 @@ TEXT_FF_TENSORS = 3
 #: Copies of a hybrid model's recurrent state the engine keeps to rewind to
 #: (``engine.MAX_CHECKPOINTS``; the two are checked to agree by the tests).
 RECURRENT_CHECKPOINTS = 2
+#: Graph metadata per node of llama.cpp's compute graphs (two ``llm_graph_result`` meta
+#: buffers of ggml_tensor_overhead() per node plus the scheduler's hash sets). Regular
+#: models' few thousand nodes are inside RUNTIME_BASE; hybrid models reserve
+#: max(n_ubatch x 40, 32 x n_tensors) nodes (llama-context.cpp ``graph_max_nodes``)
+#: instead of max(1024, 8 x n_tensors). Measured: the 4.6 tiny preset's peak was 20.2 MiB
+#: over the estimate without this term, for 19456 extra nodes.
+GRAPH_NODE_BYTES = 1088
+#: Tensors per repeating layer of a hybrid text model (the 4.6 presets: 55 tensors for 4
+#: layers, 320 for 24), to size ``graph_max_nodes`` before a header is read.
+HYBRID_TENSORS_PER_LAYER = 13
 #: Text positions of a typical image question besides image tokens (system prompt,
 #: markers, question, answer) -- sizes the KV view the attention reads.
 PROMPT_TEXT_TOKENS = 96
@@ -177,7 +187,7 @@ class MemoryEstimate:
     vision_compute: int  #: one slice's encoder graph plus the matmul work buffer
     images: int  #: decoded image and its f32 slices while the prompt is tokenized
     vocab: int  #: llama.cpp's tokenizer tables
-    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, + GPU runtime)
+    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, hybrid graph metadata, + GPU runtime)
     reclaimable: int  #: file pages in ``weights`` never read after loading
     long_prompt: int  #: extra compute pages a full 512-token batch at full context touches
     gpu: GpuMemory | None = None
@@ -237,6 +247,17 @@ def recurrent_bytes(text: TextShape, *, on_cpu: float = 1.0) -> int:
     that state kept in host memory (at most :data:`RECURRENT_CHECKPOINTS`)."""
     state = text.recurrent_values * 4
     return int(state * on_cpu + state * RECURRENT_CHECKPOINTS)
+
+
+def graph_meta_bytes(text: TextShape, n_ubatch: int = 512) -> int:
+    """What a hybrid model's larger graph reservation adds over a regular model's (0 for
+    attention-only models, whose graph metadata is part of :data:`RUNTIME_BASE`)."""
+    if not text.recurrent_values:
+        return 0
+    n_tensors = text.n_layers * HYBRID_TENSORS_PER_LAYER + 3
+    hybrid = max(n_ubatch * 40, 32 * n_tensors)
+    regular = max(1024, 8 * n_tensors)
+    return max(0, hybrid - regular) * GRAPH_NODE_BYTES
 
 
 def text_compute_bytes(text: TextShape, n_tokens: int, n_kv: int, *, flash_attn: bool,
@@ -446,7 +467,7 @@ def estimate(
         vision_compute=0 if vision_on_gpu else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision),
         images=image_bytes(image_pixels, image_tokens, v),
         vocab=vocab_bytes(t),
-        overhead=RUNTIME_BASE + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
+        overhead=RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
         reclaimable=repacked + offloaded,
         long_prompt=max(0, worst - compute),
         gpu=gpu,

@@ -15,10 +15,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
 
-from . import native, structured
+from . import native, saved_chat, structured
 from . import tools as tooling
-from .engine import Engine
-from .errors import ConfigError, ContextOverflowError, ModelClosedError
+from .engine import Engine, file_identity
+from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
 from .generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
 from .media import Image, ImageInput
 from .messages import MediaPolicy, convert
@@ -77,6 +77,7 @@ class Model:
         #: the parallel slots (``load(..., parallel=N)`` with N > 1), else None
         self.scheduler = scheduler
         self._lock = AnswerLock() if scheduler is None else SharedAnswerLock()
+        self._identity: dict[str, Any] | None = None
         #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
@@ -312,6 +313,41 @@ class Model:
         return Chat(self, system=system, thinking=thinking, overflow=overflow, keep_first=keep_first,
                     context_shift=context_shift)
 
+    def load_chat(self, path: str | os.PathLike) -> "Chat":
+        """The conversation :meth:`Chat.save` wrote to ``path``, ready to continue.
+
+        Its KV state is put back into this model's cache, so the next question evaluates
+        only its own tokens (a file saved without a state evaluates the conversation again,
+        images from the embedding cache when they are there). :class:`SavedChatError` when
+        the file is damaged, truncated or not a saved chat, or was saved with another text
+        model, quant, projector or vision backend, or holds more than ``n_ctx`` positions.
+        """
+        engine = self.engine
+        saved = saved_chat.read(path, n_vocab=int(engine.llama.n_vocab()), n_ctx=self.info.n_ctx)
+        saved_chat.check_model(saved.model, self.identity(), path)
+        chat = Chat(self, **_chat_settings(saved.settings, path))
+        chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
+        if saved.kv is not None and self.scheduler is None:  # slots: the turns are evaluated again
+            with self._lock.hold():
+                try:
+                    self.engine.restore_state(saved.kv)
+                except (EngineError, ContextOverflowError) as exc:
+                    raise SavedChatError(
+                        f"{path}: this model's context cannot take the saved KV state ({exc}). Load the model "
+                        "with the n_ctx, KV cache type and flash-attention setting it was saved with."
+                    ) from exc
+                chat._kv_units = self.engine.units
+        return chat
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved conversation must have been made with: text model file, quant,
+        projector and vision backend (and the name, for messages)."""
+        if self._identity is None:
+            self._identity = {"name": self.info.name, "model": file_identity(self.info.model_path),
+                              "quant": self.info.quant}
+        engine = self.engine
+        return {**self._identity, "projector": engine.mmproj_id, "backend": engine.vision_backend}
+
     def prepare_image(self, image: ImageInput, *, detail: str = "auto",
                       max_slices: int | None = None) -> Image:
         """Decode ``image`` and size it for the vision encoder (see :func:`slicing.apply_detail`).
@@ -395,6 +431,7 @@ class Chat:
         self._turns: list[Turn] = []
         self._used = 0  # positions the conversation filled after its last answer (0: unknown)
         self._tools: tooling.Toolbox | None = None  # the tools of the turn being answered
+        self._kv_units: tuple | None = None  # what the model's KV cache held after our last answer
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -454,6 +491,30 @@ class Chat:
         self._turns = kept[len(head):-1]
         return dropped
 
+    def regenerate(self, *, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
+                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   repeat_penalty: float | None = None, seed: int | None = None,
+                   stop: str | Sequence[str] | None = None, schema: Any = None,
+                   format: str | dict[str, Any] | None = None) -> Reply | Stream:
+        """Answer the last question again (say, with another ``seed``), replacing its answer.
+
+        The cache still holds everything up to that question, so only the answer is
+        generated again (a hybrid model rewinds to its checkpoint near the question's end);
+        no image is encoded again. The tools of the last question apply again.
+        :class:`ConfigError` when there is no answered question to regenerate.
+        """
+        if len(self._turns) < 2 or self._turns[-1].role != "assistant" or self._turns[-2].role != "user":
+            raise ConfigError("Nothing to regenerate: the conversation has no answered question yet.")
+        model = self.model
+        sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                 repeat_penalty=repeat_penalty, seed=seed)
+        shape = model.checked(self._tools.constraint()) if self._tools is not None else model.constraint(schema, format)
+        *self._turns, user, _ = self._turns
+        self._used = 0
+        pieces = self._turn(user, FrameCounts(), 0, max_tokens=check_max_tokens(max_tokens), stop=stop,
+                            sampling=sampling, on_progress=None, constraint=shape)
+        return _deliver(Stream(pieces), stream)
+
     def undo(self) -> None:
         """Drop the last user turn and its answer (the next turn reuses the cache up to there)."""
         self._used = 0
@@ -483,6 +544,33 @@ class Chat:
         """Forget the conversation."""
         self._turns.clear()
         self._used = 0
+        self._kv_units = None
+
+    def save(self, path: str | os.PathLike) -> bool:
+        """Write this conversation to ``path`` (atomically) for :meth:`Model.load_chat`.
+
+        The file holds the turns, their images, the settings and — when the model's KV
+        cache still holds this conversation (no other question was answered since its
+        last answer) — the KV state, so the conversation continues after a restart
+        without evaluating it again. Returns whether the KV state was saved (without it,
+        the loaded chat evaluates its turns again). :class:`SavedChatError` if the file
+        cannot be written.
+        """
+        model = self.model
+        kv = None
+        with model._lock.hold():
+            engine = model.engine
+            # with parallel slots the conversation's cache is in one of the scheduler's sequences,
+            # not the engine's own: its turns are saved, to be evaluated again when loaded
+            if model.scheduler is None and self._kv_units is not None and engine.units == self._kv_units:
+                kv = engine.save_state()
+        saved_chat.write(path, saved_chat.SavedChat(
+            model=model.identity(), settings=self._settings(), turns=saved_chat.pairs(self._turns), kv=kv))
+        return kv is not None
+
+    def _settings(self) -> dict[str, Any]:
+        return {"system": self.system, "thinking": self.thinking, "overflow": self.overflow,
+                "keep_first": self.keep_first, "context_shift": self.context_shift}
 
     def _head(self) -> list[Turn]:
         """The system turn: the system prompt and, with tools, their description."""
@@ -511,6 +599,7 @@ class Chat:
                     reply.dropped_turns = dropped
                     self._remember(user, reply)
                     self._used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                    self._kv_units = self.model.engine.units
                     return reply
                 except ContextOverflowError:
                     # the measure before the answer keeps room for it; this is the last resort
@@ -528,12 +617,28 @@ class Chat:
             pieces.close()
             self._remember(user, "".join(produced))
             self._used = 0
+            self._kv_units = None
             raise
 
     def _remember(self, user: Turn, answer: str) -> None:
         calls = [tooling.render_call(call) for call in getattr(answer, "tool_calls", ())]
         text = "\n".join([str(answer), *calls]).strip() if calls else str(answer)
         self._turns += [user, self.model.turns.turn("assistant", [text])]
+
+
+def _chat_settings(raw: dict[str, Any], source: Any) -> dict[str, Any]:
+    """A saved chat's settings as :class:`Chat` arguments; SavedChatError if any is malformed."""
+    kinds: dict[str, tuple[type, ...]] = {"system": (str, type(None)), "thinking": (bool, type(None)),
+                                          "overflow": (str,), "keep_first": (int,), "context_shift": (bool,)}
+    settings: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        value = raw.get(name)
+        if not isinstance(value, kind) or (kind == (int,) and isinstance(value, bool)):
+            raise SavedChatError(f"{source}: the saved setting {name} is {str(value)[:40]!r}; the file is damaged.")
+        settings[name] = value
+    if settings["overflow"] not in ("error", "drop_oldest") or settings["keep_first"] < 0:
+        raise SavedChatError(f"{source}: the saved settings are out of range; the file is damaged.")
+    return settings
 
 
 def _video_first(prompt: Any, video: Any) -> bool:

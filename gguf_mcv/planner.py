@@ -26,6 +26,10 @@ Rules, in order:
   one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
   offloaded and the GPU's allocations count against the one RAM budget; if no quant
   fits that way (device copies cost RAM there), the plan is for the CPU alone.
+* **Speed limits** (``min_tokens_per_s``, ``max_first_answer_s``, with ``rates``): among
+  the quants that fit, only those the speed model (:mod:`gguf_mcv.speed`) predicts to
+  meet them; none meeting them is a :class:`~gguf_mcv.errors.NoQuantFitsError` naming the
+  fastest quant that fits. Without limits the choice is the same as without ``rates``.
 * **Explicit quant**: honoured even when it does not fit; the plan then has
   ``fits=False`` and a warning instead of raising, since the caller asked for it.
 * **Nothing fits**: :class:`~gguf_mcv.errors.NoQuantFitsError` naming the smallest
@@ -35,15 +39,16 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import memory
+from . import memory, speed
 from .errors import ConfigError, NoQuantFitsError
 from .hardware import Hardware
 from .options import MAX_N_CTX, MIN_N_CTX, check_int
 from .quants import normalize_quant, quality_rank
 from .shapes import TextShape, VisionShape
+from .speed import Rates, SpeedPrediction
 from .units import format_size, parse_size
 
 PREFERENCES = ("quality", "speed", "size")
@@ -84,6 +89,9 @@ class PlanRow:
     note: str
     n_gpu_layers: int = 0
     chosen: bool = False
+    decode_tokens_per_s: float | None = None  #: predicted (None: no rates given)
+    first_answer_s: float | None = None  #: predicted seconds to the first token, a photo
+    video_first_answer_s: float | None = None  #: the same for a 16-frame video
 
 
 @dataclass(frozen=True)
@@ -109,15 +117,21 @@ class Plan:
     #: what ``parallel="auto"`` would load: the slots (answers at once) the budget holds
     slots: int = 1
     slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache and batch row)
+    speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
+    rates: Rates | None = None  #: the machine rates the predictions used
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
-        head = ("", "quant", "file size", "needs", "peak RSS", "verdict")
+        timed = self.speed is not None
+        head: tuple[str, ...] = ("", "quant", "file size", "needs", "peak RSS")
+        head += ("tok/s", "photo", "video") if timed else ()
         body = [("->" if r.chosen else "", r.quant, format_size(r.size), format_size(r.needed),
-                 format_size(r.peak_rss), r.note) for r in self.rows]
+                 format_size(r.peak_rss)) + (_speed_cells(r) if timed else ()) for r in self.rows]
+        head, body = head + ("verdict",), [row + (r.note,) for row, r in zip(body, self.rows, strict=True)]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        right = range(2, len(head) - 1)
         fmt = lambda row: "  ".join(  # noqa: E731
-            c.rjust(w) if i in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         lines = [f"Model: {self.model}"] if self.model else []
         lines += [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
@@ -131,6 +145,11 @@ class Plan:
                          f"{format_size(self.slot_bytes)} each beyond the first.")
         lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
                      f"n_threads={self.n_threads}, {gpu}.")
+        if self.speed is not None and self.rates is not None:
+            lines.append(f"Speed predicted from {self.rates.source}: tok/s = decode tokens per second; "
+                         f"photo = seconds to the first token for a 12 MP photo at detail="
+                         f"{self.speed.detail!r} ({self.speed.photo_slices} encoder passes); "
+                         f"video = the same for {speed.VIDEO_FRAMES} frames.")
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -145,6 +164,8 @@ class Plan:
             "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
             "slot_bytes": self.slot_bytes,
             "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
+            "speed": self.speed.to_dict() if self.speed is not None else None,
+            "rates": self.rates.to_dict() if self.rates is not None else None,
         }  # fmt: skip
 
 
@@ -177,6 +198,15 @@ class _Context:
     backend: str | None = None
     unified: bool = False
     cpu_only: bool = False  #: unified memory too small for a full offload: CPU alone
+    rates: speed.Rates | None = None
+    detail: str = "auto"
+    min_tokens_per_s: float | None = None
+    max_first_answer_s: float | None = None
+    speeds: dict[str, speed.SpeedPrediction] | None = None  #: per quant, when rates are known
+
+    @property
+    def limited(self) -> bool:
+        return self.min_tokens_per_s is not None or self.max_first_answer_s is not None
 
 
 def choose(
@@ -193,10 +223,16 @@ def choose(
     prefer: str = "quality",
     image_tokens: int | None = None,
     mmproj_file: str = DEFAULT_MMPROJ_FILE,
+    rates: speed.Rates | None = None,
+    detail: str = "auto",
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
     ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
+    With ``rates`` (:func:`gguf_mcv.speed_probe.rates`) every row carries predicted
+    speeds for a photo at ``detail``, and the speed limits can be used.
     """
     if prefer not in PREFERENCES:
         raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
@@ -206,7 +242,9 @@ def choose(
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
+    _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     evaluated = _evaluate_all(cands, ctx)
+    _predict_all(evaluated, ctx)
     if quant is not None:
         return _forced(quant, evaluated, ctx, mmproj_file, budget_note)
     best = _pick(evaluated, ctx, prefer)
@@ -283,6 +321,11 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
     fitting = [(c, e, s) for c, e, s in evaluated if _fits(e, s, ctx)]
     if not fitting:
         raise NoQuantFitsError(_nothing_fits_message(evaluated, ctx))
+    if ctx.limited:
+        fast = [x for x in fitting if not _too_slow(x[0], ctx)]
+        if not fast:
+            raise NoQuantFitsError(_too_slow_message(fitting, ctx))
+        fitting = fast
     whole = [x for x in fitting if _on_gpu_whole(x[2])]
     if whole:
         # with a GPU, "quality" means the best quant the GPU holds entirely: layers left
@@ -332,6 +375,80 @@ def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
     return True
 
 
+# --- speed ----------------------------------------------------------------------------
+
+
+def _speed_context(ctx: _Context, rates: speed.Rates | None, detail: str, min_tokens_per_s: Any,
+                   max_first_answer_s: Any) -> None:
+    ctx.min_tokens_per_s = speed.check_limit("min_tokens_per_s", min_tokens_per_s)
+    ctx.max_first_answer_s = speed.check_limit("max_first_answer_s", max_first_answer_s)
+    if rates is not None and not isinstance(rates, speed.Rates):
+        raise ConfigError(f"rates must be a gguf_mcv.speed.Rates, not {type(rates).__name__}.")
+    if ctx.limited and rates is None:
+        raise ConfigError("Speed limits need the machine's rates: pass rates= "
+                          "(gguf_mcv.speed_probe.rates()).")
+    speed.photo_slices(detail)  # checks detail
+    ctx.rates, ctx.detail = rates, detail
+
+
+def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
+    """Each quant's predicted speed with its own GPU split, when rates are known."""
+    if ctx.rates is None:
+        return
+    ctx.speeds = {}
+    for c, _, s in evaluated:
+        layers = ctx.arch.n_layers + 1  # llama.cpp counts the output matrix as a layer
+        share = 1.0 if s.n_gpu_layers < 0 else s.n_gpu_layers / layers
+        gpu = speed.gpu_rates_for(s.backend, ctx.hardware.board_kind) if (share or s.vision_on_gpu) else None
+        ctx.speeds[c.quant] = speed.predict(
+            model_size=c.size, text=ctx.arch, quant=c.quant, vision=ctx.vision, rates=ctx.rates,
+            detail=ctx.detail, kv_cache_type=ctx.kv_cache_type, gpu_share=share,
+            vision_on_gpu=s.vision_on_gpu, gpu=gpu)
+
+
+def _too_slow(c: QuantCandidate, ctx: _Context) -> str:
+    """Why ``c`` misses the speed limits ("" when it meets them or there are none)."""
+    p = (ctx.speeds or {}).get(c.quant)
+    if p is None:
+        return ""
+    why = []
+    if ctx.min_tokens_per_s is not None and p.decode_tokens_per_s < ctx.min_tokens_per_s:
+        why.append(f"{p.decode_tokens_per_s:.1f} tok/s < {ctx.min_tokens_per_s:g}")
+    if ctx.max_first_answer_s is not None and p.first_answer_s > ctx.max_first_answer_s:
+        why.append(f"first answer {p.first_answer_s:.0f} s > {ctx.max_first_answer_s:g} s")
+    return ", ".join(why)
+
+
+def _too_slow_message(fitting: list[_Evaluated], ctx: _Context) -> str:
+    speeds = ctx.speeds or {}
+    fastest = max(fitting, key=lambda x: (speeds[x[0].quant].decode_tokens_per_s,
+                                          -speeds[x[0].quant].first_answer_s))[0]
+    quickest = min(fitting, key=lambda x: speeds[x[0].quant].first_answer_s)[0]
+    p, q = speeds[fastest.quant], speeds[quickest.quant]
+    limits = " and ".join(x for x in (
+        f"at least {ctx.min_tokens_per_s:g} tokens/s" if ctx.min_tokens_per_s is not None else "",
+        f"a first answer within {ctx.max_first_answer_s:g} s" if ctx.max_first_answer_s is not None else "",
+    ) if x)
+    lines = [
+        f"No quantization that fits is predicted to give {limits}: the fastest that fits is "
+        f"{fastest.quant} at {p.decode_tokens_per_s:.1f} tokens/s, first answer to a photo in "
+        f"{p.first_answer_s:.0f} s (detail={ctx.detail!r}).",
+        "Ways out:",
+    ]
+    if quickest is not fastest:
+        lines.append(f"- the quickest first answer is {quickest.quant}'s, {q.first_answer_s:.0f} s.")
+    if ctx.detail != "low":
+        lines.append("- detail='low' encodes a photo in one slice instead of several.")
+    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)}, or relax the limits.")
+    return "\n".join(lines)
+
+
+def _speed_cells(r: PlanRow) -> tuple[str, str, str]:
+    if r.decode_tokens_per_s is None or r.first_answer_s is None or r.video_first_answer_s is None:
+        return "", "", ""
+    return f"{r.decode_tokens_per_s:.1f}", f"{r.first_answer_s:.0f} s", f"{r.video_first_answer_s:.0f} s"
+
+
 # --- outcomes -------------------------------------------------------------------------
 
 
@@ -340,8 +457,11 @@ def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) ->
     chosen_whole = any(_on_gpu_whole(s) for c, _, s in evaluated if c is chosen)
     for c, e, s in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)):
         fits = _fits(e, s, ctx)
+        slow = _too_slow(c, ctx) if ctx.limited else ""
         if c is chosen:
             note = "chosen: " + _spare(e, ctx)
+        elif fits and slow:
+            note = f"fits ({_spare(e, ctx)}) but too slow: {slow}"
         elif fits and not _on_gpu_whole(s) and chosen_whole:
             note = f"fits ({_spare(e, ctx)}) but not wholly on the GPU; a quant that is was preferred"
         elif fits and c.quant in UNQUANTIZED and chosen.quant not in UNQUANTIZED:
@@ -357,8 +477,11 @@ def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) ->
             note += f"; {total if s.n_gpu_layers < 0 else s.n_gpu_layers}/{total} layers on GPU"
         if not c.exact:
             note += "; size estimated"
+        p = (ctx.speeds or {}).get(c.quant)
         rows.append(PlanRow(c.quant, c.file, c.size, e.needed, e.total, fits, note,
-                            s.n_gpu_layers, c is chosen))
+                            s.n_gpu_layers, c is chosen,
+                            p.decode_tokens_per_s if p else None, p.first_answer_s if p else None,
+                            p.video_first_answer_s if p else None))
     return tuple(rows)
 
 
@@ -379,6 +502,7 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
         n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
         vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
         gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
+        speed=(ctx.speeds or {}).get(c.quant), rates=ctx.rates,
     )
 
 
@@ -394,9 +518,10 @@ def _forced(quant: str, evaluated, ctx: _Context, mmproj_file: str, budget_note:
         f"{c.quant} needs about {format_size(e.needed)} but the budget is "
         f"{format_size(ctx.budget)}: expect swapping, or the process being killed."
     ]
-    rows = tuple(PlanRow(r.quant, r.file, r.size, r.needed, r.peak_rss, r.fits,
-                         "chosen: asked for" + ("" if r.fits else " (does not fit)") if r.chosen else r.note,
-                         r.n_gpu_layers, r.chosen)
+    slow = _too_slow(c, ctx) if ctx.limited else ""
+    if slow:
+        warnings.append(f"{c.quant} is predicted to miss the speed limits: {slow}.")
+    rows = tuple(replace(r, note="chosen: asked for" + ("" if r.fits else " (does not fit)")) if r.chosen else r
                  for r in _rows(evaluated, c, ctx, "not asked for"))
     return _plan(match, rows, ctx, mmproj_file, budget_note, fits=fits, warnings=warnings)
 

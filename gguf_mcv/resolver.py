@@ -22,6 +22,7 @@ from .headers import read_projector_header, read_text_header
 from .hub import RepoFiles, fetch, list_files, remote_text_header
 from .planner import Plan, QuantCandidate, candidates_from, choose
 from .quants import classify_gguf, normalize_quant
+from .speed import Rates
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ def plan(
     kv_cache_type: str = "f16",
     revision: str | None = None,
     hardware: Hardware | None = None,
+    detail: str = "auto",
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
+    rates: Rates | None = None,
+    speed_probe: bool | None = None,
 ) -> Plan:
     """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
 
@@ -66,9 +72,18 @@ def plan(
     shape from the catalog, or for a repo the catalog does not know, from a ranged read
     of the model's header. ``ram_budget`` defaults to the available RAM less a reserve.
     ``model="auto"`` picks the most capable catalog model that fits.
+
+    Every row carries predicted speeds (a photo at ``detail``, a 16-frame video) from
+    ``rates``, by default this machine's (:func:`gguf_mcv.speed_probe.rates`: measured
+    once, a few seconds; ``speed_probe=False`` or ``GGUF_MCV_NO_PROBE=1`` for the
+    defaults). ``min_tokens_per_s`` and ``max_first_answer_s`` keep only quants (and,
+    for ``"auto"``, models) predicted to meet them.
     """
+    hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
-                                   kv_cache_type=kv_cache_type, hardware=hardware or probe())
+                                   kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
+                                   min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
+                                   rates=rates or machine_rates(hw, speed_probe))
     if model == "auto":
         return _plan_auto(**options)
     repo, entry = resolve(model)
@@ -81,10 +96,18 @@ def plan(
     return _plan_listing(model, listing, entry, **options)
 
 
+def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refresh: bool = False) -> Rates:
+    """The speed model's rates for ``hardware``'s recommended threads (cached probe or defaults;
+    ``refresh`` probes again)."""
+    from .speed_probe import rates  # lazy: numpy, and llama.cpp when it probes
+
+    return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
+
+
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
                hardware: Hardware | None = None, **options: Any) -> Plan:
     """:func:`~gguf_mcv.planner.choose` for one local model file and its projector
-    (shapes from their headers)."""
+    (shapes from their headers). ``rates`` and the speed limits work as in :func:`plan`."""
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
     info = classify_gguf(os.path.basename(os.fspath(model_path)))
     quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
@@ -104,6 +127,8 @@ def pull(
     kv_cache_type: str = "f16",
     revision: str | None = None,
     progress: bool | None = None,
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
 ) -> ModelFiles:
     """Make sure a model file and its mmproj are in the HF cache; return their paths.
 
@@ -111,18 +136,25 @@ def pull(
     planner picks the best quantization whose predicted memory fits ``ram_budget``
     (default: what this machine has free). Files already complete are not fetched
     again; every ``.gguf`` is checked against the Hub's sha256. ``progress`` shows
-    download bars (default: when stderr is a terminal).
+    download bars (default: when stderr is a terminal). ``min_tokens_per_s`` and
+    ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
+    them, as in :func:`plan` (this machine is then probed once, see
+    :mod:`gguf_mcv.speed_probe`).
     """
     planned = None
+    limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
+    limited = min_tokens_per_s is not None or max_first_answer_s is not None
     if model == "auto":
         planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
-                       kv_cache_type=kv_cache_type)
+                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False, **limits)
         model, quant = planned.model, planned.quant
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
     if quant is None:
+        hw = probe()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
-                                kv_cache_type=kv_cache_type, hardware=probe())
+                                kv_cache_type=kv_cache_type, hardware=hw,
+                                rates=machine_rates(hw) if limited else None, **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None
@@ -165,7 +197,8 @@ def _plan_listing(model: str, listing: RepoFiles | None, entry: CatalogEntry | N
 
 
 def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
-    """The most capable catalog model (by rank) with a quant that fits; catalog sizes, no network."""
+    """The most capable catalog model (by rank) with a quant that fits (and meets the speed
+    limits, when given); catalog sizes, no network."""
     needs = []
     for entry in load_catalog().entries():
         try:
@@ -176,4 +209,6 @@ def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
             needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
             continue
         return replace(result, model=entry.name)
-    raise NoQuantFitsError("No catalog model fits this machine.\n" + "\n".join(needs))
+    limited = options.get("min_tokens_per_s") is not None or options.get("max_first_answer_s") is not None
+    head = "No catalog model fits this machine" + (" and meets the speed limits" if limited else "")
+    raise NoQuantFitsError(f"{head}.\n" + "\n".join(needs))

@@ -126,6 +126,10 @@ class VisionShape:
     patch_size: int = 14
     image_size: int = 448
     query_tokens: int = 64
+    #: blocks that see every patch before a 2x2 token merger (MiniCPM-V 4.6's
+    #: ``minicpmv4_6``: the merger follows block ``wa_layer_indexes[0]``, the later
+    #: blocks see a quarter of the patches); None: every block sees every patch
+    full_blocks: int | None = None
     #: clip.cpp's projector: ``resampler`` (2.5 to 4.5) or ``minicpmv4_6`` (window-attention merger)
     projector: str = "resampler"
 
@@ -138,11 +142,14 @@ class VisionShape:
 
         version = fields.get("clip.minicpmv_version")
         default_queries = _QUERY_TOKENS_BY_VERSION.get(int(_scalar(version or 0)), _DEFAULT_QUERY_TOKENS)
+        merger = fields.get("clip.vision.wa_layer_indexes")
+        merges = fields.get("clip.projector_type") == "minicpmv4_6" and merger not in (None, [])
         return cls(
             width=num("clip.vision.embedding_length"), blocks=num("clip.vision.block_count"),
             heads=num("clip.vision.attention.head_count"), ff=num("clip.vision.feed_forward_length"),
             patch_size=num("clip.vision.patch_size"), image_size=num("clip.vision.image_size"),
             query_tokens=num("clip.minicpmv_query_num") or default_queries,
+            full_blocks=int(_scalar(merger)) + 1 if merges else None,
             projector=str(_scalar(fields.get("clip.projector_type") or "resampler")),
         )  # fmt: skip
 

@@ -121,6 +121,9 @@ def _private_caches(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.getbasetemp() / "gguf_mcv_cache"))
     monkeypatch.delenv("GGUF_MCV_CATALOG", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "empty-config"))
+    # speed predictions from the documented defaults: no test waits for a machine probe
+    # unless it asks for one (tests/test_speed_probe.py)
+    monkeypatch.setenv("GGUF_MCV_NO_PROBE", "1")
 
 
 @pytest.fixture(scope="session")

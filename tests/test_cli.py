@@ -77,11 +77,12 @@ def test_video_json_reports_frames(tiny, tmp_path: Path) -> None:
 
 
 def test_chat_session_with_commands(tiny, picture: Path) -> None:
-    script = f"/image {picture}\nWhat is it?\nAnd now?\n/reset\n/image /no/such.png\n/exit\n"
+    script = f"/again\n/image {picture}\nWhat is it?\n/again\nAnd now?\n/reset\n/image /no/such.png\n/exit\n"
     done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3", stdin=script)
     assert done.returncode == 0, done.stderr
     assert "(image added" in done.stderr and "(conversation cleared)" in done.stderr
     assert "(no such file" in done.stderr
+    assert done.stderr.count("Nothing to regenerate") == 1  # only before the first answer
 
 
 def test_chat_keeps_the_session_when_the_context_fills(tiny, picture: Path) -> None:
@@ -166,6 +167,10 @@ def test_bench_json(tiny, picture: Path) -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["slices_encoded"] >= 1 and out["follow_up_ttft_s"] >= 0
+    # predicted next to measured (from the default rates: the suite does not probe)
+    assert out["rates_source"] == "defaults"
+    assert out["predicted_decode_tokens_per_s"] > 0 and out["predicted_encode_s"] > 0
+    assert out["predicted_first_ttft_s"] > out["predicted_encode_s"]
 
 
 def test_models_json_lists_the_catalog_and_the_cache(hub, tiny) -> None:
@@ -273,6 +278,90 @@ def test_serve_refuses_a_port_in_use_or_a_bad_host_in_one_line(tiny) -> None:
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("gguf-mcv: error: ") and words in lines[0]
 
+
+def test_plan_takes_a_local_gguf_and_predicts_speed(tiny) -> None:
+    data = json.loads(run("plan", str(tiny.quants["Q4_K_M"]), "--ram", "8GB", "--json").stdout)
+    assert data["quant"] == "Q4_K_M" and data["rates"]["source"] == "defaults"
+    (row,) = data["rows"]
+    assert row["decode_tokens_per_s"] > 0 and row["video_first_answer_s"] > row["first_answer_s"] > 0
+    table = run("plan", str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj), "--ram", "8GB", "--detail", "low")
+    assert table.returncode == 0, table.stderr
+    assert "tok/s" in table.stdout and "detail='low' (1 encoder passes)" in table.stdout
+
+
+def test_plan_speed_limits_from_the_command_line(hub, tiny) -> None:
+    hub.add_repo("acme/plan-speed", {**{f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()},
+                                     "mmproj-model-f16.gguf": tiny.mmproj})
+    free = json.loads(run("plan", "acme/plan-speed", "--ram", "8GB", "--json").stdout)
+    rows = sorted(free["rows"], key=lambda r: -r["decode_tokens_per_s"])
+    floor = (rows[0]["decode_tokens_per_s"] + rows[1]["decode_tokens_per_s"]) / 2
+    fast = json.loads(run("plan", "acme/plan-speed", "--ram", "8GB", "--json",
+                          "--min-tokens-per-s", str(floor)).stdout)
+    assert fast["quant"] == rows[0]["quant"] != free["quant"]
+    pulled = run("pull", "acme/plan-speed", "--ram", "8GB", "--no-progress", "--json", "--min-tokens-per-s", str(floor))
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["quant"] == rows[0]["quant"]
+    refused = run("plan", "acme/plan-speed", "--ram", "8GB", "--min-tokens-per-s", "1e12")
+    assert refused.returncode == 1 and f"the fastest that fits is {rows[0]['quant']}" in refused.stderr
+    for bad in ("nan", "-1"):  # 0, inf and the rest: tests/test_speed.py
+        done = run("plan", "acme/plan-speed", "--ram", "8GB", "--max-first-answer-s", bad)
+        assert done.returncode == 1 and "max_first_answer_s must be a positive number" in done.stderr, bad
+    assert run("plan", "acme/plan-speed", "--min-tokens-per-s", "fast").returncode == 2  # argparse
+
+
+def test_plan_of_a_missing_local_file_is_one_line() -> None:
+    done = run("plan", "/no/such/model.gguf")
+    assert done.returncode == 1 and "does not exist" in done.stderr
+
+
+def test_speed_limits_with_local_files_are_refused_before_loading(tiny) -> None:
+    done = run("ask", str(tiny.quants["Q4_K_M"]), "x.png", "hi", "--min-tokens-per-s", "5")
+    assert done.returncode == 1 and "Speed limits choose a model and quant" in done.stderr
+
+
+def test_ask_uses_a_disk_cache_across_processes_unless_told_not_to(tiny, picture: Path, tmp_path: Path) -> None:
+    def encoded(*flags: str, image: Path = picture) -> int:
+        done = run("ask", str(tiny.quants["Q4_K_M"]), str(image), "?", "--max-tokens", "1", "--json", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["timings"]["slices_encoded"]
+
+    cache = tmp_path / "emb"
+    assert encoded("--cache-dir", str(cache), "--cache-size", "50MB") > 0
+    assert encoded("--cache-dir", str(cache)) == 0  # a new process: from the disk cache
+    assert encoded("--no-disk-cache") > 0
+    default = Path(os.environ["GGUF_MCV_CACHE"]) / "embeddings"
+    before = sum(1 for _ in default.rglob("*")) if default.is_dir() else 0
+    fresh = tmp_path / "fresh.png"
+    PIL.Image.fromarray(np.random.default_rng(11).integers(0, 256, (60, 70, 3), dtype=np.uint8)).save(fresh)
+    assert encoded(image=fresh) > 0  # stored in the default folder, in $GGUF_MCV_CACHE
+    assert sum(1 for _ in default.rglob("*")) > before
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--cache-dir", "{file}"), "is a file"),
+    (("--cache-size", "lots"), "size"),
+    (("--cache-size", "10"), "max_disk_bytes"),
+    (("--cache-dir", "{dir}", "--no-disk-cache"), "not both"),
+])
+def test_bad_cache_options_are_one_line(tiny, picture: Path, tmp_path: Path, flags, match) -> None:
+    (tmp_path / "file").write_text("x")
+    done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "?",
+               *(f.format(file=tmp_path / "file", dir=tmp_path) for f in flags))
+    assert done.returncode == 1 and match in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_chat_saves_and_a_new_process_continues_it(tiny, picture: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "talk.chat"
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3",
+               stdin=f"/image {picture}\nWhat is it?\n/save {saved}\n/save {tmp_path}\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert f"(saved to {saved})" in done.stderr and "(error: Could not save" in done.stderr
+    done = run("chat", str(tiny.quants["Q4_K_M"]), "--max-tokens", "3",
+               stdin=f"/load {tmp_path / 'nothing'}\n/load {saved}\nAnd now?\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "(error: No saved conversation" in done.stderr and "(loaded 1 question(s)" in done.stderr
+    assert done.stdout.strip()  # the follow-up was answered
 
 @pytest.mark.parametrize(("value", "words"), [("lots", "--parallel takes an integer or 'auto'"),
                                               ("0", "parallel must be between 1 and 64")])

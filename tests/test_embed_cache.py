@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -11,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gguf_mcv.embed_cache import DISK_SUFFIX, EmbeddingCache
+from gguf_mcv import embed_cache
+from gguf_mcv.embed_cache import EmbeddingCache, cache_key
+from gguf_mcv.errors import ConfigError
 
 
 def arr(n: int, value: float = 1.0) -> np.ndarray:
@@ -39,17 +40,41 @@ def test_values_are_read_only_copies() -> None:
     assert got is not None and got[0] == 1.0 and not got.flags.writeable
 
 
-def test_disk_tier_survives_a_new_cache_and_is_trimmed(tmp_path: Path) -> None:
-    first = EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=10_000)
+def test_disk_tier_survives_a_new_cache_and_is_trimmed_least_recently_used_first(tmp_path: Path) -> None:
+    limit = 2 * 2**20
+    first = EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=limit)
     first.put("k", arr(100, 3.0))
     second = EmbeddingCache(disk_dir=tmp_path)
     got = second.get("k")
-    assert got is not None and got[0] == 3.0
-    for i in range(20):
-        first.put(f"x{i}", arr(500))
-    total = sum(p.stat().st_size for p in tmp_path.glob("*" + DISK_SUFFIX))
-    assert total <= 10_000
-    assert not list(tmp_path.glob("*.tmp"))
+    assert got is not None and got[0] == 3.0 and second.disk_hits == 1
+    for i in range(60):  # 60 x 100 KB: three times the budget
+        first.put(f"x{i}", arr(25_000))
+        assert EmbeddingCache(disk_dir=tmp_path).get("x0") is not None  # kept in use: not evicted
+    assert first.disk_usage() <= limit + 200_000  # diskcache culls after the write that passes it
+    fresh = EmbeddingCache(disk_dir=tmp_path)
+    assert fresh.get("x0") is not None and fresh.get("x1") is None and fresh.get("x59") is not None
+    first.close()
+    assert first.get("x59") is not None  # memory tier; the disk tier reopens when needed
+
+
+def test_keys_name_backend_and_projector() -> None:
+    keys = {cache_key("llama.cpp", "p1", "d"), cache_key("onnx-int8", "p1", "d"),
+            cache_key("llama.cpp", "p2", "d"), cache_key("llama.cpp", "p1", "d", 1)}
+    assert len(keys) == 4
+    for bad in ("", "a:b", None, 3):
+        with pytest.raises(ConfigError, match="backend"):
+            cache_key(bad, "p", "d")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, -1, 1000, 1.5, "2GB", True])
+def test_a_disk_budget_that_cannot_work_is_refused(tmp_path: Path, size) -> None:
+    with pytest.raises(ConfigError, match="max_disk_bytes"):
+        EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=size)
+
+
+def test_the_default_disk_folder_is_in_the_gguf_mcv_cache(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    assert embed_cache.default_disk_dir() == tmp_path / "embeddings"
 
 
 def test_unwritable_disk_tier_does_not_fail_the_put(tmp_path: Path) -> None:
@@ -76,69 +101,161 @@ def test_same_image_in_a_new_process_skips_the_encoder(tiny, tmp_path: Path) -> 
 
 # --- damaged disk entries: every one is a miss, never a wrong or short buffer ------------------
 
-
-def entry_file(folder: Path) -> Path:
-    (path,) = folder.glob("*" + DISK_SUFFIX)
-    return path
+N = 10_000  # 40 KB of values: stored by diskcache as a file of its own
+VALUES = np.arange(N, dtype=np.float32)
 
 
-def rewrite(path: Path, *, values: np.ndarray, key: str | None = None) -> None:
-    """A well-formed entry at ``path`` holding ``values`` (with a checksum that matches them)."""
-    stored_key = key if key is not None else str(np.load(path)["key"])
-    digest = hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest()
-    with path.open("wb") as f:
-        np.savez(f, values=values, key=np.array(stored_key), sha256=np.array(digest))
+def stored_file(folder: Path) -> Path:
+    import diskcache
+
+    with diskcache.Cache(str(folder)) as dc:
+        handle = dc.get("k", read=True)
+    assert not isinstance(handle, bytes), "expected a value stored as a file"
+    handle.close()
+    return Path(handle.name)
 
 
-def truncate(path: Path) -> None:
+def overwrite(folder: Path, data: bytes) -> None:
+    stored_file(folder).write_bytes(data)
+
+
+def truncate(folder: Path) -> None:
+    path = stored_file(folder)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def flip_value_byte(path: Path) -> None:
+def flip_value_byte(folder: Path) -> None:
+    path = stored_file(folder)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x55  # inside the values: the file still opens
+    data[len(data) // 2] ^= 0x55
     path.write_bytes(bytes(data))
 
 
-def as_float64(path: Path) -> None:
-    rewrite(path, values=np.load(path)["values"].astype(np.float64))
+def flip_magic(folder: Path) -> None:
+    path = stored_file(folder)
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
-def shorter(path: Path) -> None:
-    rewrite(path, values=np.load(path)["values"][:-7].copy())
+def shorter(folder: Path) -> None:
+    overwrite(folder, embed_cache._encode("k", VALUES[:-7]))
 
 
-def longer(path: Path) -> None:
-    rewrite(path, values=np.concatenate([np.load(path)["values"], np.ones(7, np.float32)]))
+def longer(folder: Path) -> None:
+    overwrite(folder, embed_cache._encode("k", np.concatenate([VALUES, np.ones(7, np.float32)])))
 
 
-def two_dimensional(path: Path) -> None:
-    rewrite(path, values=np.load(path)["values"].reshape(2, -1))
+def odd_length(folder: Path) -> None:
+    overwrite(folder, embed_cache._encode("k", VALUES)[:-1])
 
 
-def other_key(path: Path) -> None:
-    rewrite(path, values=np.load(path)["values"], key="someone else's key")
+def other_key(folder: Path) -> None:
+    overwrite(folder, embed_cache._encode("someone else's key", VALUES))
 
 
-def foreign_file(path: Path) -> None:
-    np.save(path.with_suffix(".tmp.npy"), np.ones(10, np.float32))
-    path.with_suffix(".tmp.npy").replace(path)
+def foreign_npy(folder: Path) -> None:
+    path = stored_file(folder)
+    with path.open("wb") as f:
+        np.save(f, VALUES)
 
 
-DAMAGE = [truncate, flip_value_byte, as_float64, shorter, longer, two_dimensional, other_key,
-          foreign_file]
+def huge(folder: Path) -> None:
+    overwrite(folder, embed_cache._encode("k", VALUES) + bytes(50 * 2**20))
+
+
+def empty(folder: Path) -> None:
+    overwrite(folder, b"")
+
+
+def deleted(folder: Path) -> None:
+    stored_file(folder).unlink()
+
+
+def inline_garbage(folder: Path) -> None:
+    import diskcache
+
+    with diskcache.Cache(str(folder)) as dc:
+        dc.set("k", b"short garbage stored inside the SQLite index")
+
+
+def pickled_object(folder: Path) -> None:
+    import diskcache
+
+    with diskcache.Cache(str(folder)) as dc:
+        dc.set("k", {"not": "bytes"})  # diskcache pickles it: not our kind of value
+
+
+DAMAGE = [truncate, flip_value_byte, flip_magic, shorter, longer, odd_length, other_key, foreign_npy,
+          huge, empty, deleted, inline_garbage, pickled_object]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__)
-def test_damaged_disk_entry_is_a_miss_and_is_replaced(tmp_path: Path, damage) -> None:
-    EmbeddingCache(disk_dir=tmp_path).put("k", np.arange(64, dtype=np.float32))
-    damage(entry_file(tmp_path))
+def test_damaged_disk_entry_is_a_miss_and_is_replaced(tmp_path: Path, damage, caplog) -> None:
+    writer = EmbeddingCache(disk_dir=tmp_path)
+    writer.put("k", VALUES)
+    writer.close()
+    damage(tmp_path)
     cache = EmbeddingCache(disk_dir=tmp_path)
-    assert cache.get("k", n_values=64) is None and cache.misses == 1
-    assert not list(tmp_path.glob("*" + DISK_SUFFIX))  # removed, to be written again
-    cache.put("k", np.arange(64, dtype=np.float32))
-    got = EmbeddingCache(disk_dir=tmp_path).get("k", n_values=64)
-    assert got is not None and np.array_equal(got, np.arange(64))
+    assert cache.get("k", n_values=N) is None and cache.misses == 1
+    cache.put("k", VALUES)
+    got = EmbeddingCache(disk_dir=tmp_path).get("k", n_values=N)
+    assert got is not None and np.array_equal(got, VALUES)
+
+
+def test_an_entry_without_an_expected_length_is_still_bounded(tmp_path: Path) -> None:
+    cache = EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=2**20)
+    cache.put("k", VALUES)
+    huge(tmp_path)
+    assert EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=2**20).get("k") is None
+
+
+def test_a_damaged_index_leaves_the_memory_tier_working(tmp_path: Path, caplog) -> None:
+    EmbeddingCache(disk_dir=tmp_path).put("k", VALUES)
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+        if (tmp_path / name).exists():
+            (tmp_path / name).write_bytes(b"this is not a SQLite database" * 100)
+    cache = EmbeddingCache(disk_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="gguf_mcv.embed_cache"):
+        assert cache.get("k", n_values=N) is None
+        cache.put("k", VALUES)
+    assert cache.get("k", n_values=N) is not None  # from memory
+    assert "embedding" in caplog.text and str(tmp_path) in caplog.text
+
+
+def test_a_disk_folder_that_is_a_file_does_not_fail_the_put(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = EmbeddingCache(disk_dir=blocker)
+    cache.put("k", arr(4))
+    assert cache.get("k") is not None and cache.disk_usage() == 0
+
+
+_WRITER = """
+import sys, numpy as np
+from gguf_mcv.embed_cache import EmbeddingCache
+cache = EmbeddingCache(max_bytes=0, disk_dir=sys.argv[1], max_disk_bytes=2**21)
+me = int(sys.argv[2])
+for i in range(120):
+    key = f"k{i % 40}"  # both processes write and read the same 40 keys
+    cache.put(key, np.full(10_000, i % 40, np.float32))
+    got = cache.get(f"k{(i * 7) % 40}", n_values=10_000)
+    assert got is None or (got == (i * 7) % 40).all(), "a value under another key"
+print("ok", cache.hits)
+"""
+
+
+def test_two_processes_writing_at_once(tmp_path: Path) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=os.environ) for n in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0 and out.startswith("ok"), err
+        assert "Traceback" not in err and "ignoring" not in err, err  # no entry ever read damaged
+    cache = EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=2**21)
+    assert cache.disk_usage() <= 2**21 + 20 * 40_072
+    found = [k for k in range(40) if cache.get(f"k{k}", n_values=10_000) is not None]
+    assert found and all((cache.get(f"k{k}") == k).all() for k in found)
 
 
 def test_expected_length_is_checked_in_memory_too() -> None:
@@ -150,45 +267,26 @@ def test_expected_length_is_checked_in_memory_too() -> None:
     assert cache.get("k", n_values=10) is not None
 
 
-def test_oversized_file_is_not_read(tmp_path: Path) -> None:
-    EmbeddingCache(disk_dir=tmp_path).put("k", arr(64))
-    with entry_file(tmp_path).open("ab") as f:
-        f.truncate(10 * 2**30)  # sparse: instant, and reading it would need 10 GiB
-    cache = EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=2**30)
-    assert cache.get("k") is None and cache.get("k", n_values=64) is None
+def test_threads_sharing_one_cache_with_a_disk_tier(tmp_path: Path) -> None:
+    import threading
 
+    cache = EmbeddingCache(max_bytes=200_000, disk_dir=tmp_path, max_disk_bytes=2**21)
+    errors: list[BaseException] = []
 
-@pytest.fixture(scope="module")
-def cached_model(tiny, tmp_path_factory: pytest.TempPathFactory):
-    """A tiny model whose embedding cache has a disk tier of its own."""
-    import gguf_mcv
+    def work(me: int) -> None:
+        try:
+            for i in range(60):
+                k = (i * (me + 1)) % 25
+                cache.put(f"k{k}", np.full(10_000, k, np.float32))
+                got = cache.get(f"k{(k + 3) % 25}", n_values=10_000)
+                assert got is None or (got == (k + 3) % 25).all()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
 
-    folder = tmp_path_factory.mktemp("embed_cache")
-    cache = EmbeddingCache(disk_dir=folder)
-    model = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=1024,
-                          n_threads=2, embed_cache=cache)
-    yield model, cache, folder
-    model.close()
-
-
-@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__ for d in DAMAGE])
-def test_damaged_entry_is_encoded_again_and_the_answer_is_unchanged(cached_model, damage) -> None:
-    model, cache, folder = cached_model
-    for old in folder.glob("*" + DISK_SUFFIX):
-        old.unlink()
-    image = np.random.default_rng(11).integers(0, 256, (200, 200, 3), dtype=np.uint8)
-
-    def ask() -> tuple[str, int]:
-        cache.clear()  # memory tier: only the disk entry can answer
-        model.engine.reset()  # KV cache: the image must be evaluated again
-        calls = model.engine.encoder_calls
-        reply = model.ask("What is this?", image, max_tokens=4, temperature=0.0, seed=1)
-        assert model.engine.encoder_calls - calls == reply.timings.slices_encoded
-        return str(reply), reply.timings.slices_encoded
-
-    first, encoded = ask()
-    assert encoded == 1
-    assert ask() == (first, 0)  # the good entry is used
-    damage(entry_file(folder))
-    assert ask() == (first, 1)  # the damaged one is not: same answer, encoder ran again
-    assert ask() == (first, 0)  # and the entry written again is good
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert cache.nbytes <= 200_000 and cache.hits > 0

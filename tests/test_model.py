@@ -352,3 +352,22 @@ def test_a_hybrid_model_drops_turns_without_encoding_again(tmp_path) -> None:
         replies = _long_chat(chat, m, 14)
         assert sum(r.dropped_turns for r in replies) >= 2
         assert m.engine.shifted_positions == 0  # nothing shifted: re-evaluated instead
+
+
+def test_regenerate_replaces_the_last_answer_and_refuses_when_there_is_none(tiny_model) -> None:
+    from gguf_mcv.errors import ConfigError
+
+    chat = tiny_model.chat()
+    with pytest.raises(ConfigError, match="Nothing to regenerate"):
+        chat.regenerate()
+    chat.send("One?", max_tokens=3, temperature=0)
+    chat.send("Two?", max_tokens=3, temperature=0)
+    answers = {str(chat.regenerate(max_tokens=6, temperature=1.5, seed=s)) for s in range(4)}
+    assert len(chat.history) == 4 and chat.history[2]["content"] == "Two?"
+    assert len(answers) > 1  # other seeds, other answers: it really samples again
+    # a regenerated stream closed early keeps what was said, and can be regenerated again
+    stream = chat.regenerate(stream=True, max_tokens=8, temperature=0)
+    next(stream, None)
+    stream.close()
+    assert len(chat.history) == 4
+    assert str(chat.regenerate(max_tokens=4, temperature=0, format="json")).lstrip().startswith("{")

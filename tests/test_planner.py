@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from gguf_mcv import hardware, memory, planner
+from gguf_mcv import hardware, memory, planner, speed
 from gguf_mcv.errors import ConfigError, NoQuantFitsError
 from gguf_mcv.hardware import Gpu, Hardware
 from gguf_mcv.memory import TextShape
 from gguf_mcv.planner import QuantCandidate, choose
+from gguf_mcv.quants import quality_rank
 
 GB = 10**9
 GiB = 2**30
@@ -297,6 +299,120 @@ def test_to_dict_is_json() -> None:
     d = json.loads(json.dumps(plan_26(LAPTOP_RTX_8GB).to_dict()))
     assert d["quant"] == "Q5_K_M" and d["n_gpu_layers"] == -1 and len(d["rows"]) == 7
     assert d["estimate"]["gpu"]["total"] > 0
+
+
+# --- speed predictions and limits (gguf_mcv.speed) --------------------------------------
+
+RATES = speed.Rates(bandwidth=20e9, matvec=25e9, prefill_flops=100e9, vision_flops=100e9, threads=4,
+                    source="test rates")
+MACHINES = {"pi5-4gb": PI5_4GB, "pi5-8gb": PI5_8GB, "jetson": JETSON_ORIN_NANO, "laptop-rtx": LAPTOP_RTX_8GB,
+            "box-64gb": machine(64 * GB, 60 * GB, arch="x86_64")}
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+@pytest.mark.parametrize("prefer", planner.PREFERENCES)
+def test_rates_without_limits_change_no_choice(name: str, prefer: str) -> None:
+    hw = MACHINES[name]
+    for plan_fn in (plan_26, plan_46):
+        try:
+            before = plan_fn(hw, prefer=prefer)
+        except NoQuantFitsError:
+            with pytest.raises(NoQuantFitsError):
+                plan_fn(hw, prefer=prefer, rates=RATES)
+            continue
+        after = plan_fn(hw, prefer=prefer, rates=RATES)
+        assert (after.quant, after.n_gpu_layers, after.vision_on_gpu, after.predicted_bytes) == (
+            before.quant, before.n_gpu_layers, before.vision_on_gpu, before.predicted_bytes)
+        assert [(r.quant, r.fits, r.chosen, r.note) for r in after.rows] == [
+            (r.quant, r.fits, r.chosen, r.note) for r in before.rows]
+        assert before.speed is None and all(r.decode_tokens_per_s is None for r in before.rows)
+        assert after.speed is not None and all(r.decode_tokens_per_s for r in after.rows)
+
+
+def test_rows_predict_faster_decoding_for_smaller_files() -> None:
+    p = plan_26(PI5_8GB, rates=RATES)
+    by_quant = {r.quant: r for r in p.rows}
+    assert by_quant["Q2_K"].decode_tokens_per_s > by_quant["Q4_K_M"].decode_tokens_per_s > by_quant[
+        "Q8_0"].decode_tokens_per_s
+    assert all(r.video_first_answer_s > r.first_answer_s > 0 for r in p.rows)
+    assert p.speed == speed.predict(model_size=SIZES_26[p.quant], text=QWEN2_7B, quant=p.quant, vision=None,
+                                    rates=RATES)
+
+
+def test_min_tokens_per_s_takes_the_best_quant_fast_enough() -> None:
+    free = plan_26(PI5_8GB, rates=RATES)
+    rows = {r.quant: r for r in free.rows}
+    limit = (rows["Q3_K_M"].decode_tokens_per_s + rows["Q4_0"].decode_tokens_per_s) / 2
+    limited = plan_26(PI5_8GB, rates=RATES, min_tokens_per_s=limit)
+    fast_enough = [r for r in free.rows if r.fits and r.decode_tokens_per_s >= limit]
+    assert limited.quant == max(fast_enough, key=lambda r: quality_rank(r.quant)).quant == "Q3_K_M"
+    assert limited.speed.decode_tokens_per_s >= limit
+    slow_notes = [r.note for r in limited.rows if r.fits and not r.chosen and "too slow" in r.note]
+    assert slow_notes and all("tok/s <" in n for n in slow_notes)
+
+
+def test_max_first_answer_s_on_a_gpu_prefers_what_the_gpu_holds() -> None:
+    free = plan_26(LAPTOP_RTX_8GB, rates=RATES)
+    limited = plan_26(LAPTOP_RTX_8GB, rates=RATES, max_first_answer_s=free.speed.first_answer_s * 1.01)
+    assert limited.quant == free.quant and limited.speed.first_answer_s <= free.speed.first_answer_s * 1.01
+
+
+def test_limits_nothing_meets_name_the_fastest_fitting_quant() -> None:
+    free = plan_26(PI5_8GB, rates=RATES)
+    fitting = [r for r in free.rows if r.fits]
+    fastest = max(fitting, key=lambda r: r.decode_tokens_per_s)
+    with pytest.raises(NoQuantFitsError) as caught:
+        plan_26(PI5_8GB, rates=RATES, min_tokens_per_s=1e6)
+    message = str(caught.value)
+    assert f"the fastest that fits is {fastest.quant} at {fastest.decode_tokens_per_s:.1f} tokens/s" in message
+    assert "detail='low'" in message and "minicpm-v-4.6" in message
+    with pytest.raises(NoQuantFitsError, match="first answer within 0.001 s"):
+        plan_26(PI5_8GB, rates=RATES, max_first_answer_s=0.001)
+
+
+def test_limits_do_not_hide_that_nothing_fits() -> None:
+    with pytest.raises(NoQuantFitsError, match="No quantization fits"):
+        plan_26(PI5_4GB, rates=RATES, min_tokens_per_s=1)
+
+
+@pytest.mark.parametrize("value", [0, -1, math.nan, math.inf, "fast", True])
+@pytest.mark.parametrize("name", ["min_tokens_per_s", "max_first_answer_s"])
+def test_bad_limits_are_refused(name: str, value) -> None:
+    with pytest.raises(ConfigError, match=name):
+        plan_26(PI5_8GB, rates=RATES, **{name: value})
+
+
+def test_limits_need_rates_and_rates_must_be_rates() -> None:
+    with pytest.raises(ConfigError, match="rates"):
+        plan_26(PI5_8GB, min_tokens_per_s=1)
+    with pytest.raises(ConfigError, match="rates"):
+        plan_26(PI5_8GB, rates={"bandwidth": 1e9})
+    with pytest.raises(ConfigError, match="detail"):
+        plan_26(PI5_8GB, rates=RATES, detail="maximal")
+
+
+def test_explicit_quant_too_slow_is_planned_with_a_warning() -> None:
+    p = plan_26(PI5_8GB, rates=RATES, quant="Q4_K_M", min_tokens_per_s=1e6)
+    assert p.quant == "Q4_K_M" and any("speed limits" in w for w in p.warnings)
+
+
+def test_detail_low_shortens_the_first_answer() -> None:
+    auto = plan_46(PI5_4GB, rates=RATES)
+    low = plan_46(PI5_4GB, rates=RATES, detail="low")
+    assert low.speed.photo_slices == 1 and auto.speed.photo_slices == 5
+    assert low.speed.first_answer_s < auto.speed.first_answer_s
+
+
+def test_table_and_json_show_the_predictions() -> None:
+    p = plan_26(PI5_8GB, rates=RATES)
+    table = p.table()
+    assert "tok/s" in table and "photo" in table and "test rates" in table
+    chosen = next(line for line in table.splitlines() if line.startswith("->"))
+    assert f"{p.speed.decode_tokens_per_s:.1f}" in chosen
+    data = json.loads(json.dumps(p.to_dict()))
+    assert all({"decode_tokens_per_s", "first_answer_s", "video_first_answer_s"} <= set(r) for r in data["rows"])
+    assert data["rates"]["source"] == "test rates" and data["speed"]["photo_slices"] == 5
+    assert "tok/s" not in plan_26(PI5_8GB).table()
 
 
 # --- every generation in the catalog ----------------------------------------------------

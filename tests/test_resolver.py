@@ -148,3 +148,63 @@ def test_catalog_name_resolves_to_its_repo() -> None:
     assert (repo, entry) == ("someone/else-gguf", None)
     with pytest.raises(gguf_mcv.ModelNotFoundError):
         resolve("minicpm-v-9000")
+
+
+def test_auto_with_speed_limits_picks_the_most_capable_model_fast_enough() -> None:
+    """model='auto' with a decode floor: a model ranked lower than the memory-only choice, whose
+    own predicted speed meets the floor; the limits excluding everything name each model's
+    fastest option."""
+    from gguf_mcv.catalog import load_catalog
+    from gguf_mcv.speed import Rates
+
+    rates = Rates(bandwidth=20e9, matvec=25e9, prefill_flops=100e9, vision_flops=100e9, threads=2, source="test")
+    hardware = _laptop_like()
+    free = _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates)
+    assert free.model == load_catalog().entries()[0].name  # limits absent: as before
+    floor = free.speed.decode_tokens_per_s * 3
+    fast = _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=floor)
+    assert fast.model != free.model and fast.speed.decode_tokens_per_s >= floor
+    ranks = {e.name: e.rank for e in load_catalog().entries()}
+    assert ranks[fast.model] < ranks[free.model]
+    for entry in load_catalog().entries():  # nothing more capable meets the floor
+        if entry.rank > ranks[fast.model]:
+            with pytest.raises(NoQuantFitsError):
+                _plan(entry.name, ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=floor)
+    with pytest.raises(NoQuantFitsError, match="meets the speed limits") as caught:
+        _plan("auto", ram_budget="64GB", hardware=hardware, rates=rates, min_tokens_per_s=1e9)
+    assert "minicpm-v-4.6: No quantization that fits is predicted" in str(caught.value)
+    assert "the fastest that fits is" in str(caught.value)
+
+
+def test_plan_predicts_from_the_default_rates_when_probing_is_off() -> None:
+    from gguf_mcv.speed import DEFAULT_RATES
+
+    p = _plan("auto", ram_budget="8GB", hardware=_laptop_like(), speed_probe=False)
+    assert p.rates == DEFAULT_RATES and all(r.decode_tokens_per_s for r in p.rows)
+
+
+def test_a_fake_raspberry_pi_5_with_a_speed_floor_gets_minicpm_v_46(tmp_path) -> None:
+    """The issue's case: on an 8 GB Pi 5 memory alone picks a big model that decodes at a
+    token or two a second; a floor of 8 tokens/s picks 4.6 (rates: the Pi 5's published
+    17 GB/s at 60 %, arithmetic rates of its four A76 cores, as tools/bench_speed.py scales them)."""
+    from gguf_mcv import hardware
+    from gguf_mcv.speed import Rates
+
+    files = {
+        "proc/meminfo": f"MemTotal: {8 * 2**30 // 1024} kB\nMemAvailable: {int(7.4 * 2**30) // 1024} kB\n",
+        "proc/cpuinfo": "\n".join(f"processor\t: {n}\nCPU part\t: 0xd0b\n" for n in range(4)),
+        "sys/devices/system/cpu/online": "0-3\n",
+        "proc/device-tree/model": "Raspberry Pi 5 Model B Rev 1.0\0",
+        "_fake/platform": "Linux aarch64",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    pi5 = hardware.probe(tmp_path, cache_dir=tmp_path)
+    assert pi5.board_kind == "raspberry-pi" and pi5.recommended_threads == 4
+    rates = Rates(bandwidth=10.3e9, matvec=15e9, prefill_flops=60e9, vision_flops=45e9, threads=4, source="pi5")
+    by_memory = _plan("auto", hardware=pi5, rates=rates)
+    assert by_memory.model != "minicpm-v-4.6" and by_memory.speed.decode_tokens_per_s < 8
+    fast = _plan("auto", hardware=pi5, rates=rates, min_tokens_per_s=8)
+    assert fast.model == "minicpm-v-4.6" and fast.speed.decode_tokens_per_s >= 8
+    assert fast.speed.decode_tokens_per_s > 5 * by_memory.speed.decode_tokens_per_s

@@ -122,7 +122,7 @@ def served(running: Running) -> str:
 
 
 def metrics(running: Running, headers: dict[str, str] = AUTH) -> dict[str, Any]:
-    return requests.get(running.url + "/metrics", headers=headers, timeout=10).json()
+    return requests.get(running.url + "/metrics?format=json", headers=headers, timeout=10).json()
 
 
 @contextmanager
@@ -615,6 +615,7 @@ def test_metrics_count_requests_and_the_server_is_still_healthy(srv: Running) ->
     oai(srv).chat.completions.create(model=served(srv), max_tokens=2,
                                      messages=image_message(data_uri(png(99))))  # an image not seen before
     requests.post(srv.url + "/api/chat", headers=AUTH, json={"messages": [{"role": "x"}]}, timeout=10)
+    wait_for(lambda: metrics(srv)["in_flight"] == 0)  # the answer's thread ends just after its response
     after = metrics(srv)
 
     def count(m: dict[str, Any], route: str, status: int) -> int:
@@ -648,6 +649,101 @@ def test_metrics_stay_small_whatever_methods_and_paths_clients_invent(srv: Runni
     counted = metrics(srv)["requests"]
     assert len(counted) <= 20 and len(json.dumps(counted)) < 2000, sorted(counted)
     assert sum(counted["other (unmatched)"].values()) >= 600  # neither method nor path known
+
+
+COMPLETED = ("gguf_mcv_answers_total", (("outcome", "completed"),))
+
+
+def scrape(running: Running) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` parsed by prometheus_client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(running.url + "/metrics", headers=AUTH, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_prometheus_metrics_parse_and_count_requests_tokens_encoding_and_cache(srv: Running) -> None:
+    before = scrape(srv)
+    image = image_message(data_uri(png(123)))
+    # a new image, then the same one after another system prompt (so not from the KV cache):
+    # encoded once, then from the embedding cache
+    for system in ([], [{"role": "system", "content": "Be brief."}]):
+        oai(srv).chat.completions.create(model=served(srv), max_tokens=2, messages=system + image)
+    requests.get(srv.url + "/v1/models", timeout=10)  # no key: 401
+    wait_for(lambda: scrape(srv)[COMPLETED] == before.get(COMPLETED, 0) + 2)  # counted as answers end
+    after = scrape(srv)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    chats = dict(method="POST", route="/v1/chat/completions")
+    assert delta("gguf_mcv_http_requests_total", **chats, status="200") == 2
+    assert delta("gguf_mcv_http_requests_total", method="GET", route="/v1/models", status="401") == 1
+    assert delta("gguf_mcv_answers_total", outcome="completed") == 2
+    assert delta("gguf_mcv_tokens_total", kind="image") == 128
+    assert delta("gguf_mcv_tokens_total", kind="completion") > 0
+    assert delta("gguf_mcv_vision_slices_total", source="encoded") == 1
+    assert delta("gguf_mcv_vision_slices_total", source="cache") == 1
+    assert delta("gguf_mcv_vision_encode_seconds_total") > 0
+    assert delta("gguf_mcv_embedding_cache_lookups_total", result="hit") >= 1
+    assert delta("gguf_mcv_embedding_cache_lookups_total", result="miss") >= 1
+    assert after[("gguf_mcv_queue_length", ())] == 0 and after[("gguf_mcv_active_slots", ())] == 0
+    assert after[("gguf_mcv_max_queue", ())] == 8
+
+
+def test_metrics_views_and_their_errors(srv: Running) -> None:
+    as_json = requests.get(srv.url + "/metrics", headers={**AUTH, "Accept": "application/json"}, timeout=10)
+    assert as_json.headers["content-type"] == "application/json" and "requests" in as_json.json()
+    assert requests.get(srv.url + "/metrics?format=prometheus", headers=AUTH, timeout=10).text.startswith("#")
+    bad = requests.get(srv.url + "/metrics?format=xml", headers=AUTH, timeout=10)
+    assert bad.status_code == 400 and "format" in bad.text
+    assert requests.get(srv.url + "/metrics", timeout=10).status_code == 401  # the key is needed
+
+
+def test_each_app_has_its_own_registry(model) -> None:
+    from prometheus_client import REGISTRY
+
+    apps = [server.build_app(model, api_key="") for _ in range(2)]  # the global registry would refuse this
+    registries = {id(app.state.gguf.registry) for app in apps}
+    assert len(registries) == 2 and all(app.state.gguf.registry is not REGISTRY for app in apps)
+    assert not any(name.startswith("gguf_mcv") for name in REGISTRY._names_to_collectors)
+
+
+def test_metrics_of_a_closed_model_still_scrape(tiny) -> None:
+    m = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512, n_threads=1)
+    running = Running(server.build_app(m, api_key=KEY))
+    try:
+        m.close()
+        scraped = scrape(running)
+        assert ("gguf_mcv_queue_length", ()) in scraped
+        assert not any(name.startswith("gguf_mcv_embedding_cache") for name, _ in scraped)
+    finally:
+        running.stop()
+
+
+def test_a_restarted_server_answers_a_known_image_without_encoding_it(tiny, tmp_path) -> None:
+    image = image_message(data_uri(png(321, (600, 500))))  # overview + slices
+    encoded = []
+    for _ in range(2):  # the second server is a new model with a new cache object: only the disk is shared
+        m = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2,
+                          embed_cache=gguf_mcv.EmbeddingCache(disk_dir=tmp_path / "emb"))
+        running = Running(server.build_app(m, api_key=KEY))
+        try:
+            oai(running).chat.completions.create(model=served(running), max_tokens=2, messages=image)
+            wait_for(lambda r=running: scrape(r)[COMPLETED] == 1)  # counted as the answer's thread ends
+            scraped = scrape(running)
+        finally:
+            running.stop()
+            m.close()
+        encoded.append((scraped[("gguf_mcv_vision_slices_total", (("source", "encoded"),))],
+                        scraped[("gguf_mcv_vision_slices_total", (("source", "cache"),))],
+                        scraped[("gguf_mcv_embedding_cache_lookups_total", (("result", "hit_disk"),))]))
+    first, second = encoded
+    assert first[0] > 1 and first[1] == 0  # several slices encoded the first time
+    assert second == (0, first[0], first[0])  # none after the restart: all from the disk tier
 
 
 def test_the_memory_of_large_bodies_goes_back_to_the_os(tiny) -> None:

@@ -43,6 +43,17 @@ def test_vision_shape_defaults_the_query_count_by_generation(tmp_path) -> None:
     assert VisionShape.from_gguf({"clip.minicpmv_version": 3}).query_tokens == 64
 
 
+def test_vision_shape_knows_where_minicpm_v_46_merges_its_tokens(tmp_path) -> None:
+    spec = replace(synthetic.GENERATIONS["4.6"][0], v_layer=4, merger_layer=2)
+    v46 = synthetic.write_mmproj(tmp_path / "v46.gguf", spec)
+    assert read_projector_header(v46).shape.full_blocks == 3  # blocks 0..2 see every patch
+    assert VisionShape.from_gguf({"clip.projector_type": "resampler",
+                                  "clip.vision.wa_layer_indexes": [2]}).full_blocks is None
+    assert VisionShape.from_gguf({"clip.projector_type": "minicpmv4_6"}).full_blocks is None
+    assert load_catalog().get("minicpm-v-4.6").vision.full_blocks == 7
+    assert load_catalog().get("minicpm-v-2.6").vision.full_blocks is None
+
+
 def test_catalog_entries_carry_the_same_types() -> None:
     for entry in load_catalog().entries():
         assert isinstance(entry.arch, TextShape) and isinstance(entry.vision, VisionShape)

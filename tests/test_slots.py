@@ -274,3 +274,14 @@ def test_a_hybrid_model_answers_in_slots_and_rewinds_to_its_checkpoints(tmp_path
         assert par_46.scheduler.restored_checkpoints >= 1  # its recurrent state went back, not to 0
     assert [str(r) for r in slots] == [str(r) for r in serial]
     assert slots[1].usage.cached_tokens == serial[1].usage.cached_tokens > 100
+
+
+def test_a_saved_chat_of_a_parallel_model_keeps_its_turns_not_another_slots_cache(par, tmp_path) -> None:
+    chat = par.chat()
+    first = chat.send("Remember this.", max_tokens=4, **GREEDY)
+    par.ask("Another client's question.", max_tokens=4)  # sequence 0 may hold anything
+    assert chat.save(tmp_path / "chat.json") is False  # the KV state of a slot is not saved
+    again = par.load_chat(tmp_path / "chat.json")
+    assert [t["content"] for t in again.history] == [t["content"] for t in chat.history]
+    assert str(again.send("And now?", max_tokens=4, **GREEDY)) == str(chat.send("And now?", max_tokens=4, **GREEDY))
+    assert first.usage.completion_tokens == 4

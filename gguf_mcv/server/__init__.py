@@ -12,9 +12,12 @@ Routes (``/health`` needs no key, every other route does when a key is set):
 * Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
-* ``GET /health`` (model name, queue length) and ``GET /metrics`` (JSON counters by
-  method, route and status; other methods count as ``other``, unknown paths as
-  ``(unmatched)``).
+* ``GET /health`` (model name, queue length) and ``GET /metrics`` (Prometheus' text
+  format; the JSON view with ``?format=json``: counters by method, route and status —
+  other methods count as ``other``, unknown paths as ``(unmatched)`` — tokens, vision
+  encoding, embedding-cache hits, queue length).
+* ``GET /`` in a browser: a page to ask about an image or video and continue the
+  conversation (``page``); other clients get Ollama's ``gguf_mcv is running``.
 
 The model answers one request at a time; up to ``max_queue`` more wait, later ones get
 ``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
@@ -39,6 +42,7 @@ Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api
 routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
+``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
 ``http_errors`` (error shapes and handlers), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 try:  # the server's dependencies are an optional extra: say how to get them
     import fastapi.responses
+    import prometheus_client
     import pydantic
     import starlette.exceptions
     import starlette.requests
@@ -58,6 +63,6 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from .app import API_KEY_ENV, build_app, check_bind, serve
 
-del fastapi, pydantic, starlette  # imported above only to check that they are installed
+del fastapi, prometheus_client, pydantic, starlette  # imported above only to check that they are installed
 
 __all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve"]

@@ -14,13 +14,14 @@ from .. import __version__
 from ..errors import ConfigError
 from ..messages import MediaPolicy
 from ..model import Model
-from . import health, ollama_api, openai_api
+from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
 from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
+from .prometheus import registry_for
 from .state import State
 
 log = logging.getLogger("gguf_mcv.server")
@@ -61,10 +62,12 @@ def build_app(
         allow_remote=allow_remote_media, gate=Gate(max_queue, capacity=model.info.parallel),
         metrics=Metrics(), truncate=truncate,
     )
+    state.registry = registry_for(state)
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gguf = state
     app.include_router(health.router)
+    app.include_router(page.router)  # no key: the page is static; it sends the key the user types
     app.include_router(openai_api.router, dependencies=[Depends(authorize)])
     app.include_router(ollama_api.router, dependencies=[Depends(authorize)])
     add_error_handlers(app)

@@ -1,12 +1,15 @@
-"""``GET /health`` (no key needed) and ``GET /metrics``."""
+"""``GET /health`` (no key needed) and ``GET /metrics`` (Prometheus' text format, or JSON)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 
+from . import prometheus
 from .bodies import authorize
+from .http_errors import HTTPError
 from .state import state_of
 
 router = APIRouter()
@@ -20,6 +23,14 @@ async def health(request: Request) -> dict[str, Any]:
 
 
 @router.get("/metrics", dependencies=[Depends(authorize)])
-async def metrics(request: Request) -> dict[str, Any]:
+async def metrics(request: Request, format: str | None = None) -> Response:
+    """Prometheus' text format; the JSON view with ``?format=json`` (or ``Accept: application/json``)."""
     state = state_of(request)
-    return state.metrics.snapshot(state.gate)
+    accept = request.headers.get("accept", "")
+    if format not in (None, "json", "prometheus"):
+        raise HTTPError(400, f"format must be 'prometheus' (the default) or 'json', not {format[:40]!r}.",
+                        param="format")
+    if format == "json" or (format is None and "application/json" in accept and "text/plain" not in accept):
+        return JSONResponse(state.metrics.snapshot(state.gate))
+    assert state.registry is not None
+    return Response(prometheus.exposition(state.registry), media_type=prometheus.CONTENT_TYPE)

@@ -1,4 +1,5 @@
-"""Counters for ``GET /metrics``, and the middleware counting requests by route and status."""
+"""Counters for ``GET /metrics`` (shown as JSON here, in Prometheus' format by ``prometheus``),
+and the middleware counting requests by route and status."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class Metrics:
     completion_tokens: int = 0
     encode_ms: float = 0.0
     answer_seconds: float = 0.0
+    slices_encoded: int = 0
+    slices_from_cache: int = 0
 
     def record(self, outcome: str, reply: Reply | None, seconds: float) -> None:
         if reply is None:
@@ -43,6 +46,8 @@ class Metrics:
         self.cached_tokens += u.cached_tokens
         self.completion_tokens += u.completion_tokens
         self.encode_ms += reply.timings.encode_ms
+        self.slices_encoded += reply.timings.slices_encoded
+        self.slices_from_cache += reply.timings.slices_from_cache
 
     def retry_after(self) -> int:
         """Seconds a rejected client should wait: about one answer's time."""

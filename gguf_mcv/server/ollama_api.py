@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 
 from ..errors import MediaError
 from ..generation import Stream
@@ -95,11 +95,6 @@ class ShowRequest(Body):
 
 
 router = APIRouter()
-
-
-@router.get("/", response_class=PlainTextResponse)
-async def root() -> str:
-    return "gguf_mcv is running"
 
 
 @router.get("/api/version")

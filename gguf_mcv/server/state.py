@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from prometheus_client import CollectorRegistry
 
 from ..generation import Stream
 from ..messages import MediaPolicy
@@ -35,6 +36,7 @@ class State:
     metrics: Metrics
     #: drop a request's oldest turns (whole) when it does not fit, instead of refusing it
     truncate: bool = False
+    registry: CollectorRegistry | None = None  #: this app's Prometheus registry (see ``prometheus``)
 
     def check_model(self, requested: str | None) -> str:
         """The name to echo for ``requested``; 404 if it names another model."""

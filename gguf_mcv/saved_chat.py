@@ -1,0 +1,287 @@
+"""The file a saved conversation lives in: written atomically, read back only after checks.
+
+A saved chat is a zip archive (stdlib ``zipfile``: every member carries a CRC-32, so a
+damaged or truncated file is noticed) holding:
+
+* ``chat.json`` — the format and version, the identity of the model it was made with
+  (text model file, quant, projector, vision backend), the chat's settings, its turns
+  (role, text, the digests of their images) and what the KV cache held (the engine's
+  units: a token id, or an image chunk's cache key and width);
+* ``state.bin`` — llama.cpp's state of the KV-cache sequence (absent when the model's
+  cache held another conversation when it was saved), with its SHA-256 in ``chat.json``,
+  and ``checkpoint-N.bin``, the engine's checkpoints of a recurrent state (MiniCPM-V 4.6),
+  which let a follow-up go back a little way without evaluating everything again;
+* ``images/<digest>.png`` — each image of the conversation, lossless, so that a
+  follow-up can lay the prompt out again without encoding anything.
+
+Everything read is checked before it reaches llama.cpp: member sizes against limits
+(before reading), the state's length and checksum, token ids against the vocabulary,
+image digests against their pixels. Any failure is a :class:`SavedChatError` that says
+what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import PIL.Image
+
+from .engine import ImageUnit, KVState, Unit
+from .errors import MediaError, SavedChatError
+from .media import Image, load_image
+
+FORMAT = "gguf_mcv.chat"
+VERSION = 1
+#: ``chat.json`` may not be larger than this (uncompressed)
+MAX_JSON_BYTES = 64 * 2**20
+#: one stored image may not be larger than this (its PNG)
+MAX_IMAGE_BYTES = 256 * 2**20
+#: at most this many images in one saved conversation
+MAX_IMAGES = 4096
+#: the KV state is never larger than this, whatever the machine (checked before reading)
+MAX_STATE_BYTES = 16 * 2**30
+#: at most this many recurrent-state checkpoints (the engine keeps 2)
+MAX_CHECKPOINTS = 8
+
+
+@dataclass
+class SavedChat:
+    """What a saved-chat file holds, checked (see the module doc)."""
+
+    model: dict[str, Any]
+    settings: dict[str, Any]
+    turns: list[tuple[str, str, tuple[Image, ...]]]
+    kv: KVState | None = None
+    images: dict[str, Image] = field(default_factory=dict)
+
+
+def write(path: str | os.PathLike, saved: SavedChat) -> Path:
+    """Write ``saved`` to ``path`` atomically (a temporary file in the same folder, then a
+    rename): a crash or a full disk leaves the old file, or none, never half of one."""
+    target = _as_path(path)
+    header = {
+        "format": FORMAT, "version": VERSION, "model": saved.model, "settings": saved.settings,
+        "turns": [{"role": role, "text": text, "images": [im.digest for im in images]}
+                  for role, text, images in saved.turns],
+        "units": None if saved.kv is None else [u if isinstance(u, int) else [u.key, u.n_pos]
+                                                for u in saved.kv.units],
+        "state": None if saved.kv is None else {
+            **_blob_meta(saved.kv.data),
+            "checkpoints": [{"n_units": n, "n_pos": p, **_blob_meta(d)} for n, p, d in saved.kv.checkpoints]},
+    }
+    images = {im.digest: im for _, _, ims in saved.turns for im in ims}
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            with zipfile.ZipFile(f, "w") as zf:
+                zf.writestr("chat.json", json.dumps(header), compress_type=zipfile.ZIP_DEFLATED)
+                if saved.kv is not None:
+                    zf.writestr("state.bin", saved.kv.data, compress_type=zipfile.ZIP_STORED)
+                    for i, (_, _, data) in enumerate(saved.kv.checkpoints):
+                        zf.writestr(f"checkpoint-{i}.bin", data, compress_type=zipfile.ZIP_STORED)
+                for digest, image in images.items():
+                    zf.writestr(f"images/{digest}.png", _png(image), compress_type=zipfile.ZIP_STORED)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        raise SavedChatError(f"Could not save the conversation to {target}: {exc.strerror or exc}. "
+                             "Check that the folder exists, is writable and has free space.") from exc
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: int = MAX_STATE_BYTES) -> SavedChat:
+    """The checked contents of the saved chat at ``path``; :class:`SavedChatError` if unusable.
+
+    ``n_vocab`` and ``n_ctx`` are the loaded model's: token ids and positions must fit them.
+    """
+    source = _as_path(path)
+    try:
+        with zipfile.ZipFile(source) as zf:
+            header = _header(zf, source)
+            saved = _contents(zf, header, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
+    except FileNotFoundError:
+        raise SavedChatError(f"No saved conversation at {source}: check the path.") from None
+    except SavedChatError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        # zipfile and zlib report damage in many ways (BadZipFile, a bad CRC, EOFError, zlib.error,
+        # OSError, ValueError...): each one means an unusable file, never a crash
+        raise _damaged(source, f"{type(exc).__name__}: {exc}") from exc
+    return saved
+
+
+def _as_path(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise SavedChatError(f"A saved conversation's path must be a file name, not {path!r}.")
+    return Path(os.fspath(path)).expanduser()
+
+
+def _damaged(source: Path, why: str) -> SavedChatError:
+    return SavedChatError(f"{source} is not a usable saved conversation ({why}): it is damaged, "
+                          "truncated or not a gguf_mcv chat file. Save the conversation again.")
+
+
+def _member(zf: zipfile.ZipFile, name: str, limit: int, source: Path) -> bytes:
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise _damaged(source, f"{name} is missing") from None
+    if info.file_size > limit:
+        raise _damaged(source, f"{name} claims {info.file_size} bytes, more than the {limit} allowed")
+    with zf.open(info) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _damaged(source, f"{name} is larger than the {limit} bytes allowed")
+    return data
+
+
+def _header(zf: zipfile.ZipFile, source: Path) -> dict[str, Any]:
+    try:
+        header = json.loads(_member(zf, "chat.json", MAX_JSON_BYTES, source))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _damaged(source, f"chat.json is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise _damaged(source, "it does not say it is a gguf_mcv chat")
+    if header.get("version") != VERSION:
+        raise SavedChatError(f"{source} was saved in format version {header.get('version')!r}; this "
+                             f"gguf_mcv reads version {VERSION}. Use the gguf_mcv that saved it.")
+    return header
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], what: str, source: Path) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise _damaged(source, f"{what} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vocab: int, n_ctx: int,
+              max_state_bytes: int) -> SavedChat:
+    model = _typed(header.get("model"), dict, "model", source)
+    settings = _typed(header.get("settings"), dict, "settings", source)
+    turn_list = _typed(header.get("turns"), list, "turns", source)
+    digests = {d for t in turn_list for d in _typed(_typed(t, dict, "a turn", source).get("images"), list,
+                                                    "a turn's images", source)}
+    if len(digests) > MAX_IMAGES:
+        raise _damaged(source, f"it names {len(digests)} images, more than {MAX_IMAGES}")
+    images = {d: _image(zf, _typed(d, str, "an image digest", source), source) for d in digests}
+    turns = []
+    for t in turn_list:
+        role = _typed(t.get("role"), str, "a turn's role", source)
+        if role not in ("user", "assistant"):
+            raise _damaged(source, f"a turn has the role {role!r}")
+        turns.append((role, _typed(t.get("text"), str, "a turn's text", source),
+                      tuple(images[d] for d in t["images"])))
+    kv = None
+    if header.get("state") is not None:
+        if header.get("units") is None:
+            raise _damaged(source, "it has a KV state but no units")
+        units = _units(header["units"], source, n_vocab, n_ctx)
+        meta = _typed(header["state"], dict, "state", source)
+        limit = min(max_state_bytes, _available_memory() // 2)
+        kv = KVState(units, _blob(zf, "state.bin", meta, source, limit))
+        checkpoints = _typed(meta.get("checkpoints", []), list, "the checkpoints", source)
+        if len(checkpoints) > MAX_CHECKPOINTS:
+            raise _damaged(source, f"it has {len(checkpoints)} checkpoints")
+        for i, c in enumerate(checkpoints):
+            c = _typed(c, dict, "a checkpoint", source)
+            n_units = _typed(c.get("n_units"), int, "a checkpoint's units", source)
+            n_pos = _typed(c.get("n_pos"), int, "a checkpoint's positions", source)
+            kv.checkpoints.append((n_units, n_pos, _blob(zf, f"checkpoint-{i}.bin", c, source, limit)))
+    return SavedChat(model=model, settings=settings, turns=turns, kv=kv, images=images)
+
+
+def _units(raw: Any, source: Path, n_vocab: int, n_ctx: int) -> list[Unit]:
+    units: list[Unit] = []
+    n_pos = 0
+    for item in _typed(raw, list, "units", source):
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < n_vocab:
+                raise SavedChatError(f"{source} holds token {item}, outside this model's vocabulary of "
+                                     f"{n_vocab}: it was saved with another model.")
+            units.append(item)
+            n_pos += 1
+        elif (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], int) and not isinstance(item[1], bool) and 0 < item[1] <= n_ctx):
+            units.append(ImageUnit(item[0], item[1]))
+            n_pos += item[1]
+        else:
+            raise _damaged(source, f"a unit of the KV cache is {str(item)[:60]}")
+        if n_pos > n_ctx:
+            raise SavedChatError(f"{source} holds more positions than this model's context of {n_ctx}: "
+                                 "load the model with the n_ctx it was saved with (or larger).")
+    return units
+
+
+def _blob_meta(data: bytes) -> dict[str, Any]:
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _blob(zf: zipfile.ZipFile, name: str, meta: dict[str, Any], source: Path, limit: int) -> bytes:
+    """Member ``name``, whose size and SHA-256 ``meta`` gives; at most ``limit`` bytes."""
+    size = _typed(meta.get("bytes"), int, f"the size of {name}", source)
+    digest = _typed(meta.get("sha256"), str, f"the checksum of {name}", source)
+    if size > limit:
+        raise SavedChatError(f"{source} holds a KV state of {size} bytes, more than the {limit} this machine "
+                             "can take now: it is damaged, or was saved on a larger machine.")
+    data = _member(zf, name, size, source)
+    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        raise _damaged(source, f"{name} does not match its checksum")
+    return data
+
+
+def _image(zf: zipfile.ZipFile, digest: str, source: Path) -> Image:
+    data = _member(zf, f"images/{digest}.png", MAX_IMAGE_BYTES, source)
+    try:
+        image = load_image(data)
+    except MediaError as exc:
+        raise _damaged(source, f"image {digest[:12]}… cannot be decoded: {exc}") from exc
+    if image.digest != digest:
+        raise _damaged(source, f"image {digest[:12]}… does not have the pixels it was saved with")
+    return Image(image.rgb, f"<saved image {digest[:12]}>")
+
+
+def _png(image: Image) -> bytes:
+    out = io.BytesIO()
+    PIL.Image.fromarray(np.ascontiguousarray(image.rgb)).save(out, format="PNG", compress_level=1)
+    return out.getvalue()
+
+
+def _available_memory() -> int:
+    import psutil  # a core dependency; imported here as the one place this module needs it
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_model(saved: dict[str, Any], current: dict[str, Any], source: str | os.PathLike) -> None:
+    """:class:`SavedChatError` unless ``saved`` (the file's model identity) is ``current``'s."""
+    names = {"model": "text model file", "quant": "quantization", "projector": "vision projector (mmproj)",
+             "backend": "vision backend"}
+    for key, what in names.items():
+        if saved.get(key) != current.get(key):
+            raise SavedChatError(
+                f"{source} was saved with another {what} ({saved.get(key)!r}, this model has "
+                f"{current.get(key)!r}; saved with {saved.get('name')!r}). Load the model it was saved "
+                "with to continue it."
+            )
+
+
+def pairs(turns: Sequence[Any]) -> list[tuple[str, str, tuple[Image, ...]]]:
+    """``(role, text, images)`` of each :class:`~gguf_mcv.request.Turn`."""
+    return [(t.role, t.text, tuple(t.images)) for t in turns]
+

@@ -1,0 +1,147 @@
+"""Tests of the speed model: decode, prefill and encode times, photo slices, GPU split, limits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from gguf_mcv import memory, speed
+from gguf_mcv.errors import ConfigError
+from gguf_mcv.shapes import TextShape, VisionShape
+from gguf_mcv.speed import Rates
+
+QWEN2_7B = TextShape(n_layers=28, n_embd=3584, n_head=28, n_head_kv=4, head_dim=128, n_vocab=151666)
+BENCH = TextShape(n_layers=24, n_embd=896, n_head=14, n_head_kv=2, head_dim=64, n_vocab=151936, n_ff=4864)
+TIED = replace(BENCH, tied_embeddings=True)
+RATES = Rates(bandwidth=20e9, matvec=30e9, prefill_flops=60e9, vision_flops=100e9, threads=2, source="test")
+
+
+@pytest.mark.parametrize("field", ["bandwidth", "matvec", "prefill_flops", "vision_flops"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "20e9", True, None])
+def test_rates_refuse_impossible_values(field: str, value) -> None:
+    with pytest.raises(ConfigError, match=field):
+        replace(RATES, **{field: value})
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_rates_refuse_impossible_thread_counts(value) -> None:
+    with pytest.raises(ConfigError, match="threads"):
+        replace(RATES, threads=value)
+
+
+def test_decode_reads_every_weight_but_the_token_embeddings() -> None:
+    size = 488_859_872
+    token_embd, _ = memory.embedding_bytes(BENCH, "Q4_K_M")
+    assert speed.decode_bytes(size, BENCH, "Q4_K_M") == size - token_embd
+    # tied: token_embd is the output matrix too, read whole for the logits
+    assert speed.decode_bytes(size, TIED, "Q4_K_M") == size
+
+
+def test_decode_is_bandwidth_bound_for_big_models_and_arithmetic_bound_when_matvec_is_slow() -> None:
+    size = 4_681_089_344
+    weights = speed.decode_bytes(size, QWEN2_7B, "Q4_K_M")
+    kv = QWEN2_7B.kv_bytes_per_token() * 100
+    t = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES, n_past=100)
+    assert t == pytest.approx((weights + kv) / RATES.bandwidth)
+    slow = replace(RATES, matvec=1e9)
+    t_slow = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", slow, n_past=100)
+    assert t_slow == pytest.approx(weights / 1e9)
+
+
+def test_decode_slows_with_file_size_and_context() -> None:
+    small = speed.decode_seconds(3_000_000_000, QWEN2_7B, "Q2_K", RATES)
+    big = speed.decode_seconds(8_100_000_000, QWEN2_7B, "Q8_0", RATES)
+    assert big > 2 * small
+    short = speed.decode_seconds(4_681_089_344, QWEN2_7B, "Q4_K_M", RATES, n_past=10)
+    long = speed.decode_seconds(4_681_089_344, QWEN2_7B, "Q4_K_M", RATES, n_past=30_000)
+    assert long > short
+    q8_kv = speed.decode_seconds(4_681_089_344, QWEN2_7B, "Q4_K_M", RATES, n_past=30_000, kv_cache_type="q8_0")
+    assert short < q8_kv < long
+
+
+def test_gpu_share_moves_work_to_the_gpu() -> None:
+    gpu = speed.GpuRates(bandwidth=200e9, flops=10e12, source="test")
+    size = 4_681_089_344
+    cpu = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES)
+    half = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES, gpu_share=0.5, gpu=gpu)
+    whole = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES, gpu_share=1.0, gpu=gpu)
+    assert whole < half < cpu
+    # a share without a GPU, or out of range, is clamped, never negative time
+    assert speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES, gpu_share=0.7) == cpu
+    assert speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", RATES, gpu_share=5, gpu=gpu) == whole
+    assert speed.prefill_seconds(500, QWEN2_7B, RATES, gpu_share=1, gpu=gpu) < speed.prefill_seconds(500, QWEN2_7B, RATES)
+    assert speed.encode_seconds(None, 3584, RATES, gpu=gpu) < speed.encode_seconds(None, 3584, RATES)
+
+
+def test_vision_flops_of_siglip_400m_are_about_a_teraflop_per_slice() -> None:
+    # 27 blocks of 1024 patches x 1152 wide: ~36 GFLOP each, the resampler a few more
+    flops = speed.vision_flops_per_slice(VisionShape(), 3584)
+    assert 0.9e12 < flops < 1.1e12
+    block = speed.vision_flops_per_slice(VisionShape(blocks=28), 3584) - flops
+    assert block == pytest.approx(2 * (4 * 1024 * 1152**2 + 2 * 1024 * 1152 * 4304 + 2 * 1024**2 * 1152))
+
+
+def test_minicpm_v_46_merger_makes_later_blocks_cheaper() -> None:
+    full = speed.vision_flops_per_slice(VisionShape(), 1024)
+    merged = speed.vision_flops_per_slice(VisionShape(full_blocks=7), 1024)
+    # 7 + 1 (the merger) blocks on 1024 patches, 20 on 256: under half the plain tower
+    assert 0.4 * full < merged < 0.5 * full
+    assert speed.vision_flops_per_slice(VisionShape(full_blocks=27), 1024) > full  # merger, no later blocks
+
+
+def test_prefill_grows_with_tokens_and_model() -> None:
+    assert speed.prefill_seconds(0, BENCH, RATES) > 0  # the output row of the last token
+    assert speed.prefill_seconds(1000, BENCH, RATES) > 1.9 * speed.prefill_seconds(500, BENCH, RATES)
+    assert speed.prefill_seconds(500, QWEN2_7B, RATES) > 5 * speed.prefill_seconds(500, BENCH, RATES)
+    per_token = speed.text_flops_per_token(BENCH)
+    assert per_token == pytest.approx(2 * 24 * (896 * (2 * 896 + 2 * 128) + 3 * 896 * 4864))
+
+
+@pytest.mark.parametrize(("detail", "on_gpu", "passes"), [
+    ("low", False, 1), ("auto", False, 5), ("auto", True, 10), ("high", False, 10),
+])
+def test_photo_slices_follow_the_detail_rules(detail: str, on_gpu: bool, passes: int) -> None:
+    assert speed.photo_slices(detail, vision_on_gpu=on_gpu) == passes
+
+
+def test_photo_slices_refuse_an_unknown_detail() -> None:
+    with pytest.raises(ConfigError, match="detail"):
+        speed.photo_slices("ultra")
+
+
+def test_predict_puts_the_parts_together() -> None:
+    p = speed.predict(model_size=488_859_872, text=BENCH, quant="Q4_K_M", vision=None, rates=RATES)
+    encode = speed.encode_seconds(None, BENCH.n_embd, RATES)
+    assert p.encode_s_per_slice == pytest.approx(encode)
+    assert p.photo_slices == 5 and p.first_answer_s > 5 * encode
+    assert p.video_first_answer_s > 16 * encode > p.first_answer_s
+    low = speed.predict(model_size=488_859_872, text=BENCH, quant="Q4_K_M", vision=None, rates=RATES,
+                        detail="low")
+    assert low.first_answer_s < p.first_answer_s and low.video_first_answer_s == p.video_first_answer_s
+    assert set(p.to_dict()) >= {"decode_tokens_per_s", "first_answer_s", "video_first_answer_s"}
+
+
+@pytest.mark.parametrize("value", [0, -3, math.nan, math.inf, -math.inf, "5", True, [5]])
+def test_limits_must_be_positive_numbers(value) -> None:
+    with pytest.raises(ConfigError, match="min_tokens_per_s"):
+        speed.check_limit("min_tokens_per_s", value)
+
+
+def test_limits_accept_huge_and_tiny_numbers() -> None:
+    assert speed.check_limit("x", None) is None
+    assert speed.check_limit("x", 10**300) == 1e300
+    assert speed.check_limit("x", 1e-300) == 1e-300
+
+
+def test_default_rates_are_valid_and_labelled() -> None:
+    assert speed.DEFAULT_RATES.source == "defaults"
+    assert speed.DEFAULT_RATES.to_dict()["bandwidth"] == speed.DEFAULT_RATES.bandwidth
+
+
+def test_gpu_rates_for_backends() -> None:
+    assert speed.gpu_rates_for(None) is None
+    assert speed.gpu_rates_for("cuda", "jetson") is speed.GPU_RATES["jetson"]
+    assert speed.gpu_rates_for("cuda").bandwidth > speed.gpu_rates_for("cuda", "jetson").bandwidth
+    assert speed.gpu_rates_for("vulkan") is speed.GPU_RATES["cuda"]

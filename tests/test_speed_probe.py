@@ -1,0 +1,242 @@
+"""Tests of the machine speed probe: caching, invalidation, damaged and concurrent cache files."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gguf_mcv import speed_probe
+from gguf_mcv.errors import ConfigError
+from gguf_mcv.speed import DEFAULT_RATES, Rates
+
+FAKE = Rates(bandwidth=12e9, matvec=9e9, prefill_flops=40e9, vision_flops=50e9,
+             threads=3, source="fake probe")
+
+
+class Counter:
+    """A stand-in for :func:`speed_probe.measure` that counts its calls."""
+
+    def __init__(self, result: Rates = FAKE) -> None:
+        self.calls = 0
+        self.result = result
+
+    def __call__(self, threads: int) -> Rates:
+        self.calls += 1
+        return replace(self.result, threads=threads)
+
+
+def test_probe_false_and_the_env_var_use_the_defaults(tmp_path: Path, monkeypatch) -> None:
+    fake = Counter()
+    assert speed_probe.rates(probe=False, cache=tmp_path / "c.json", measure_fn=fake) is DEFAULT_RATES
+    monkeypatch.setenv("GGUF_MCV_NO_PROBE", "1")
+    assert speed_probe.rates(threads=2, cache=tmp_path / "c.json", measure_fn=fake) is DEFAULT_RATES
+    monkeypatch.setenv("GGUF_MCV_NO_PROBE", "0")  # "0" means probe
+    assert speed_probe.rates(threads=2, cache=tmp_path / "c.json", measure_fn=fake).source == "fake probe"
+    assert fake.calls == 1 and not (tmp_path / "c.json.tmp").exists()
+
+
+def test_probe_runs_once_then_comes_from_the_cache(tmp_path: Path) -> None:
+    cache, fake = tmp_path / "sub" / "speed.json", Counter()
+    first = speed_probe.rates(probe=True, threads=3, cache=cache, measure_fn=fake)
+    second = speed_probe.rates(probe=True, threads=3, cache=cache, measure_fn=fake)
+    assert fake.calls == 1 and first == second == replace(FAKE, threads=3)
+    data = json.loads(cache.read_text())
+    assert data["key"] == speed_probe.machine_key(3) and data["rates"]["bandwidth"] == 12e9
+    assert [p.name for p in cache.parent.iterdir()] == ["speed.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("change", ["threads", "llama_cpp_python", "onnxruntime", "cpu", "probe_version"])
+def test_a_changed_machine_or_build_is_probed_again(tmp_path: Path, monkeypatch, change: str) -> None:
+    cache, fake = tmp_path / "speed.json", Counter()
+    speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    threads = 2
+    if change == "threads":
+        threads = 4
+    elif change == "cpu":
+        monkeypatch.setattr(speed_probe, "_cpu_identity", lambda: "another CPU | flags=sse2")
+    elif change == "probe_version":
+        monkeypatch.setattr(speed_probe, "PROBE_VERSION", speed_probe.PROBE_VERSION + 1)
+    else:
+        real = speed_probe._version
+        monkeypatch.setattr(speed_probe, "_version", lambda d: "99.0" if d == change else real(d))
+    speed_probe.rates(probe=True, threads=threads, cache=cache, measure_fn=fake)
+    assert fake.calls == 2
+    speed_probe.rates(probe=True, threads=threads, cache=cache, measure_fn=fake)
+    assert fake.calls == 2  # and the new probe was cached
+
+
+def _valid_file(key: dict) -> dict:
+    return {"key": key, "rates": FAKE.to_dict()}
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"\x00\xff\xfe garbage", b'{"key": ', b"[1, 2, 3]", b'"a string"', b"null",
+    "json:rates-missing", "json:rates-a-list", "json:negative-bandwidth", "json:nan-bandwidth",
+    "json:unknown-field", "json:bandwidth-a-string", "json:bool-threads-ok",
+])
+def test_a_damaged_cache_file_is_probed_again_and_replaced(tmp_path: Path, content) -> None:
+    cache, fake = tmp_path / "speed.json", Counter()
+    key = speed_probe.machine_key(2)
+    if isinstance(content, str):
+        data = _valid_file(key)
+        kind = content.removeprefix("json:")
+        if kind == "rates-missing":
+            del data["rates"]
+        elif kind == "rates-a-list":
+            data["rates"] = [1, 2]
+        elif kind == "negative-bandwidth":
+            data["rates"]["bandwidth"] = -5
+        elif kind == "nan-bandwidth":
+            data["rates"]["bandwidth"] = math.nan
+        elif kind == "unknown-field":
+            data["rates"]["warp_factor"] = 9
+        elif kind == "bandwidth-a-string":
+            data["rates"]["bandwidth"] = "fast"
+        elif kind == "bool-threads-ok":
+            data["rates"]["source"] = "cached"  # a valid file, for contrast
+        content = json.dumps(data).encode()
+    cache.write_bytes(content)
+    got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    if b'"cached"' in content:
+        assert fake.calls == 0 and got.source == "cached"
+        return
+    assert fake.calls == 1 and got.source == "fake probe"
+    assert speed_probe.read_cache(cache, key) == got  # replaced by a valid file
+
+
+def test_a_cache_folder_that_cannot_be_written_still_gives_rates(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    fake = Counter()
+    got = speed_probe.rates(probe=True, threads=2, cache=blocker / "speed.json", measure_fn=fake)
+    assert got.source == "fake probe" and fake.calls == 1
+
+
+def test_concurrent_probes_leave_one_valid_file(tmp_path: Path) -> None:
+    """Many threads probing and writing at once: every reader sees a whole file or none."""
+    cache = tmp_path / "speed.json"
+    key = speed_probe.machine_key(2)
+    bad_reads: list[str] = []
+    stop = threading.Event()
+
+    def writer(i: int) -> None:
+        for j in range(20):
+            speed_probe.write_cache(cache, key, replace(FAKE, source=f"writer {i}.{j}"))
+
+    def reader() -> None:
+        while not stop.is_set():
+            if cache.exists():
+                text = cache.read_text()
+                try:
+                    json.loads(text)
+                except ValueError:
+                    bad_reads.append(text[:40])
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    writers = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert bad_reads == []
+    final = speed_probe.read_cache(cache, key)
+    assert final is not None and final.source.startswith("writer ")
+    assert [p.name for p in tmp_path.iterdir()] == ["speed.json"]
+
+
+def test_concurrent_first_probes_all_get_rates(tmp_path: Path) -> None:
+    cache, fake, results = tmp_path / "speed.json", Counter(), []
+    threads = [threading.Thread(target=lambda: results.append(
+        speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 6 and all(r.source == "fake probe" for r in results)
+    assert speed_probe.read_cache(cache, speed_probe.machine_key(2)) is not None
+
+
+def test_bandwidth_is_a_positive_rate() -> None:
+    bw = speed_probe.measure_bandwidth(2, nbytes=8 * 2**20, repeats=1)
+    assert math.isfinite(bw) and 1e8 < bw < 1e13
+
+
+def test_rates_from_timings_scale_inversely_with_time() -> None:
+    timed = {"slice_s": 0.5, "prefill_s": 0.2, "prefill_tokens": 280.0, "token_s": 0.002, "n_past": 297.0}
+    a = speed_probe.rates_from(20e9, timed, 2, "t")
+    b = speed_probe.rates_from(20e9, {**timed, "slice_s": 1.0, "prefill_s": 0.4, "token_s": 0.004}, 2, "t")
+    assert a.vision_flops == pytest.approx(2 * b.vision_flops)
+    assert a.prefill_flops == pytest.approx(2 * b.prefill_flops)
+    assert a.matvec == pytest.approx(2 * b.matvec)
+    with pytest.raises(ValueError):  # a zero timing is an impossible rate, never a silent inf
+        speed_probe.rates_from(20e9, {**timed, "slice_s": math.inf}, 2, "t")
+
+
+@pytest.mark.slow
+def test_the_real_probe_measures_this_machine(tmp_path: Path) -> None:
+    """The whole probe through llama.cpp on its generated pair; the cache then answers."""
+    cache = tmp_path / "speed.json"
+    got = speed_probe.rates(probe=True, threads=2, cache=cache)
+    assert got.source.startswith("the probe of") and got.threads == 2
+    for name in ("bandwidth", "matvec", "prefill_flops", "vision_flops"):
+        assert 1e8 < getattr(got, name) < 1e14, name
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=Counter()) == got
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), MemoryError("no room")])
+def test_a_failed_probe_gives_labelled_defaults_and_is_retried(tmp_path: Path, error: Exception) -> None:
+    cache = tmp_path / "speed.json"
+
+    def broken(threads: int) -> Rates:
+        raise error
+
+    got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=broken)
+    assert got.bandwidth == DEFAULT_RATES.bandwidth and "the speed probe failed" in got.source
+    assert str(error) in got.source and not cache.exists()
+    fake = Counter()
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).source == "fake probe"
+    assert fake.calls == 1
+
+
+def test_refresh_probes_again_and_replaces_the_cache(tmp_path: Path) -> None:
+    cache, fake = tmp_path / "speed.json", Counter()
+    speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    newer = Counter(replace(FAKE, bandwidth=99e9, source="newer"))
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=newer, refresh=True).source == "newer"
+    assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake).bandwidth == 99e9
+    assert (fake.calls, newer.calls) == (1, 1)
+
+
+@pytest.mark.parametrize("threads", [0, -2, 10**9, 2.5, "2", True])
+def test_impossible_thread_counts_are_refused_before_probing(tmp_path: Path, threads) -> None:
+    fake = Counter()
+    with pytest.raises(ConfigError, match="threads"):
+        speed_probe.rates(probe=True, threads=threads, cache=tmp_path / "s.json", measure_fn=fake)
+    assert fake.calls == 0
+
+
+@pytest.mark.parametrize("kind", ["huge", "folder", "fifo"])
+def test_a_cache_path_that_is_not_a_small_file_is_probed_again_without_blocking(tmp_path: Path, kind: str) -> None:
+    import os
+
+    cache, fake = tmp_path / "speed.json", Counter()
+    if kind == "huge":
+        data = _valid_file(speed_probe.machine_key(2))
+        data["padding"] = "x" * (speed_probe.MAX_CACHE_BYTES + 1)
+        cache.write_text(json.dumps(data))
+    elif kind == "folder":
+        cache.mkdir()
+    else:
+        os.mkfifo(cache)  # reading a FIFO with no writer would block forever
+    got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)
+    assert got.source == "fake probe" and fake.calls == 1
+    if kind == "huge":
+        assert speed_probe.read_cache(cache, speed_probe.machine_key(2)) == got  # replaced

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Predicted vs measured speed on this machine, for every quant of a generated ladder.
+
+For each quant: the speed probe runs (its generated pair reused from ``--probe-dir``),
+then the quant is loaded and timed the way the probe times its own pair -- a text
+prompt's prefill, greedy decoding, one 448-pixel slice through the vision encoder --
+and the speed model's predictions from that probe are printed beside the measurements.
+Probe and measurement run back to back and both count busy time (process CPU seconds
+per thread, :func:`gguf_mcv.speed_probe.busy_seconds`), so a machine shared with other
+work gives ratios that still mean something. Then the model's predictions for boards
+from their published figures (labelled predictions: nothing was run on them).
+
+    python tools/make_test_model.py --preset bench --out /tmp/bench-speed
+    python tools/bench_speed.py --ladder /tmp/bench-speed --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from gguf_mcv import speed, speed_probe  # noqa: E402
+from gguf_mcv.headers import read_projector_header, read_text_header  # noqa: E402
+from gguf_mcv.quants import classify_gguf, quality_rank  # noqa: E402
+
+# Published figures (peak DRAM bandwidth, cores x clock x FP32 FLOPs per cycle per core):
+# - Raspberry Pi 5: LPDDR4X-4267 on a 32-bit bus = 17.1 GB/s; 4x Cortex-A76 at 2.4 GHz,
+#   two 128-bit NEON FMA pipes = 16 FP32 FLOP/cycle/core (Raspberry Pi 5 product brief;
+#   Arm Cortex-A76 software optimization guide).
+# - Raspberry Pi 4: LPDDR4-3200 on a 32-bit bus = 12.8 GB/s; 4x Cortex-A72 at 1.8 GHz
+#   (1.5 GHz on early boards), 8 FP32 FLOP/cycle/core (one 128-bit FMA per cycle issue
+#   in practice on A72; Raspberry Pi 4 product brief).
+# - Jetson Orin Nano 8 GB (CPU only here): LPDDR5 128-bit = 68 GB/s; 6x Cortex-A78AE at
+#   1.5 GHz, 16 FP32 FLOP/cycle/core (NVIDIA Jetson Orin Nano series data sheet).
+BOARDS = {
+    "Raspberry Pi 5 (4 threads)": dict(bandwidth=17.1e9, cores=4, ghz=2.4, flop_per_cycle=16),
+    "Raspberry Pi 4 (4 threads)": dict(bandwidth=12.8e9, cores=4, ghz=1.8, flop_per_cycle=8),
+    "Jetson Orin Nano 8GB, CPU (6 threads)": dict(bandwidth=68e9, cores=6, ghz=1.5, flop_per_cycle=16),
+}
+#: Share of the published peak bandwidth a streaming read reaches on these boards' LPDDR
+#: (STREAM-style figures are typically 50-70 % of peak on such SoCs).
+BOARD_BANDWIDTH_SHARE = 0.6
+
+
+def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
+    """Busy seconds for a 280-token prompt, each of 32 greedy tokens and one slice, on ``path``."""
+    import llama_cpp
+
+    from gguf_mcv.engine import Engine
+
+    llama = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_ubatch=512,
+                            n_threads=threads, n_threads_batch=threads, verbose=False)
+    engine = Engine(llama, mmproj, n_threads=threads)
+    try:
+        out = {"slice_s": speed_probe._time_slice(engine, threads)}
+        out.update(speed_probe._time_text(engine, threads))
+        return out
+    finally:
+        engine.close()
+        llama.close()
+
+
+def board_rates(here: speed.Rates, here_peak_flops: float, board: dict) -> speed.Rates:
+    """A board's rates: its published bandwidth x BOARD_BANDWIDTH_SHARE; the arithmetic rates
+    scaled from this machine's measured ones by the ratio of peak FP32 FLOP/s."""
+    peak = board["cores"] * board["ghz"] * 1e9 * board["flop_per_cycle"]
+    ratio = peak / here_peak_flops
+    bandwidth = board["bandwidth"] * BOARD_BANDWIDTH_SHARE
+    return speed.Rates(bandwidth=bandwidth, matvec=here.matvec * ratio, prefill_flops=here.prefill_flops * ratio,
+                       vision_flops=here.vision_flops * ratio, threads=board["cores"],
+                       source="published figures")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ladder", type=Path, required=True, help="folder from tools/make_test_model.py")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quants", help="comma-separated (default: every quant in the folder)")
+    ap.add_argument("--probe-dir", type=Path, default=Path("/tmp/bench-speed-probe"))
+    ap.add_argument("--ghz", type=float, default=None,
+                    help="this CPU's clock, for scaling to boards (default: from /proc/cpuinfo)")
+    ap.add_argument("--flop-per-cycle", type=int, default=32, help="this CPU's FP32 FLOP/cycle/core (AVX-512: 32)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--boards-from", type=Path, metavar="JSON",
+                    help="only the board predictions, from the last probe in a --json file of an earlier run")
+    args = ap.parse_args(argv)
+    if args.boards_from:
+        data = json.loads(args.boards_from.read_text())
+        rates = speed.Rates(**data["rows"][-1]["rates"])
+        print_boards(rates, args.ghz or _cpu_ghz(), args.flop_per_cycle)
+        return 0
+
+    mmproj = next(args.ladder.glob("mmproj*.gguf"))
+    files = {}
+    for p in args.ladder.glob("*.gguf"):
+        info = classify_gguf(p.name)
+        if info is not None and not info.is_mmproj and info.quant and info.quant not in ("F16", "BF16", "F32"):
+            files[info.quant] = p
+    wanted = args.quants.split(",") if args.quants else sorted(files, key=quality_rank)
+    vision = read_projector_header(mmproj).shape
+    rows, last_rates = [], None
+    for quant in wanted:
+        path = files[quant]
+        start = time.perf_counter()
+        bandwidth = speed_probe.measure_bandwidth(args.threads)
+        rates = speed_probe.rates_from(bandwidth, speed_probe.time_llama(args.threads, args.probe_dir),
+                                       args.threads, "bench probe")
+        probe_s = time.perf_counter() - start
+        m = measure_quant(path, mmproj, args.threads)
+        header = read_text_header(path)
+        text, size = header.shape, header.size
+        pred = {
+            "decode_tok_s": 1 / speed.decode_seconds(size, text, quant, rates, n_past=int(m["n_past"])),
+            "prefill_tok_s": m["prefill_tokens"] / speed.prefill_seconds(int(m["prefill_tokens"]), text, rates),
+            "slice_s": speed.encode_seconds(vision, text.n_embd, rates),
+        }
+        meas = {"decode_tok_s": 1 / m["token_s"], "prefill_tok_s": m["prefill_tokens"] / m["prefill_s"],
+                "slice_s": m["slice_s"]}
+        row = {"quant": quant, "file_bytes": size, "probe_wall_s": probe_s, "predicted": pred, "measured": meas,
+               "error": {k: pred[k] / meas[k] - 1 for k in pred}, "rates": rates.to_dict()}
+        rows.append(row)
+        last_rates = rates
+        print(f"{quant:<7} decode {pred['decode_tok_s']:6.1f} / {meas['decode_tok_s']:6.1f} tok/s "
+              f"({row['error']['decode_tok_s']:+.0%})  prefill {pred['prefill_tok_s']:6.0f} / "
+              f"{meas['prefill_tok_s']:6.0f} tok/s ({row['error']['prefill_tok_s']:+.0%})  slice "
+              f"{pred['slice_s']:5.2f} / {meas['slice_s']:5.2f} s ({row['error']['slice_s']:+.0%})  "
+              f"[probe {probe_s:.1f} s wall]", flush=True)
+    boards = print_boards(last_rates, args.ghz or _cpu_ghz(), args.flop_per_cycle) if last_rates else {}
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "boards": boards}, indent=1))
+    return 0
+
+
+def print_boards(rates: speed.Rates, ghz: float, flop_per_cycle: int) -> dict:
+    """Print (and return) predictions for the catalog's MiniCPM-V 4.6 and 2.6 at Q4_K_M on each board."""
+    from gguf_mcv.catalog import load_catalog
+
+    here_peak = rates.threads * ghz * 1e9 * flop_per_cycle
+    out: dict = {}
+    for name, board in BOARDS.items():
+        r = board_rates(rates, here_peak, board)
+        for model in ("minicpm-v-4.6", "minicpm-v-2.6"):
+            entry = load_catalog().get(model)
+            q = entry.quants["Q4_K_M"]
+            p = speed.predict(model_size=q.size, text=entry.arch, quant="Q4_K_M", vision=entry.vision, rates=r)
+            out.setdefault(name, {})[model] = p.to_dict()
+            print(f"PREDICTION {name:<38} {model} Q4_K_M: decode {p.decode_tokens_per_s:5.1f} tok/s, slice "
+                  f"{p.encode_s_per_slice:5.1f} s, photo first answer {p.first_answer_s:5.0f} s "
+                  f"({p.photo_slices} passes), 16-frame video {p.video_first_answer_s:5.0f} s")
+    return out
+
+
+def _cpu_ghz() -> float:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return float(line.split(":")[1]) / 1000
+    except (OSError, ValueError):
+        pass
+    return 3.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
