@@ -11,6 +11,7 @@ from importlib import metadata as _metadata
 from .chat_handler import MiniCPMVChatHandler
 from .embed_cache import EmbeddingCache
 from .errors import (
+    AnswerCancelled,
     BatchInputError,
     CatalogError,
     ClusterError,
@@ -56,7 +57,7 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
-    "CatalogError", "Chat", "ConfigError", "ContextOverflowError", "CorruptModelError",
+    "AnswerCancelled", "CatalogError", "Chat", "ConfigError", "ContextOverflowError", "CorruptModelError",
     "DownloadError", "EmbeddingCache", "EngineError", "Frame", "Frames", "GgufMcvError", "Hardware",
     "HubAuthError", "Image", "IncompatibleProjectorError", "MediaError", "MediaPolicy",
     "MiniCPMVChatHandler", "Model", "ModelBusyError", "ModelClosedError", "ModelFiles", "ModelInfo",

@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key (default: $GGUF_MCV_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8)")
+    p.add_argument("--parallel", default="1", metavar="auto|N",
+                   help="answer N requests at once in one context (default 1; auto: as many as "
+                        "the RAM budget holds, at most 8)")
     p.add_argument("--allow-local-files", action="store_true", help="let requests name local files")
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
@@ -461,6 +464,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                                   vision_backend=getattr(args, "vision_backend", "auto"), verbose=args.verbose,
                                   min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
                                   max_first_answer_s=getattr(args, "max_first_answer_s", None))
+    parallel = getattr(args, "parallel", "1")
+    common["parallel"] = parallel if parallel == "auto" else _int(parallel, "--parallel")
     local = _local_files(args)
     if local is not None:
         return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()), **common)

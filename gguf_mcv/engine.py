@@ -198,6 +198,7 @@ class Engine:
         self.encoder_calls = 0
         self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
         self.restored_checkpoints = 0  #: rewinds of a recurrent cache served by a checkpoint
+        self.finish_reason = "length"  #: why the last generate() on sequence 0 ended
         self._checkpoints: list[_Checkpoint] = []
         # hybrid and recurrent text models (MiniCPM-V 4.6's qwen35) cannot rewind their cache
         self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llama.model)
@@ -735,7 +736,7 @@ class Engine:
 
     def generate(self, sampling: Sampling, max_tokens: int, *, grammar: str | None = None,
                  grammar_after: str | None = None, may_open: str | None = None,
-                 must_answer: bool = True) -> Generator[int, None, None]:
+                 must_answer: bool = True, seq: "SequenceView | None" = None) -> Generator[int, None, None]:
         """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
 
         Each token is evaluated into the KV cache only when the consumer asks for the
@@ -746,8 +747,11 @@ class Engine:
         ``may_open`` (``<think>``) the answer may instead begin with that text, and is then
         free until ``grammar_after``. With ``must_answer``, a model that ends inside the free
         block gets ``grammar_after`` written for it, and must then give the constrained answer.
+        ``seq`` generates into another sequence of the context (see :class:`SequenceView`; the
+        parallel scheduler's slots); by default, this engine's own sequence 0.
         """
         lc = self._lc
+        view = seq if seq is not None else _OwnSequence(self)
         opener = may_open.encode() if grammar and grammar_after and may_open else None
         waiting = grammar_after.encode() if grammar and grammar_after and not opener else None
         sampler = self._sampler(sampling)
@@ -758,25 +762,25 @@ class Engine:
         elif grammar is not None and waiting is None:
             constrain = self._grammar_sampler(grammar)
         recent = b""  # the end of the text so far, to spot `may_open` and `grammar_after`
-        self.finish_reason = "length"
+        view.finish_reason = "length"
         try:
             for _ in range(max_tokens):
-                token = self._sample(sampler, constrain)
+                token = self._sample(sampler, constrain, view.logits_index)
                 if lc.llama_vocab_is_eog(self._vocab, token):
-                    if waiting is None or not must_answer or self.n_past + len(waiting) >= self.n_ctx:
-                        self.finish_reason = "stop"
+                    if waiting is None or not must_answer or view.n_past + len(waiting) >= view.n_ctx:
+                        view.finish_reason = "stop"
                         return
                     # the reasoning ended without its closing tag: close it, then the answer
                     for closing in self.llama.tokenize(waiting, add_bos=False, special=True):
                         yield closing
-                        self._eval_tokens([closing])
+                        view.eval_token(closing)
                     waiting, recent = None, b""
                     constrain = self._grammar_sampler(cast(str, grammar))
                     continue
                 yield token
-                if self.n_past >= self.n_ctx:
+                if view.n_past >= view.n_ctx:
                     return
-                self._eval_tokens([token])
+                view.eval_token(token)
                 if opener is None and waiting is None:
                     continue
                 recent = (recent + self._piece(token))[-2 * len(opener or waiting or b"") - 64:]
@@ -806,7 +810,7 @@ class Engine:
                               " Check the schema (or GBNF) for rules that refer to themselves first.")
         return sampler
 
-    def _sample(self, chain, constrain) -> int:
+    def _sample(self, chain, constrain, index: int = -1) -> int:
         """The next token from ``chain``, within the grammar ``constrain`` when there is one.
 
         As llama.cpp's own common sampler does: sample as usual, check only that token
@@ -817,15 +821,15 @@ class Engine:
         """
         lc = self._lc
         if constrain is None:
-            return int(lc.llama_sampler_sample(chain, self.llama.ctx, -1))
-        candidates = self._candidates()
+            return int(lc.llama_sampler_sample(chain, self.llama.ctx, index))
+        candidates = self._candidates(index)
         lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
         token = int(candidates.array.data[candidates.array.selected].id)
         one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
         single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
         lc.llama_sampler_apply(constrain, ctypes.byref(single))
         if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
-            candidates = self._candidates()
+            candidates = self._candidates(index)
             lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
             if not np.isfinite(candidates.data["logit"]).any():
                 # sampling on would pick a token the grammar refuses, and llama.cpp aborts
@@ -837,10 +841,11 @@ class Engine:
         lc.llama_sampler_accept(chain, token)
         return token
 
-    def _candidates(self) -> "_Candidates":
-        """Every token with its logit from the last evaluation, as a llama.cpp candidate array."""
+    def _candidates(self, index: int = -1) -> "_Candidates":
+        """Every token with its logit from row ``index`` of the last evaluation's outputs, as a
+        llama.cpp candidate array."""
         n_vocab = self.llama.n_vocab()
-        logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llama.ctx, -1), shape=(n_vocab,))
+        logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llama.ctx, index), shape=(n_vocab,))
         data = np.empty(n_vocab, dtype=_TOKEN_DATA)
         data["id"] = np.arange(n_vocab, dtype=np.int32)
         data["logit"] = logits
@@ -884,6 +889,54 @@ class Engine:
     def token_markup(self, token: int) -> bytes:
         """The text of a token, control tokens included (``<think>`` in some vocabularies)."""
         return self._piece(token)
+
+
+class SequenceView(Protocol):
+    """Where :meth:`Engine.generate` generates: one sequence of the llama.cpp context.
+
+    ``eval_token`` is called once after each token is yielded, before the next is sampled;
+    sampling reads the logits in output row ``logits_index`` of the last evaluation.
+    """
+
+    finish_reason: str
+
+    @property
+    def n_past(self) -> int: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def logits_index(self) -> int: ...
+
+    def eval_token(self, token: int) -> None: ...
+
+
+class _OwnSequence:
+    """The engine's own sequence 0, evaluated through the ``Llama`` object."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+        self.logits_index = -1
+
+    @property
+    def finish_reason(self) -> str:
+        return self._engine.finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, value: str) -> None:
+        self._engine.finish_reason = value
+
+    @property
+    def n_past(self) -> int:
+        return self._engine.n_past
+
+    @property
+    def n_ctx(self) -> int:
+        return self._engine.n_ctx
+
+    def eval_token(self, token: int) -> None:
+        self._engine._eval_tokens([token])
 
 
 #: the root rule of "the grammar's answer, or the opening of a free block" (a name no converter makes)

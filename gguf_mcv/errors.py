@@ -91,3 +91,7 @@ class ClusterError(GgufMcvError, RuntimeError):
 
 class SavedChatError(GgufMcvError, ValueError):
     """A saved conversation cannot be used: damaged, of another model, or not one at all."""
+
+
+class AnswerCancelled(GgufMcvError, RuntimeError):
+    """An answer was cancelled (its stream closed, its client gone) before it ended."""

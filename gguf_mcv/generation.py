@@ -10,13 +10,14 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Generator, Iterator, Sequence, cast
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence, cast
 
 from .engine import Engine, PrefillStats
-from .errors import ModelBusyError, ModelClosedError
+from .errors import AnswerCancelled, ModelBusyError, ModelClosedError
 from .media import Image
 from .options import Sampling
 from .reply import Progress, Reply, Timings, Usage
+from .slots import Job, Scheduler
 from .structured import Constraint
 from .templates import THINK_OPEN
 from .textstream import ReasoningFilter, TextAssembler
@@ -96,6 +97,50 @@ class AnswerLock:
             self._lock.release()
 
 
+class SharedAnswerLock(AnswerLock):
+    """Any number of answers at once (a model with parallel slots, whose scheduler queues
+    them); native memory freed only when none needs it. After :meth:`close` new answers
+    raise :class:`ModelClosedError`; the memory is freed at once, or when the last answer
+    in progress ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._active = 0
+
+    @contextmanager
+    def hold(self) -> Iterator["AnswerLock"]:
+        with self._state:
+            if self._closed:
+                raise ModelClosedError(
+                    "The model was closed before this question (or stream) ran: read streams "
+                    "before closing the model, or load it again."
+                )
+            self._active += 1
+        try:
+            yield self
+        finally:
+            with self._state:
+                self._active -= 1
+                free = self._free if self._active == 0 else None
+                if free is not None:
+                    self._free = None
+            if free is not None:
+                free()
+
+    def touch(self) -> None:
+        pass
+
+    def close(self, free: Callable[[], None]) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            if self._active:
+                self._free = free
+                return
+        free()
+
+
 class Stream(Iterator[str]):
     """Text pieces of an answer as they are generated; :attr:`reply` once it has ended.
 
@@ -104,8 +149,10 @@ class Stream(Iterator[str]):
     pulled from several threads; they are handed out one at a time.
     """
 
-    def __init__(self, pieces: Generator[str, None, Reply]) -> None:
+    def __init__(self, pieces: Generator[str, None, Reply],
+                 cancel: Callable[[], None] | None = None) -> None:
         self._pieces = pieces
+        self._cancel = cancel
         self._turn = threading.Lock()
         self.reply: Reply | None = None
 
@@ -122,9 +169,20 @@ class Stream(Iterator[str]):
                 raise
 
     def close(self) -> None:
-        """Stop generating now."""
+        """Stop generating now.
+
+        From another thread too: an answer still evaluating its prompt stops after the image
+        slice (or, with parallel slots, the prompt chunk) in progress, and the thread reading
+        it gets :class:`~gguf_mcv.errors.AnswerCancelled`.
+        """
+        self.cancel()
         with self._turn:
             self._pieces.close()
+
+    def cancel(self) -> None:
+        """Ask the answer to stop, without waiting for a piece being produced (see :meth:`close`)."""
+        if self._cancel is not None:
+            self._cancel()
 
     def __enter__(self) -> "Stream":
         return self
@@ -159,6 +217,8 @@ def respond(
     on_prefill: Callable[[PrefillStats], None] | None = None,
     shift: bool = False,
     constraint: Constraint | None = None,
+    scheduler: Scheduler | None = None,
+    cancel: threading.Event | None = None,
 ) -> Generator[str, None, Reply]:
     """Generate the answer to ``prompt_text``; yields text pieces, returns the Reply.
 
@@ -169,24 +229,33 @@ def respond(
     ``constraint`` (checked by the caller) holds the answer to its grammar and fills
     ``Reply.parsed``; with ``reasoning`` on, a think block (opened by the prompt, or by the
     model as its first words) stays free and the grammar starts after ``</think>``.
+    With a ``scheduler`` the answer runs in one of its parallel slots (``shift`` does not
+    apply there), else on the engine's own sequence. Once ``cancel`` is set, the prompt's
+    evaluation stops after the image slice (or slot chunk) in progress and
+    :class:`AnswerCancelled` is raised.
     """
     with lock.hold():
         start = time.perf_counter()
-        with engine.tokenize(prompt_text, images) as prompt:
-            stats = engine.prefill(prompt, reserve=1, shift=shift, progress=_progress(on_progress, start))
+        inside = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
+        options = dict(grammar=constraint.grammar if constraint is not None else None,
+                       grammar_after=_grammar_after(constraint, reasoning),
+                       may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
+                       must_answer=not _tool_auto(constraint))
+        progress = _progress(on_progress, start, cancel)
+        source: _Tokens
+        if scheduler is None:
+            source = _Serial(engine, prompt_text, images, progress, shift=shift)
+        else:
+            source = _Scheduled(scheduler, engine, prompt_text, images, progress, cancel)
+        stats = source.prefill(sampling, max_tokens, options)
         if on_prefill is not None:
             on_prefill(stats)
         assembler = TextAssembler(stop)
-        inside = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
         thinking = ReasoningFilter(active=reasoning, inside=inside)
         answer: list[str] = []
         first_token_at = None
         n_generated = 0
-        grammar = constraint.grammar if constraint is not None else None
-        tokens = engine.generate(sampling, max_tokens, grammar=grammar,  # a generator: closed below
-                                 grammar_after=_grammar_after(constraint, reasoning),
-                                 may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
-                                 must_answer=not _tool_auto(constraint))
+        tokens = source.tokens()  # a generator: closed below
         try:
             for token in tokens:
                 n_generated += 1
@@ -199,7 +268,7 @@ def respond(
                 if assembler.stopped:
                     break
         finally:
-            tokens.close()  # frees the sampler while the model is certainly alive
+            tokens.close()  # frees the sampler (or the slot) while the model is certainly alive
         piece = thinking.feed(assembler.finish()) + thinking.finish()
         if piece:
             answer.append(piece)
@@ -224,7 +293,7 @@ def respond(
             completion_tokens=n_generated,
             vision_backend=engine.vision_backend,
         )
-        finish = "stop" if assembler.stopped else engine.finish_reason
+        finish = "stop" if assembler.stopped else source.finish_reason
         reply = Reply(
             "".join(answer), usage=usage, timings=timings,
             reasoning=thinking.reasoning, finish_reason=finish,
@@ -232,6 +301,85 @@ def respond(
         if constraint is not None:
             reply = _read_back(reply, constraint)
         return reply
+
+
+class _Tokens(Protocol):
+    """Where an answer's tokens come from: its prompt evaluated, then its tokens; why it ended."""
+
+    @property
+    def finish_reason(self) -> str: ...
+
+    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats: ...
+
+    def tokens(self) -> Generator[int, None, None]: ...
+
+
+class _Serial:
+    """The engine's own sequence, evaluated on the calling thread."""
+
+    def __init__(self, engine: Engine, prompt_text: str, images: Sequence[Image],
+                 progress: Callable[[int, int, int], None], *, shift: bool) -> None:
+        self._engine, self._text, self._images = engine, prompt_text, images
+        self._progress, self._shift = progress, shift
+        self._generate: Callable[[], Generator[int, None, None]] | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        return self._engine.finish_reason
+
+    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats:
+        with self._engine.tokenize(self._text, self._images) as prompt:
+            stats = self._engine.prefill(prompt, reserve=1, shift=self._shift, progress=self._progress)
+        self._generate = lambda: self._engine.generate(sampling, max_tokens, **options)
+        return stats
+
+    def tokens(self) -> Generator[int, None, None]:
+        assert self._generate is not None, "prefill first"
+        return self._generate()
+
+
+class _Scheduled:
+    """A slot of ``scheduler``: the prompt is tokenized on the calling thread, evaluated and
+    answered on the scheduler's; its events are read here."""
+
+    def __init__(self, scheduler: Scheduler, engine: Engine, prompt_text: str, images: Sequence[Image],
+                 progress: Callable[[int, int, int], None], cancel: threading.Event | None) -> None:
+        self._scheduler, self._engine, self._text, self._images = scheduler, engine, prompt_text, images
+        self._progress, self._cancel = progress, cancel
+        self._job: Job | None = None
+        self._events: Iterator[tuple[str, Any]] = iter(())
+        self.finish_reason = "length"
+
+    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats:
+        prompt = self._engine.tokenize(self._text, self._images)
+        job = Job(prompt, sampling, max_tokens, generate=options)
+        if self._cancel is not None:
+            job.cancelled = self._cancel
+        try:
+            self._scheduler.submit(job)
+        except BaseException:
+            prompt.close()
+            raise
+        self._job = job
+        self._events = self._scheduler.events(job, self._progress)
+        try:
+            kind, stats = next(self._events)  # "prefilled" comes first; errors are raised
+        except BaseException:
+            job.cancel()
+            raise
+        assert kind == "prefilled", kind
+        return cast(PrefillStats, stats)
+
+    def tokens(self) -> Generator[int, None, None]:
+        job = cast(Job, self._job)
+        try:
+            for kind, value in self._events:
+                if kind == "token":
+                    yield value
+                else:
+                    self.finish_reason = value
+        finally:
+            job.cancel()  # frees the slot when the answer is closed early (no-op once ended)
 
 
 def _token_text(engine: Engine, token: int, reasoning: bool) -> bytes:
@@ -273,12 +421,17 @@ def _read_back(reply: Reply, constraint: Constraint) -> Reply:
     return out
 
 
-def _progress(callback: ProgressCallback | None, start: float) -> Callable[[int, int, int], None] | None:
-    """The engine's (done, total, cached) calls as :class:`Progress` values with timing."""
-    if callback is None:
-        return None
+def _progress(callback: ProgressCallback | None, start: float,
+              cancel: threading.Event | None = None) -> Callable[[int, int, int], None]:
+    """The engine's (done, total, cached) calls as :class:`Progress` values with timing;
+    :class:`AnswerCancelled` instead once ``cancel`` is set (the engine calls this after
+    each image slice, so a cancelled answer stops within one)."""
 
     def report(done: int, total: int, cached: int) -> None:
+        if cancel is not None and cancel.is_set():
+            raise AnswerCancelled("The answer was cancelled while its prompt was evaluated.")
+        if callback is None:
+            return
         elapsed = time.perf_counter() - start
         encoded = done - cached
         eta = elapsed / encoded * (total - done) if encoded > 0 else None

@@ -9,6 +9,7 @@ sees them; then the text model and the vision projector are loaded into an
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from . import constants, native
@@ -18,10 +19,12 @@ from .engine import Engine, VisionEncoder, file_identity
 from .errors import ConfigError, CorruptModelError, EngineError
 from .hardware import probe
 from .headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
+from .memory import estimate_files, parallel_for_budget, slot_bytes
 from .model import Model, ModelInfo
 from .options import LoadOptions, Sampling
-from .planner import Plan
+from .planner import Plan, resolve_budget
 from .resolver import plan_local, pull
+from .slots import Scheduler
 from .templates import FAMILIES, ChatTemplate, choose_template
 
 
@@ -47,6 +50,7 @@ def load(
     verbose: bool = False,
     min_tokens_per_s: float | None = None,
     max_first_answer_s: float | None = None,
+    parallel: int | str = 1,
 ) -> Model:
     """Load a MiniCPM-V model and its vision projector; return a :class:`Model`.
 
@@ -68,11 +72,13 @@ def load(
     (:func:`gguf_mcv.plan`). ``vision_backend`` picks who runs the vision encoder:
     ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
     converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.onnx_vision.choose_backend``);
-    ``model.info`` says which and why.
+    ``model.info`` says which and why. ``parallel=N`` answers up to N questions at once
+    (N slots of ``n_ctx`` positions each in one llama.cpp context, decoded together: see
+    :mod:`gguf_mcv.slots`); ``"auto"`` takes as many as the memory budget holds (at most 8).
     """
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
                           n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
-                          kv_cache_type=kv_cache_type, vision_backend=vision_backend)
+                          kv_cache_type=kv_cache_type, vision_backend=vision_backend, parallel=parallel)
     if options.wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
@@ -104,9 +110,21 @@ def load(
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
                              kv_cache_type=kv_cache_type)
+    if options.parallel == "auto":
+        options = replace(options, parallel=auto_parallel(model_path, mmproj_path, options, ram_budget))
     return _open(model_path, mmproj_path, text, projector, options, planned, entry,
                  name=name, quant=quant_name, repo=repo, chat_template=chat_template,
                  embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
+                  ram_budget: int | str | None) -> int:
+    """How many parallel slots the memory budget holds for these files (see
+    :func:`memory.parallel_for_budget`): the plan's need for one, then a KV cache per slot."""
+    budget, _ = resolve_budget(probe(), ram_budget)
+    one = estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type)
+    text = read_text_header(model_path).shape
+    return parallel_for_budget(one.needed, slot_bytes(text, options.n_ctx, options.kv_cache_type), budget)
 
 
 def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,
@@ -124,12 +142,18 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
     slice_size = projector.shape.image_size
     backend, reason, encoder, libmtmd_mmproj = _vision_backend(
         options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads)
-    llama = _open_llama(model_path, options.n_ctx, n_threads, options.n_threads_batch or n_threads,
+    slots = int(options.parallel)
+    llama = _open_llama(model_path, options.n_ctx * slots, n_threads, options.n_threads_batch or n_threads,
                         int(n_gpu), options.flash_attn, options.kv_cache_type, verbose)
+    scheduler = None
     try:
+        if slots > 1:
+            _with_sequences(llama, slots)
         engine = Engine(llama, libmtmd_mmproj, vision_on_gpu=vision_gpu,
                         vision_flash_attn=options.flash_attn, embed_cache=embed_cache,
                         slice_size=slice_size, encoder=encoder)
+        if slots > 1:
+            scheduler = Scheduler(engine, slots, options.n_ctx)
     except BaseException:
         llama.close()
         raise
@@ -148,11 +172,33 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
         vision_gpu=vision_gpu,
         vision_backend=backend,
         vision_backend_reason=reason,
+        parallel=slots,
     )
     if verbose:
         native.verbose_acquire()
     return Model(engine, info=info, template=template, sampling=_sampling(entry),
-                 allow_remote_media=allow_remote_media, verbose=verbose)
+                 allow_remote_media=allow_remote_media, verbose=verbose, scheduler=scheduler)
+
+
+def _with_sequences(llama, n_seq: int) -> None:
+    """Give ``llama`` a context of ``n_seq`` sequences in one unified KV cache.
+
+    llama-cpp-python's ``Llama`` has no ``n_seq_max`` setting, so its context is freed and
+    made again with the same parameters plus these (``Llama._ctx``, as of 0.3.36). Unified:
+    every sequence may use any cell, so a prefix copied between sequences shares its cells.
+    """
+    from llama_cpp import _internals
+
+    params = llama.context_params
+    params.n_seq_max = n_seq
+    params.kv_unified = True
+    llama._ctx.close()  # first, so the two KV caches are never allocated together
+    native.clear_recent()
+    try:
+        llama._ctx = _internals.LlamaContext(model=llama._model, params=params, verbose=llama.verbose)
+    except ValueError as exc:
+        raise EngineError(f"llama.cpp could not make a context of {n_seq} sequences: "
+                          f"{native.recent_errors() or exc}. Try a smaller parallel or n_ctx.") from exc
 
 
 def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,

@@ -535,6 +535,27 @@ def _quant(quant: str | None) -> str:
         return str(quant).upper()
 
 
+#: ``parallel="auto"`` stops here: on a CPU one batch of 8 tokens already costs about as much
+#: as evaluating them one by one would gain (issue 15: 8 tokens ≈ 2.2× one token on 2 cores).
+AUTO_MAX_PARALLEL = 8
+
+
+def slot_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16") -> int:
+    """What one more parallel slot costs: its KV cells (``n_ctx`` of them, in llama.cpp's
+    unified cache), its row of the decode batch (one more logits row and activations), and
+    on a hybrid model its recurrent state with the slot's checkpoints of it."""
+    row = text.n_vocab * 4 + TEXT_EMBD_TENSORS * text.n_embd * 4
+    return kv_cache_bytes(text, n_ctx, kv_cache_type) + row + recurrent_bytes(text)
+
+
+def parallel_for_budget(needed_one: int, per_slot: int, budget: int,
+                        limit: int = AUTO_MAX_PARALLEL) -> int:
+    """How many slots fit: one always (``needed_one`` is checked by the quant plan), then as
+    many more ``per_slot`` as the rest of ``budget`` holds, at most ``limit``."""
+    spare = max(0, budget - needed_one)
+    return max(1, min(limit, 1 + spare // max(1, per_slot)))
+
+
 def estimate_files(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
                    **kwargs: Any) -> MemoryEstimate:
     """:func:`estimate` for local files: sizes, shapes and the tensor list from their headers."""

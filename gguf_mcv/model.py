@@ -10,6 +10,7 @@ started in the thread that is still streaming the first raises
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, overload
@@ -18,12 +19,13 @@ from . import native, saved_chat, structured
 from . import tools as tooling
 from .engine import Engine, file_identity
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
-from .generation import AnswerLock, ProgressCallback, Stream, respond
+from .generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
 from .media import Image, ImageInput
 from .messages import MediaPolicy, convert
 from .options import DEFAULT_MAX_TOKENS, Sampling, check_int, check_max_tokens, check_text, stop_list
 from .reply import Reply, VideoStats
 from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
+from .slots import Scheduler
 from .structured import Constraint
 from .templates import ChatTemplate
 from .video import VideoInput
@@ -51,6 +53,7 @@ class ModelInfo:
     vision_gpu: bool = False
     vision_backend: str = "llama.cpp"  #: "llama.cpp", "onnx-int8" or "onnx-fp32"
     vision_backend_reason: str = ""  #: why that backend (``vision_backend="auto"`` decides)
+    parallel: int = 1  #: answers run at once (parallel slots; 1: one after another)
 
 
 class Model:
@@ -65,6 +68,7 @@ class Model:
         sampling: Sampling,
         allow_remote_media: bool = False,
         verbose: bool = False,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self._engine = engine
         self.info = info
@@ -72,7 +76,9 @@ class Model:
         self.sampling = sampling
         self.allow_remote_media = allow_remote_media
         self._verbose = verbose
-        self._lock = AnswerLock()
+        #: the parallel slots (``load(..., parallel=N)`` with N > 1), else None
+        self.scheduler = scheduler
+        self._lock = AnswerLock() if scheduler is None else SharedAnswerLock()
         self._identity: dict[str, Any] | None = None
         #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
@@ -260,33 +266,36 @@ class Model:
         answer = self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop, sampling=settings,
                              on_progress=_either(on_progress, progress), frames=counts, constraint=shape)
         if dropped:
-            answer = Stream(_with_dropped(answer, dropped))
+            answer = Stream(_with_dropped(answer, dropped), cancel=answer.cancel)
         return _deliver(answer, stream)
 
     def answer(self, turns: Sequence[Turn], *, thinking: bool | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
                sampling: Sampling | None = None, on_progress: ProgressCallback | None = None,
                frames: FrameCounts | None = None, constraint: Constraint | None = None,
-               shift: bool = False) -> Stream:
+               shift: bool = False, cancel: threading.Event | None = None) -> Stream:
         """Answer a conversation of built turns (see :attr:`turns`); a :class:`Stream`.
 
         The lower-level door every question goes through: nothing is evaluated until
         the stream's first piece is read. ``constraint`` comes from :meth:`constraint`.
         ``shift`` allows shifting a stretch these turns no longer have (dropped turns) out of
         the KV cache instead of evaluating what follows it again — faster, but the kept
-        turns' cached states still saw the dropped ones.
+        turns' cached states still saw the dropped ones. Setting ``cancel`` (what
+        :meth:`Stream.close` does) stops the answer, within one image slice or slot chunk.
         """
         rendered = self.turns.render(turns, thinking)
         encoded: list[str] = []
+        cancel = cancel if cancel is not None else threading.Event()
         pieces = respond(
             self.engine, rendered.text, rendered.images, sampling=sampling or self.sampling,
             max_tokens=check_max_tokens(max_tokens), stop=stop_list(stop), reasoning=rendered.reasoning,
             lock=self._lock, on_progress=on_progress, shift=shift,
             on_prefill=lambda stats: encoded.extend(stats.encoded_keys), constraint=constraint,
+            scheduler=self.scheduler, cancel=cancel,
         )
         if frames is not None and frames.keys:
             pieces = _count_frames(pieces, frames, encoded)
-        return Stream(pieces)
+        return Stream(pieces, cancel=cancel.set)
 
     def constraint(self, schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
         """The checked :class:`~gguf_mcv.structured.Constraint` for ``schema`` or ``format``
@@ -320,7 +329,7 @@ class Model:
         saved_chat.check_model(saved.model, self.identity(), path)
         chat = Chat(self, **_chat_settings(saved.settings, path))
         chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
-        if saved.kv is not None:
+        if saved.kv is not None and self.scheduler is None:  # slots: the turns are evaluated again
             with self._lock.hold():
                 try:
                     self.engine.restore_state(saved.kv)
@@ -376,6 +385,8 @@ class Model:
     def _free(self) -> None:
         engine = self._engine
         llama = engine.llama
+        if self.scheduler is not None:
+            self.scheduler.close()  # its thread uses the context: stopped first
         engine.close()
         llama.close()
         if self._verbose:
@@ -463,9 +474,10 @@ class Chat:
         user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
         dropped = self._make_room(user, check_max_tokens(max_tokens))
+        cancel = threading.Event()
         pieces = self._turn(user, counts, dropped, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                            on_progress=_either(on_progress, progress), constraint=shape)
-        return _deliver(Stream(pieces), stream)
+                            on_progress=_either(on_progress, progress), constraint=shape, cancel=cancel)
+        return _deliver(Stream(pieces, cancel=cancel.set), stream)
 
     def _make_room(self, user: Turn, max_tokens: int) -> int:
         """Drop the oldest turns until ``user`` and an answer fit; how many questions were dropped."""
@@ -550,7 +562,9 @@ class Chat:
         kv = None
         with model._lock.hold():
             engine = model.engine
-            if self._kv_units is not None and engine.units == self._kv_units:
+            # with parallel slots the conversation's cache is in one of the scheduler's sequences,
+            # not the engine's own: its turns are saved, to be evaluated again when loaded
+            if model.scheduler is None and self._kv_units is not None and engine.units == self._kv_units:
                 kv = engine.save_state()
         saved_chat.write(path, saved_chat.SavedChat(
             model=model.identity(), settings=self._settings(), turns=saved_chat.pairs(self._turns), kv=kv))

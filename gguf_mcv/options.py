@@ -25,6 +25,9 @@ DEFAULT_MAX_TOKENS = 512
 #: More threads than this per core only makes llama.cpp and OpenMP thrash (or crash:
 #: 100000 threads abort inside libgomp).
 MAX_THREADS_PER_CORE = 4
+#: Most parallel slots accepted (llama.cpp allows 256 sequences; past a few dozen a CPU gains
+#: nothing and each slot holds a whole KV cache).
+MAX_PARALLEL = 64
 #: A stop list this long is a mistake, not a request.
 MAX_STOP_STRINGS = 16
 
@@ -132,6 +135,15 @@ def check_text(name: str, value: Any) -> str:
     return value
 
 
+def check_parallel(value: Any) -> int | str:
+    """``parallel``: "auto" or a number of slots from 1 to :data:`MAX_PARALLEL`."""
+    if value == "auto":
+        return value
+    if isinstance(value, str):
+        raise ConfigError(f"parallel must be 'auto' or a number of slots, not {value!r}.")
+    return check_int("parallel", value, low=1, high=MAX_PARALLEL)
+
+
 def max_threads() -> int:
     """The most threads accepted on this machine."""
     return MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
@@ -149,9 +161,11 @@ class LoadOptions:
     flash_attn: bool | None = None
     kv_cache_type: str = "f16"
     vision_backend: str = "auto"
+    parallel: int | str = 1  #: answers at once (slots, each with n_ctx positions); "auto" from memory
 
     def __post_init__(self) -> None:
         check_int("n_ctx", self.n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+        check_parallel(self.parallel)
         for name in ("n_threads", "n_threads_batch"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1, high=max_threads())

@@ -114,6 +114,9 @@ class Plan:
     warnings: tuple[str, ...] = ()
     budget_note: str = ""
     model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
+    #: what ``parallel="auto"`` would load: the slots (answers at once) the budget holds
+    slots: int = 1
+    slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache and batch row)
     speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
     rates: Rates | None = None  #: the machine rates the predictions used
 
@@ -137,6 +140,9 @@ class Plan:
         if self.n_gpu_layers or self.vision_on_gpu:
             layers = "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers)
             gpu = f"n_gpu_layers={layers}, vision on {'GPU' if self.vision_on_gpu else 'CPU'}"
+        if self.slot_bytes:
+            lines.append(f"Parallel slots (parallel=\"auto\"): {self.slots}, "
+                         f"{format_size(self.slot_bytes)} each beyond the first.")
         lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
                      f"n_threads={self.n_threads}, {gpu}.")
         if self.speed is not None and self.rates is not None:
@@ -155,7 +161,8 @@ class Plan:
             "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
             "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
             "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
-            "fits": self.fits, "warnings": list(self.warnings),
+            "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
             "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
             "speed": self.speed.to_dict() if self.speed is not None else None,
             "rates": self.rates.to_dict() if self.rates is not None else None,
@@ -488,7 +495,9 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     if ctx.cpu_only:
         warnings = [*warnings, "no quant fits with everything offloaded to the GPU, which on "
                     "unified memory copies the weights; planned for the CPU alone"]
+    per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type)
     return Plan(
+        slots=memory.parallel_for_budget(e.needed, per_slot, ctx.budget), slot_bytes=per_slot,
         quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
         n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
         vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,

@@ -362,3 +362,16 @@ def test_chat_saves_and_a_new_process_continues_it(tiny, picture: Path, tmp_path
     assert done.returncode == 0, done.stderr
     assert "(error: No saved conversation" in done.stderr and "(loaded 1 question(s)" in done.stderr
     assert done.stdout.strip()  # the follow-up was answered
+
+@pytest.mark.parametrize(("value", "words"), [("lots", "--parallel takes an integer or 'auto'"),
+                                              ("0", "parallel must be between 1 and 64")])
+def test_serve_refuses_a_bad_parallel_in_one_line(tiny, value: str, words: str) -> None:
+    import socket
+
+    with socket.socket() as free:  # a port nobody uses: the check before loading passes
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    done = run("serve", str(tiny.quants["Q4_K_M"]), "--port", port, "--parallel", value)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0]

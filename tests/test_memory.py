@@ -220,3 +220,22 @@ def test_prediction_matches_a_real_load_of_the_tiny_model(tiny, tmp_path) -> Non
     predicted = memory.estimate_files(model, tiny.mmproj, n_ctx=4096, image_tokens=640,
                                       image_pixels=1344 * 1344).total
     assert predicted == pytest.approx(measured, rel=0.15), (predicted / MiB, measured / MiB)
+
+
+# --- parallel slots -------------------------------------------------------------------------
+
+
+def test_a_slot_costs_its_kv_cache_and_a_batch_row() -> None:
+    per_slot = memory.slot_bytes(QWEN2_7B, 4096)
+    assert memory.kv_cache_bytes(QWEN2_7B, 4096) < per_slot < memory.kv_cache_bytes(QWEN2_7B, 4096) + 2 * MiB
+    assert memory.slot_bytes(QWEN2_7B, 4096, "q8_0") < per_slot  # a quantized KV cache is smaller
+
+
+@pytest.mark.parametrize(("needed", "budget", "expected"), [
+    (5 * GB, 4 * GB, 1),            # nothing to spare: still one (the plan said it fits)
+    (5 * GB, 5 * GB + 10, 1),       # less than one more slot
+    (5 * GB, 5 * GB + 3 * 300 * MiB, 4),
+    (1 * GB, 100 * GB, memory.AUTO_MAX_PARALLEL),  # capped
+])
+def test_parallel_for_budget(needed, budget, expected) -> None:
+    assert memory.parallel_for_budget(needed, 300 * MiB, budget) == expected

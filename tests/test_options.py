@@ -68,3 +68,10 @@ def test_wrong_python_types_get_errors_that_name_the_argument(tiny_model, call, 
 
 def test_images_none_means_no_images(tiny_model) -> None:
     assert tiny_model.ask("hi", None, max_tokens=1).usage.image_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [0, -2, 65, "4", "many", 1.5, True, None])
+def test_parallel_is_a_slot_count_or_auto(bad) -> None:
+    with pytest.raises(ConfigError, match="parallel"):
+        LoadOptions(parallel=bad)
+    assert LoadOptions(parallel="auto").parallel == "auto" and LoadOptions(parallel=64).parallel == 64

@@ -450,3 +450,9 @@ def test_the_hybrid_46_needs_less_kv_and_carries_its_recurrent_state() -> None:
     # 6 of 24 layers keep a KV cache: 8x the context costs 8x that term, on 6 layers only
     assert at_32k.kv_cache == 8 * at_4k.kv_cache == 8 * memory.kv_cache_bytes(QWEN35_08B, 4096)
     assert at_4k.recurrent > 0 and at_32k.recurrent == at_4k.recurrent
+def test_the_plan_shows_the_parallel_slots_the_budget_holds() -> None:
+    small, big = plan_26(PI5_8GB), plan_26(machine(64 * GB, 60 * GB, arch="x86_64"))
+    assert small.slot_bytes == big.slot_bytes > 0
+    assert 1 <= small.slots < big.slots == 8
+    assert f"Parallel slots (parallel=\"auto\"): {small.slots}" in small.table()
+    assert small.to_dict()["slots"] == small.slots

@@ -90,7 +90,8 @@ def test_another_quant_or_projector_or_backend_is_refused(tiny, pair, saved, mon
     with pytest.raises(SavedChatError, match="vision projector"):
         second.load_chat(path)
     monkeypatch.undo()
-    monkeypatch.setattr(second.engine, "vision_backend", "onnx-int8")
+    other_backend = "llama.cpp" if second.engine.vision_backend != "llama.cpp" else "onnx-int8"
+    monkeypatch.setattr(second.engine, "vision_backend", other_backend)
     with pytest.raises(SavedChatError, match="vision backend"):
         second.load_chat(path)
 

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ..errors import AnswerCancelled
 from ..generation import Stream
 from ..reply import Reply
 from .gate import Place
@@ -43,11 +44,17 @@ class _Job:
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._stop = threading.Event()
         self._start, self._shape, self._done = start, shape, done
+        self._stream: Stream | None = None
         self.reply: Reply | None = None
         threading.Thread(target=self._run, name="gguf_mcv-answer", daemon=True).start()
 
     def cancel(self) -> None:
+        """Stop the answer: between pieces, and within one image slice (or slot chunk) while
+        its prompt is still being evaluated."""
         self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
 
     async def ready(self) -> None:
         """Wait until the prompt has been evaluated; raise what went wrong before that."""
@@ -75,7 +82,10 @@ class _Job:
     def _run(self) -> None:
         began, outcome, reply = time.perf_counter(), "failed", None
         try:
-            stream = _primed(self._start())
+            self._stream = self._start()
+            if self._stop.is_set():  # cancelled before the stream existed
+                self._stream.cancel()
+            stream = _primed(self._stream)
             self._emit("ready", None)
             with stream:  # closing it stops generation and frees the model, on this thread
                 for item in self._shape(stream):
@@ -85,6 +95,9 @@ class _Job:
                     self._emit("item", item)
             outcome, reply = "answered", stream.reply
             self._emit("end", reply)
+        except AnswerCancelled as exc:
+            outcome = "cancelled"
+            self._emit("error", exc)
         except Exception as exc:
             self._emit("error", exc)
         finally:
@@ -118,7 +131,7 @@ def _primed(stream: Stream) -> Stream:
         assert stream.reply is not None
         return stream.reply
 
-    return Stream(pieces())
+    return Stream(pieces(), cancel=stream.cancel)
 
 
 async def _or_hang_up(request: Request, awaitable: Awaitable[T]) -> T:

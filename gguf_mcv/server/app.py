@@ -46,7 +46,8 @@ def build_app(
 
     ``model_name`` is the name clients see (default: the catalog name, else the model's
     name). ``api_key=None`` reads ``$GGUF_MCV_API_KEY``; ``api_key=""`` means no key.
-    ``max_queue`` requests may wait while one is answered. With ``truncate`` a request
+    ``max_queue`` requests may wait while one is answered (or, with a model loaded with
+    ``parallel=N``, while N are). With ``truncate`` a request
     whose history does not fit loses its oldest turns, whole, as :class:`~gguf_mcv.Chat` does
     (reported in ``usage.dropped_turns`` and the ``X-Gguf-Mcv-Dropped-Turns`` header);
     without it such a request is refused with a 400.
@@ -58,7 +59,8 @@ def build_app(
     state = State(
         model=model, name=served, names=names, api_key=key or None, max_body_bytes=max_body_bytes,
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
-        allow_remote=allow_remote_media, gate=Gate(max_queue), metrics=Metrics(), truncate=truncate,
+        allow_remote=allow_remote_media, gate=Gate(max_queue, capacity=model.info.parallel),
+        metrics=Metrics(), truncate=truncate,
     )
     state.registry = registry_for(state)
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,

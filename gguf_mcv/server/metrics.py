@@ -65,7 +65,7 @@ class Metrics:
             "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
             "encode_ms_total": round(self.encode_ms, 3),
             "answer_seconds_total": round(self.answer_seconds, 3),
-            "queue_length": gate.waiting, "in_flight": int(gate.busy), "max_queue": gate.max_waiting,
+            "queue_length": gate.waiting, "in_flight": gate.active, "max_queue": gate.max_waiting,
         }
 
 

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Parallel slots: aggregate decode rate and time to first token with 1, 2, 4, 8 concurrent
+text clients, against the same model with parallel=1 and against llama.cpp's raw bound.
+
+Each client asks its own short text question (greedy, a fixed number of tokens) from its own
+thread, all at once. Aggregate rate = all clients' completion tokens / wall time from the
+first request to the last answer's end (short prompts: prefill is a small share). Time to
+first token is the client's, from its request to its first generated token, queueing included.
+The raw bound is llama.cpp alone, in the same run: the time of one ``llama_decode`` of a batch
+of N tokens (one per sequence, each after the same prompt) against one of 1 token; N tokens
+in t(N) instead of N × t(1) is the most batching can gain, ``bound(N) = N·t(1)/t(N)``.
+
+    python tools/bench_parallel.py --ladder /tmp/bench --quant Q4_K_M --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import gguf_mcv  # noqa: E402
+
+GREEDY = dict(temperature=0, repeat_penalty=1.0)
+
+
+def clients(model: gguf_mcv.Model, n: int, max_tokens: int) -> tuple[float, list[float], int]:
+    """(aggregate tok/s, each client's time to first token in ms, tokens) for ``n`` clients at once."""
+    ttft: list[float] = [0.0] * n
+    tokens: list[int] = [0] * n
+    go = threading.Barrier(n + 1)
+
+    def client(i: int) -> None:
+        go.wait()
+        began = time.perf_counter()
+        reply = model.ask(f"Client {i} asks: tell me about the number {i * 37 + 11}.",
+                          max_tokens=max_tokens, **GREEDY)
+        ended = time.perf_counter()
+        tokens[i] = reply.usage.completion_tokens
+        # the first token came (total - ttft) before the end; random weights' text often reaches
+        # the client only at the end (incomplete UTF-8 is held back), so the first piece would not do
+        first_token = ended - (reply.timings.total_ms - reply.timings.ttft_ms) / 1000.0
+        ttft[i] = (first_token - began) * 1000.0
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    return sum(tokens) / wall, ttft, sum(tokens)
+
+
+def raw_bound(model: gguf_mcv.Model, sizes: list[int], prompt_tokens: int = 48, reps: int = 24) -> dict[int, float]:
+    """Seconds per ``llama_decode`` of a batch of n tokens (n sequences), for each n in ``sizes``,
+    on ``model``'s own context. Only before the model answered anything: the slots must be
+    empty and idle (the memory is cleared afterwards, and nothing else touches the context)."""
+    assert model.scheduler is not None and not any(model.scheduler.slot_units()), "a fresh model"
+    engine = model.engine
+    lc, ctx = engine._lc, engine.llama.ctx
+    mem = lc.llama_get_memory(ctx)
+    n_max = max(sizes)
+    batch = lc.llama_batch_init(max(prompt_tokens, n_max), 0, 1)
+    try:
+        def decode(entries: list[tuple[int, int, int]]) -> None:
+            for i, (token, pos, seq) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, True
+                batch.seq_id[i][0] = seq
+            batch.n_tokens = len(entries)
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        prompt = [(100 + k) % engine.llama.n_vocab() for k in range(prompt_tokens)]
+        out: dict[int, float] = {}
+        for n in sizes:
+            lc.llama_memory_clear(mem, True)
+            for seq in range(n):  # each sequence holds the prompt (as the clients' do)
+                decode([(t, p, seq) for p, t in enumerate(prompt)])
+            times = []
+            for r in range(reps):
+                began = time.perf_counter()
+                decode([(7 + seq, prompt_tokens + r, seq) for seq in range(n)])
+                times.append(time.perf_counter() - began)
+            out[n] = statistics.median(times)
+        lc.llama_memory_clear(mem, True)
+        return out
+    finally:
+        lc.llama_batch_free(batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
+    ap.add_argument("--quant", default="Q4_K_M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--n-ctx", type=int, default=1024, help="positions per slot")
+    args = ap.parse_args()
+    ladder = Path(args.ladder)
+    files = dict(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=ladder / "mmproj-model-f16.gguf",
+                 n_ctx=args.n_ctx, n_threads=args.threads)
+    sizes = [int(n) for n in args.clients.split(",")]
+    rows = []
+    with gguf_mcv.load(**files, parallel=max(sizes)) as par:
+        bound_s = raw_bound(par, sorted(set(sizes) | {1}))  # first: the slots are still empty
+        par.ask("Warm up.", max_tokens=4, **GREEDY)
+        for n in sizes:
+            rows.append(("parallel", n, *clients(par, n, args.max_tokens)))
+    with gguf_mcv.load(**files) as one:
+        one.ask("Warm up.", max_tokens=4, **GREEDY)
+        for n in sizes:
+            rows.append(("serial", n, *clients(one, n, args.max_tokens)))
+    single = next(r[2] for r in rows if r[0] == "serial" and r[1] == 1)
+    print(f"model {files['model_path'].name}, {args.threads} threads, {args.max_tokens} tokens per answer, "
+          f"n_ctx {args.n_ctx} per slot")
+    print(f"raw llama_decode: 1 token {bound_s[1] * 1000:.2f} ms; " + "; ".join(
+        f"{n} tokens {bound_s[n] * 1000:.2f} ms" for n in sizes if n > 1))
+    print("| clients | parallel=1 tok/s | parallel=N tok/s | gain | raw bound | gain / bound | "
+          "TTFT p50 / p95 (parallel=1) | TTFT p50 / p95 (parallel=N) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        s = next(r for r in rows if r[0] == "serial" and r[1] == n)
+        p = next(r for r in rows if r[0] == "parallel" and r[1] == n)
+        bound = n * bound_s[1] / bound_s[n]
+        gain = p[2] / single
+        print(f"| {n} | {s[2]:.1f} | {p[2]:.1f} | {gain:.2f}× | {bound:.2f}× | {gain / bound:.2f} | "
+              f"{_pct(s[3], 50):.0f} / {_pct(s[3], 95):.0f} ms | {_pct(p[3], 50):.0f} / {_pct(p[3], 95):.0f} ms |")
+
+
+def _pct(values: list[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+if __name__ == "__main__":
+    main()
