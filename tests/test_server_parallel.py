@@ -88,9 +88,9 @@ def slow_encoder(model, monkeypatch, seconds: float) -> threading.Event:
     encode = model.engine._encode
     encoded = threading.Event()
 
-    def slow(chunk, unit):
+    def slow(chunk, unit, source=None):
         time.sleep(seconds)
-        out = encode(chunk, unit)
+        out = encode(chunk, unit, source)
         encoded.set()
         return out
 

@@ -116,9 +116,9 @@ def test_one_thread_may_stream_several_answers(par, alone) -> None:
 def slow_encoder(model, monkeypatch, seconds: float = 0.05) -> None:
     encode = model.engine._encode
 
-    def slow(chunk, unit):
+    def slow(chunk, unit, source=None):
         time.sleep(seconds)
-        return encode(chunk, unit)
+        return encode(chunk, unit, source)
 
     monkeypatch.setattr(model.engine, "_encode", slow)
 
