@@ -10,9 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,30 +22,12 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 requests = pytest.importorskip("requests")
 
+from test_server import Running  # noqa: E402  (tests/ is on sys.path)
+
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
 
 KEY = "page-key"
-
-
-class Running:
-    """A uvicorn server for ``app`` on a free localhost port, in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,8 @@ with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=4096, n_thre
     timed("regenerate", lambda: other.regenerate(max_tokens=max_tokens, temperature=0.7, seed=2))
     timed("decode", lambda: model.chat().send("Tell a long story.", temperature=0, max_tokens=128))
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-print(json.dumps({"rows": rows, "peak_mib": int(status["VmHWM"].split()[0]) // 1024}))
+print(json.dumps({"rows": rows, "peak_mib": int(status["VmHWM"].split()[0]) // 1024,
+                  "backend": model.info.vision_backend}))
 """
 
 
@@ -88,6 +89,7 @@ def main() -> int:
                 cells.append(f"{row['ttft_s']:.2f} s{share}, {row['slices']} slices, {row['evaluated']} evaluated")
         print(f"| {step} | " + " | ".join(cells) + " |")
     print("| peak RSS | " + " | ".join(f"{results[n]['peak_mib']} MiB" for n in names) + " |")
+    print("| vision encoder | " + " | ".join(results[n]["backend"] for n in names) + " |")
     return 0
 
 
