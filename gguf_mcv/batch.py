@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from .batch_input import Item, collect, load_schema
 from .batch_output import ResultsFile
@@ -63,13 +63,23 @@ def run(model: "Model", source: str | os.PathLike, out: str | os.PathLike, *, pr
 def run_items(model: "Model", items: Sequence[Item], out: str | os.PathLike, *,
               progress: bool | None = None) -> Summary:
     """Answer keyed ``items`` into ``out`` one by one; each line is on disk before the next item."""
+    return write_rows(items, out, lambda todo: (answer(model, item) for item in todo), progress=progress)
+
+
+def write_rows(items: Sequence[Item], out: str | os.PathLike,
+               rows: Callable[[list[Item]], Iterable[dict[str, Any]]], *,
+               progress: bool | None = None) -> Summary:
+    """Write the rows ``rows(todo)`` yields for the items of ``items`` not yet in ``out``, each
+    on disk (fsync'd) as it comes, under ``out``'s lock and a progress bar; a row whose key is
+    already written (a retried task's) is skipped."""
     started = time.monotonic()
     answered = failed = 0
     with ResultsFile(out) as results:
         todo = pending(items, results.done)
         with progress_bar(len(items), len(items) - len(todo), progress) as bar:
-            for item in todo:
-                row = answer(model, item)
+            for row in rows(todo):
+                if row["key"] in results.done:
+                    continue
                 results.write(row)
                 answered += 1
                 failed += row["error"] is not None

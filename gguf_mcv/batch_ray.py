@@ -21,13 +21,11 @@ import hashlib
 import json
 import os
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .batch import Summary, answer, base_row, error_row, pending, progress_bar
+from .batch import Summary, answer, base_row, error_row, write_rows
 from .batch_input import Item
-from .batch_output import ResultsFile
 from .errors import ClusterError, ConfigError
 from .options import check_int
 
@@ -99,26 +97,16 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
         check_int("workers", workers, low=1)
     ray = _import_ray()  # before anything is written: without Ray or a cluster there is no job
     check_reachable(address)
-    started = time.monotonic()
-    answered = failed = 0
-    with ResultsFile(out) as results:
-        todo = pending(items, results.done)
-        with progress_bar(len(items), len(items) - len(todo), progress) as bar:
-            for item in [i for i in todo if i.problem is not None]:  # nothing for a worker to do
-                results.write(error_row(item, item.problem))  # type: ignore[arg-type]  # filtered above
-                answered, failed = answered + 1, failed + 1
-                bar.update(1)
-            good = [i for i in todo if i.problem is None]
-            if good:
-                for row in _rows_on_cluster(ray, address, load, good, workers):
-                    if row["key"] in results.done:  # a retried task's row that already came back
-                        continue
-                    results.write(row)
-                    answered += 1
-                    failed += row["error"] is not None
-                    bar.update(1)
-    return Summary(len(items), len(items) - len(todo), answered, failed, time.monotonic() - started,
-                   results.repaired_bytes)
+
+    def rows(todo: list[Item]) -> Iterable[dict[str, Any]]:
+        for item in todo:  # a bad item is an error row at once: nothing for a worker to do
+            if item.problem is not None:
+                yield error_row(item, item.problem)
+        good = [i for i in todo if i.problem is None]
+        if good:
+            yield from _rows_on_cluster(ray, address, load, good, workers)
+
+    return write_rows(items, out, rows, progress=progress)
 
 
 def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[Item],
