@@ -90,10 +90,8 @@ class MiniCPMVChatHandler:
         shape = _constraint(response_format, grammar)
         if box is not None and shape is not None:
             raise ConfigError("Give tools or a response_format/grammar, not both.")
-        if isinstance(messages, (list, tuple)):  # anything else is refused by convert() below
-            messages = tooling.plain_messages(messages)
+        messages = tooling.prompt_messages(messages, box)
         if box is not None:
-            messages = tooling.with_tools_prompt(list(messages), box)
             shape = box.constraint()
         engine = self.engine_for(llama)
         if shape is not None:

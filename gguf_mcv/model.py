@@ -249,10 +249,8 @@ class Model:
         box = tooling.toolbox(tools, tool_choice)
         if box is not None and (schema is not None or format or grammar is not None):
             raise ConfigError("Give tools or a schema/format/grammar, not both.")
-        if isinstance(messages, (list, tuple)):  # anything else is refused by convert() below
-            messages = tooling.plain_messages(messages)
+        messages = tooling.prompt_messages(messages, box)
         if box is not None:
-            messages = tooling.with_tools_prompt(list(messages), box)
             grammar = box.constraint()
         shape = self.constraint(schema, format) if grammar is None else self.checked(grammar)
         check_max_tokens(max_tokens)

@@ -190,6 +190,16 @@ def render_call(call: Any) -> str:
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
+def prompt_messages(messages: Any, box: Toolbox | None) -> Any:
+    """OpenAI/Ollama ``messages`` as the prompt shows them: tool calls and results as turns
+    (:func:`plain_messages`) and, with ``box``, its tools block in the system message. Anything
+    but a list or tuple is returned as it is (the message converter refuses it)."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    plain = plain_messages(messages)
+    return with_tools_prompt(plain, box) if box is not None else plain
+
+
 def with_tools_prompt(messages: list[dict[str, Any]], box: Toolbox) -> list[dict[str, Any]]:
     """``messages`` with the tools block added to (or as) the system message."""
     if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
