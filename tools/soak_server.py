@@ -3,7 +3,8 @@
 
 Starts ``gguf-mcv serve --parallel N`` (``auto`` or a number) as a child process on a
 model (the tiny generated one unless told otherwise), then ``--clients`` client threads
-send requests for ``--seconds``, each picking one of these at random:
+send requests for ``--seconds``, each picking one of these at random (client n starts with the
+n-th, so that the first wave has every kind):
 
 * ``text``: a new OpenAI question, not streamed;
 * ``follow_up``: the next turn of the client's own conversation (its first turn has an
@@ -268,8 +269,10 @@ def run_load(base: str, name: str, args: argparse.Namespace) -> tuple[list[Outco
     def client(n: int) -> None:
         c = Client(n, base, name, args, pool, photos)
         with c.session:
+            kind = kinds[n % len(kinds)]  # the first wave covers every kind
             while time.perf_counter() < stop_at:
-                outcome = c.one(c.rng.choices(kinds, weights)[0], t0)
+                outcome = c.one(kind, t0)
+                kind = c.rng.choices(kinds, weights)[0]
                 with lock:
                     outcomes.append(outcome)
 
