@@ -8,6 +8,7 @@ Not a tool itself; the tools import it from their own folder.
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import subprocess
@@ -210,3 +211,54 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+class Dropped(Exception):
+    """The connection ended without the answer's end."""
+
+
+class StreamError(Exception):
+    """The server reported an error inside a started stream."""
+
+
+def read_stream(session: requests.Session, url: str, body: dict[str, Any], *, sse: bool, hang_up: bool = False,
+                timeout: float = 600) -> tuple[int, tuple[str, int, float | None] | None]:
+    """POST a streamed request (OpenAI SSE if ``sse``, else Ollama NDJSON); (status, (text,
+    completion tokens, seconds to the first event)) — or, with ``hang_up``, close the connection
+    after the first event: (200, None). :class:`Dropped` if the stream stops without its end,
+    :class:`StreamError` if the server reports an error in it."""
+    began = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    tokens, ended = 0, False
+    with session.post(url, json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            return r.status_code, None
+        for line in r.iter_lines():
+            if not line or line.startswith(b":"):  # SSE separators and keep-alive comments
+                continue
+            payload = line[len(b"data: "):] if sse else line
+            if sse and payload == b"[DONE]":
+                ended = True
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                raise StreamError(str(event["error"])[:200])
+            if ttft is None:
+                ttft = time.perf_counter() - began
+            if hang_up:
+                r.close()  # the intended hang-up: the server must stop this answer
+                return 200, None
+            if sse:
+                if event.get("choices"):
+                    text.append(event["choices"][0]["delta"].get("content") or "")
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+            else:
+                text.append(event.get("response", ""))
+                if event.get("done"):
+                    tokens, ended = event.get("eval_count", 0), True
+                    break
+    if not ended:
+        raise Dropped("the stream ended without its end")
+    return 200, ("".join(text), tokens, ttft)

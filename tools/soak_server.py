@@ -60,13 +60,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers b
 
 from served import (  # noqa: E402
     MIB,
+    Dropped,
     RssSampler,
+    StreamError,
     gif_bytes,
     model_files,
     percentile,
     photo_bytes,
     planned_peak,
     png_bytes,
+    read_stream,
     start_server,
 )
 
@@ -91,14 +94,6 @@ class Outcome:
     seconds: float
     ttft: float | None = None  #: streamed only: seconds to the first event carrying the answer
     tokens: int = 0  #: completion tokens of a finished answer
-
-
-class Dropped(Exception):
-    """The connection ended without the answer's end."""
-
-
-class StreamError(Exception):
-    """The server reported an error inside a started stream."""
 
 
 def data_url(raw: bytes, mime: str) -> str:
@@ -145,40 +140,7 @@ class Client:
         return self.read_stream(f"{self.base}/api/generate", body, sse=False, hang_up=hang_up)
 
     def read_stream(self, url: str, body: dict[str, Any], sse: bool, hang_up: bool) -> tuple[int, Any]:
-        """POST a streamed request; (status, (text, tokens, ttft)) — or hang up after the first event."""
-        began = time.perf_counter()
-        ttft, text, tokens, ended = None, [], 0, False
-        with self.session.post(url, json=body, stream=True, timeout=TIMEOUT_S) as r:
-            if r.status_code != 200:
-                return r.status_code, None
-            for line in r.iter_lines():
-                if not line or line.startswith(b":"):  # SSE separators and keep-alive comments
-                    continue
-                payload = line[len(b"data: "):] if sse else line
-                if sse and payload == b"[DONE]":
-                    ended = True
-                    break
-                event = json.loads(payload)
-                if "error" in event:
-                    raise StreamError(str(event["error"])[:200])
-                if ttft is None:
-                    ttft = time.perf_counter() - began
-                if hang_up:
-                    r.close()  # the intended hang-up: the server must stop this answer
-                    return 200, None
-                if sse:
-                    if event.get("choices"):
-                        text.append(event["choices"][0]["delta"].get("content") or "")
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-                else:
-                    text.append(event.get("response", ""))
-                    if event.get("done"):
-                        tokens, ended = event.get("eval_count", 0), True
-                        break
-        if not ended:
-            raise Dropped("the stream ended without its end")
-        return 200, ("".join(text), tokens, ttft)
+        return read_stream(self.session, url, body, sse=sse, hang_up=hang_up, timeout=TIMEOUT_S)
 
     def send(self, kind: str) -> tuple[str, bool, int, Any]:
         """(route, streamed, status, (text, tokens, ttft) or None) for one request of ``kind``."""
