@@ -225,7 +225,7 @@ def run_load(base: str, name: str, args: argparse.Namespace) -> tuple[list[Outco
     lock = threading.Lock()
     t0 = time.perf_counter()
     stop_at = t0 + args.seconds
-    kinds = [k for k in KINDS if photos or k != "photo"]
+    kinds = [k for k in (args.only.split(",") if args.only else KINDS) if photos or k != "photo"]
     weights = [KINDS[k] for k in kinds]
 
     def client(n: int) -> None:
@@ -278,12 +278,16 @@ def main() -> int:
     ap.add_argument("--image-side", type=int, default=96, help="side of the images in pixels (default 96)")
     ap.add_argument("--video-frames", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", metavar="KIND,...", help="send only these kinds (e.g. photo)")
     ap.add_argument("--photo-mp", type=float, default=12, help="megapixels of the photos (default 12; 0: none)")
     ap.add_argument("--photo-detail", default="auto", choices=("auto", "low", "high"))
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for gguf-mcv serve (repeatable), e.g. --serve-arg=--kv=q8_0")
     ap.add_argument("--json", type=Path, help="write the summary and every request's outcome here")
     args = ap.parse_args()
+    unknown = set(args.only.split(",")) - set(KINDS) if args.only else set()
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
 
     model, mmproj = model_files(args.model, args.mmproj)
     cache = tempfile.mkdtemp(prefix="gguf_mcv_soak_cache_")  # a fresh disk cache: nothing known before
