@@ -78,7 +78,7 @@ KINDS = {"text": 3, "follow_up": 3, "image_new": 1, "image_seen": 2, "photo": 1,
          "ollama_stream": 2, "hang_up": 2}
 POOL = 6  #: images shared by all clients
 TURNS = 4  #: a conversation starts again after this many questions
-TIMEOUT_S = 600.0
+TIMEOUT_S = 600.0  #: a request not answered within this is an error
 
 
 @dataclass
@@ -110,6 +110,7 @@ class Client:
         self.session = requests.Session()
         self.conversation: list[dict[str, Any]] = []
         self.new_images = 0
+        self.route = "?"  #: the route of the request in progress
 
     # -- the kinds ---------------------------------------------------------------------------------
 
@@ -124,6 +125,7 @@ class Client:
         return png_bytes(10_000 + self.n * 10_000 + self.new_images, self.args.image_side)
 
     def openai(self, messages: list[dict[str, Any]], stream: bool, hang_up: bool = False) -> tuple[int, Any]:
+        self.route = "openai"
         body = {"model": self.name, "messages": messages, "max_tokens": self.args.max_tokens, "stream": stream}
         if not stream:
             r = self.session.post(f"{self.base}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
@@ -134,6 +136,7 @@ class Client:
         return self.read_stream(f"{self.base}/v1/chat/completions", body, sse=True, hang_up=hang_up)
 
     def ollama_generate(self, prompt: str, images: list[bytes], hang_up: bool = False) -> tuple[int, Any]:
+        self.route = "ollama"
         body = {"model": self.name, "prompt": prompt, "stream": True,
                 "images": [base64.b64encode(i).decode() for i in images],
                 "options": {"num_predict": self.args.max_tokens}}
@@ -164,6 +167,7 @@ class Client:
             content = [self.image_part(self.new_image()), {"type": "text", "text": question}]
             return ("openai", True, *self.openai([{"role": "user", "content": content}], stream=True))
         if kind == "image_seen":
+            self.route = "ollama"
             body = {"model": self.name, "stream": False, "options": {"num_predict": self.args.max_tokens},
                     "messages": [{"role": "user", "content": question,
                                   "images": [base64.b64encode(self.pool_image()).decode()]}]}
@@ -194,9 +198,10 @@ class Client:
 
     def one(self, kind: str, t0: float) -> Outcome:
         began = time.perf_counter()
-        route, stream, status, reply, result = "?", kind in ("image_new", "ollama_stream", "hang_up"), None, None, "ok"
+        stream, status, reply, result = kind in ("image_new", "ollama_stream", "hang_up"), None, None, "ok"
+        self.route = "?"
         try:
-            route, stream, status, reply = self.send(kind)
+            _, stream, status, reply = self.send(kind)
             if status != 200:
                 result = f"error:status {status}"
             elif kind == "hang_up":
@@ -212,7 +217,7 @@ class Client:
         except (ValueError, KeyError, TypeError) as exc:  # a malformed answer
             result = f"error:malformed answer: {type(exc).__name__}"
         text, tokens, ttft = reply if reply is not None else ("", 0, None)
-        return Outcome(kind, route, stream, result, status, began - t0, time.perf_counter() - began,
+        return Outcome(kind, self.route, stream, result, status, began - t0, time.perf_counter() - began,
                        ttft, tokens if result == "ok" else 0)
 
 
