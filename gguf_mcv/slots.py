@@ -6,7 +6,8 @@ sampled token of every slot that is answering, plus at most one chunk of one new
 (:data:`PREFILL_CHUNK` tokens) — or, where that prompt has an image next, one image
 slice instead (encoded by the vision tower, or taken from the embedding cache). So
 running answers stall for at most one chunk or one slice while a new one starts, and a
-cancelled answer stops within one too.
+cancelled answer stops within one too. Between two slices the running answers decode for
+as long as the last slice took (:data:`VISION_SHARE`).
 
 Each slot remembers what its sequence holds, as the engine does for sequence 0: a
 follow-up goes to the free slot holding the longest prefix of its prompt; when a busy
