@@ -278,8 +278,8 @@ def _initializer_bytes(path) -> int:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-               for t in model.graph.initializer)
+    itemsize = lambda t: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize  # noqa: E731
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * itemsize(t) for t in model.graph.initializer)
 
 
 @pytest.mark.slow
