@@ -258,6 +258,10 @@ def test_onnx_weights_of_an_undescribed_tower_are_bounded_by_the_file() -> None:
     small_file = 6 * MiB  # a tiny mmproj planned with SigLIP-400M's default shape
     for variant in ("int8", "fp32"):
         assert memory.onnx_weight_bytes(VisionShape(), 3584, small_file, variant) <= 2 * small_file
+        merger = VisionShape(projector="minicpmv4_6", full_blocks=1)  # merger = file less tower: never negative
+        assert 0 <= memory.onnx_weight_bytes(merger, 1024, small_file, variant) <= 2 * small_file
+    empty = VisionShape(width=0, blocks=0, heads=0, ff=0, patch_size=0, image_size=0)  # a zeroed header
+    assert memory.onnx_weight_bytes(empty, 0, 0) == 0 and memory.onnx_arena_bytes(empty) == 0
 
 
 @pytest.mark.parametrize("backend", ["auto", "ONNX-INT8", "onnx", "", None, 3])
