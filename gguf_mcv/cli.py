@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", help="evaluate this quant only")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
                    help="image detail the first-answer prediction assumes (default auto)")
+    p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
+                   help="the vision encoder whose memory the plan counts (default auto, as load)")
     _speed_args(p)
     p.add_argument("--no-probe", action="store_true",
                    help="predict speed from default constants instead of measuring this machine once")
@@ -238,10 +240,11 @@ def _plan(args: argparse.Namespace) -> int:
     local = _local_files(args)
     if local is not None:
         result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
-                            rates=rates, **limits)
+                            rates=rates, vision_backend=args.vision_backend, **limits)
     else:
         result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                      kv_cache_type=args.kv, hardware=hw, rates=rates, **limits)
+                      kv_cache_type=args.kv, hardware=hw, rates=rates, vision_backend=args.vision_backend,
+                      **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
