@@ -118,12 +118,22 @@ class Rates:
 
 
 #: Used when probing is switched off (``probe=False`` / ``GGUF_MCV_NO_PROBE=1``): this
-#: project's 2-core AVX-512 development machine. Its 1-thread probe (tools/bench_speed.py,
-#: README "Speed: predicted vs measured": 31 GB/s, 13.5 GB/s, 120 and 64 GFLOP/s), the
-#: arithmetic rates x 1.6 for the second core (a SigLIP slice took ~14 s on one thread
-#: there and ~9 s on two), rounded.
-DEFAULT_RATES = Rates(bandwidth=30e9, matvec=22e9, prefill_flops=190e9, vision_flops=100e9,
-                      threads=2, source="defaults")
+#: project's 2-core AVX-512 development machine. The median of seven 1-thread probes
+#: (tools/bench_speed.py, README "Speed: predicted vs measured"; IQ3_S and IQ4_XS from one
+#: probe scaled by its Q4_K to the median's), the arithmetic rates
+#: x 1.6 for the second core (a SigLIP slice took ~14 s on one thread there and ~9 s on
+#: two), rounded to two digits.
+DEFAULT_RATES = Rates(
+    bandwidth=28e9, matvec=25e9, prefill_flops=230e9, vision_flops=110e9, threads=2, source="defaults",
+    matvec_by_type={"Q2_K": 16e9, "Q3_K": 13e9, "Q4_0": 23e9, "Q4_1": 16e9, "Q4_K": 25e9, "Q5_0": 17e9,
+                    "Q5_1": 17e9, "Q5_K": 18e9, "Q6_K": 27e9, "Q8_0": 28e9, "F16": 36e9, "IQ3_S": 5.7e9,
+                    "IQ4_XS": 16e9},
+    prefill_by_type={"Q2_K": 160e9, "Q3_K": 250e9, "Q4_0": 220e9, "Q4_1": 91e9, "Q4_K": 230e9, "Q5_0": 160e9,
+                     "Q5_1": 86e9, "Q5_K": 270e9, "Q6_K": 240e9, "Q8_0": 190e9, "F16": 160e9, "IQ3_S": 260e9,
+                     "IQ4_XS": 280e9},
+    vision_by_backend={"onnx-fp32": 150e9, "onnx-int8": 400e9},
+    token_overhead_s=45e-6, layer_overhead_s=28e-6,
+)
 
 
 @dataclass(frozen=True)
@@ -274,11 +284,16 @@ def weight_profile(model_size: int, text: TextShape, quant: str | None,
     else:
         in_file = token_embd + output_bytes
     rest = max(0, model_size - in_file)
-    mix = memory.QUANT_TYPE_MIX.get(q, {q: 1.0})
+    mix = memory.QUANT_TYPE_MIX.get(q, {_MAIN_TYPE.get(q, q): 1.0})
     return WeightProfile({t: int(rest * share) for t, share in mix.items()}, {out_type: output_bytes})
 
 
-def _bits(ggml_type: str) -> float:
+#: The ggml type most of a file of these quants is made of, where the name is not a type.
+_MAIN_TYPE = {"IQ3_M": "IQ3_S", "IQ3_XS": "IQ3_S", "Q3_K_S": "Q3_K", "Q4_K_S": "Q4_K", "Q5_K_S": "Q5_K"}
+
+
+def type_bits(ggml_type: str) -> float:
+    """Bits per weight of a ggml type (its block size), Q4_K's for a name nobody knows."""
     t = ggml_type.upper()
     return memory.GGML_TYPE_BITS.get(t) or BITS_PER_WEIGHT.get(t) or memory.GGML_TYPE_BITS["Q4_K"]
 
@@ -325,7 +340,7 @@ def prefill_seconds(n_tokens: int, text: TextShape, rates: Rates, *, n_past: int
         cpu_seconds = flops / rates.prefill_flops
     else:
         def matmul(table: Mapping[str, int], tokens: int) -> tuple[float, float]:
-            ops = {t: 2.0 * tokens * b * 8 / _bits(t) for t, b in table.items()}
+            ops = {t: 2.0 * tokens * b * 8 / type_bits(t) for t, b in table.items()}
             return sum(ops.values()), sum(f / rates.prefill_for(t) for t, f in ops.items())
 
         layer_flops, layer_s = matmul(weights.layers, n)

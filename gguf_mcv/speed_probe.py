@@ -236,8 +236,10 @@ def overhead_spec(n_layer: int) -> Any:
 
 #: ggml weight types the probe times, one generated model each: every type llama.cpp's
 #: quant mixes use (K-quants, and the legacy types it falls back to for rows that are not
-#: multiples of 256), and F16. Another type is predicted at Q4_K's rate.
-PROBED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16")
+#: multiples of 256), F16, and the i-quants third-party ladders add (IQ3_M and IQ3_XS are
+#: mostly IQ3_S). Another type is predicted at Q4_K's rate.
+PROBED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16",
+                "IQ3_S", "IQ4_XS")
 #: Layer counts of the two overhead models: their difference gives the cost per layer.
 OVERHEAD_LAYERS = (1, 9)
 #: Greedy tokens timed per model (the first, which finishes the prompt, is not).
@@ -390,7 +392,7 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
     prompt gives the type's prompt rate. Q4_K's rates stand in for types not timed.
     """
     from .shapes import TextShape, VisionShape
-    from .speed import attention_flops, vision_flops_per_slice, weight_profile
+    from .speed import attention_flops, type_bits, vision_flops_per_slice, weight_profile
 
     spec = probe_spec()
     text = TextShape(n_layers=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
@@ -410,8 +412,8 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
         weights_s = max(m["token_s"] - token_s - layer_s * spec.n_layer - kv, 0.25 * m["token_s"])
         matvec[t] = read / weights_s
         n = m["prefill_tokens"]
-        params = sum(b * 8 / _type_bits(typ) for typ, b in profile.layers.items())
-        out_params = sum(b * 8 / _type_bits(typ) for typ, b in profile.output.items())
+        params = sum(b * 8 / type_bits(typ) for typ, b in profile.layers.items())
+        out_params = sum(b * 8 / type_bits(typ) for typ, b in profile.output.items())
         flops = 2 * n * params + 2 * out_params + n * attention_flops(text, int(n // 2))
         prefill[t] = flops / m["prefill_s"]
     generic = "Q4_K" if "Q4_K" in matvec else next(iter(matvec))
@@ -439,9 +441,3 @@ def _onnx_rates(seconds: dict[str, float], vision: Any, text_width: int) -> dict
         # a noisy reading must not leave the blocks no time at all
         out["onnx-int8"] = blocks / max(seconds["onnx-int8"] - rest / fp32, 0.25 * seconds["onnx-int8"])
     return out
-
-
-def _type_bits(ggml_type: str) -> float:
-    from .memory import GGML_TYPE_BITS
-
-    return GGML_TYPE_BITS.get(ggml_type, 16.0)
