@@ -15,7 +15,7 @@ What is measured (:func:`measure`):
 * llama.cpp's own rates, on small models generated for the purpose
   (:mod:`gguf_mcv.synthetic`, in a temporary folder, deleted after): for each weight
   type in :data:`PROBED_TYPES` a 2-layer, 1024-wide text model whose matrices are all of
-  that type, timed on a 280-token prompt and 32 greedy tokens (ggml's kernels differ by
+  that type, timed on a ~140-token prompt and 32 greedy tokens (ggml's kernels differ by
   up to 3x per byte between types, and a file mixes several); two narrow models that
   time the fixed cost of a token and of a layer; and one 448-pixel slice through one
   SigLIP-400M-sized vision block (libmtmd's F16 matrices). Those kernels run at rates
@@ -223,7 +223,7 @@ def probe_spec() -> Any:
     from .synthetic import SyntheticSpec
 
     return SyntheticSpec(n_embd=1024, n_layer=2, n_head=16, n_head_kv=2, n_ff=2816, n_vocab=1024,
-                         n_merges=240, v_embd=1152, v_layer=1, v_head=16, v_ff=4304,
+                         n_merges=32, v_embd=1152, v_layer=1, v_head=16, v_ff=4304,
                          name="gguf_mcv speed probe")
 
 
@@ -244,14 +244,16 @@ PROBED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", 
 OVERHEAD_LAYERS = (1, 9)
 #: Greedy tokens timed per model (the first, which finishes the prompt, is not).
 TIMED_TOKENS = 32
+#: Words of each type's prompt: about 140 tokens, one batch through the GEMM path.
+PROMPT_WORDS = 50
 
 
 def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] = PROBED_TYPES) -> dict[str, Any]:
     """Busy seconds (:func:`busy_seconds`) llama.cpp takes on generated models.
 
     Returns ``slice_s`` (one 448-pixel slice through the probe's vision block),
-    ``overhead`` (``{n_layers: seconds per token}`` of the overhead models) and ``types``:
-    per ggml type, a 280-token prompt's ``prefill_s``, the median ``token_s`` of
+    ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
+    the overhead models) and ``types``: per ggml type, a ~140-token prompt's ``prefill_s``, the median ``token_s`` of
     :data:`TIMED_TOKENS` greedy tokens, ``prefill_tokens``, ``n_past`` and the model's
     ``tensors`` (:func:`gguf_mcv.memory.tensor_list`). Every model is written in
     milliseconds (:func:`gguf_mcv.synthetic.write_text_model` with ``weight_type``) into
@@ -273,21 +275,22 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
         with _engine(path, mmproj if t == "Q4_K" else standin, threads) as engine:
             if t == "Q4_K":
                 out["slice_s"] = _time_slice(engine, threads)
-            out["types"][t] = {**_time_text(engine, threads), "tensors": _tensors(path)}
+            out["types"][t] = {**_time_text(engine, threads, words=PROMPT_WORDS), "tensors": _tensors(path)}
     out["onnx_slice_s"] = time_onnx(mmproj, threads, folder)
     tiny = overhead_spec(1)
     tiny_standin = write_standin(write_mmproj(folder / "overhead-mmproj.gguf", tiny), folder / "overhead-standin.gguf")
     for n_layer in OVERHEAD_LAYERS:
         path = write_text_model(folder / f"overhead-{n_layer}.gguf", overhead_spec(n_layer), weight_type="F16")
         with _engine(path, tiny_standin, threads) as engine:
-            out["overhead"][n_layer] = _time_text(engine, threads)["token_s"]
+            out["overhead"][n_layer] = _time_text(engine, threads, words=10)["token_s"]
     return out
 
 
 def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
     """Busy seconds ONNX Runtime takes for one 448-pixel slice through ``mmproj``'s tower,
-    per variant (``{"onnx-fp32": s, "onnx-int8": s}``); empty when onnxruntime or onnx
-    cannot be imported (then the libmtmd rate stands in)."""
+    after a small one has warmed the session up, per variant (``{"onnx-fp32": s,
+    "onnx-int8": s}``); empty when onnxruntime or onnx cannot be imported (then the
+    libmtmd rate stands in)."""
     try:
         import onnx
 
@@ -297,8 +300,6 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
         return {}
     import numpy as np
 
-    from .mtmd_preprocess import slice_pixels
-
     weights = Weights(mmproj)
     projector = weights.projector()
     times = {}
@@ -307,9 +308,9 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
         model, _ = build_model(weights, fold=True, int8=variant == "int8")
         onnx.save_model(model, str(path))
         encoder = OnnxEncoder(path, projector, n_threads=threads)
-        rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
-        pixels = slice_pixels(rgb, encoder.params)[0]
-        encoder.encode_pixels(pixels)  # warm-up: ORT allocates its arena on the first run
+        rng = np.random.default_rng(0)
+        encoder.encode_pixels(rng.standard_normal((3, 112, 112), np.float32))  # warm-up
+        pixels = rng.standard_normal((3, projector.image_size, projector.image_size), np.float32)
         start = busy_seconds(threads)
         encoder.encode_pixels(pixels)
         times[f"onnx-{variant}"] = busy_seconds(threads) - start
@@ -359,13 +360,13 @@ def _time_slice(engine: Any, threads: int) -> float:
     return seconds
 
 
-def _time_text(engine: Any, threads: int, tokens: int = TIMED_TOKENS) -> dict[str, float]:
-    """A text prompt's prefill, then the median busy time of ``tokens`` greedy tokens (the
-    first one, which ends the prompt's evaluation, not timed)."""
+def _time_text(engine: Any, threads: int, tokens: int = TIMED_TOKENS, words: int = 100) -> dict[str, float]:
+    """A prompt of ``words`` words (100: about 280 tokens), then the median busy time of
+    ``tokens`` greedy tokens (the first one, which ends the prompt's evaluation, not timed)."""
     from .options import Sampling
 
-    words = " ".join(f"w{i % 50}" for i in range(100))
-    with engine.tokenize(words) as prompt:
+    text = " ".join(f"w{i % 50}" for i in range(words))
+    with engine.tokenize(text) as prompt:
         start = busy_seconds(threads)
         engine.prefill(prompt)
         out = {"prefill_s": busy_seconds(threads) - start, "prefill_tokens": float(prompt.n_pos)}
