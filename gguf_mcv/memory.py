@@ -327,6 +327,8 @@ def embedding_bytes(text: TextShape, quant: str | None) -> tuple[int, int]:
     t = text
     q = _quant(quant)
     embd_type = _EMBD_TYPE.get(q, q if q in GGML_TYPE_BITS else "Q8_0")
+    if t.tied_embeddings:  # llama-quant.cpp quantizes a tied token_embd as the output matrix
+        embd_type = output_type(q)
     n = t.n_vocab * t.n_embd
     token_embd = int(n * GGML_TYPE_BITS[embd_type] / 8)
     output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[output_type(q)] / 8)

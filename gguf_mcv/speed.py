@@ -278,12 +278,8 @@ def weight_profile(model_size: int, text: TextShape, quant: str | None,
     token_embd, output_bytes = memory.embedding_bytes(text, q)
     out_type = memory.output_type(q)
     if text.tied_embeddings:
-        # llama-quant.cpp gives a tied token_embd the output matrix's type
-        token_embd = output_bytes = int(text.n_vocab * text.n_embd * memory.GGML_TYPE_BITS[out_type] / 8)
-        in_file = token_embd
-    else:
-        in_file = token_embd + output_bytes
-    rest = max(0, model_size - in_file)
+        output_bytes = token_embd  # the same matrix, in the output's type
+    rest = max(0, model_size - token_embd - (0 if text.tied_embeddings else output_bytes))
     mix = memory.QUANT_TYPE_MIX.get(q, {_MAIN_TYPE.get(q, q): 1.0})
     return WeightProfile({t: int(rest * share) for t, share in mix.items()}, {out_type: output_bytes})
 
