@@ -223,7 +223,9 @@ def test_the_real_probe_measures_this_machine(tmp_path: Path) -> None:
     for name in ("bandwidth", "matvec", "prefill_flops", "vision_flops"):
         assert 1e8 < getattr(got, name) < 1e14, name
     assert set(got.matvec_by_type) == set(got.prefill_by_type) == set(speed_probe.PROBED_TYPES)
-    assert all(1e8 < v < 1e14 for v in got.matvec_by_type.values())
+    # finite and positive; on cores other work oversubscribes two threads can spin for a
+    # tenth of a second per token (Q4_1 at 1e8 B/s under a load of 10), hence the wide floor
+    assert all(1e6 < v < 1e14 for v in got.matvec_by_type.values())
     assert 0 <= got.token_overhead_s < 0.01 and 0 <= got.layer_overhead_s < 0.01
     assert set(got.vision_by_backend) == {"onnx-fp32", "onnx-int8"}
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=Counter()) == got
