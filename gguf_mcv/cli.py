@@ -399,21 +399,24 @@ def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[
     """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
     from . import speed  # lazy: per command
     from .hardware import probe as hardware_probe  # lazy: per command
-    from .headers import read_projector_header, read_text_header  # lazy: per command
+    from .headers import read_projector_header, read_tensors, read_text_header  # lazy: per command
+    from .memory import tensor_list  # lazy: per command
     from .resolver import machine_rates  # lazy: per command
 
     text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
+    weights = speed.weight_profile(text.size, text.shape, info.quant, tensor_list(read_tensors(info.model_path)))
     threads = args.threads or hardware_probe().recommended_threads
     rates = machine_rates(hardware_probe(), False if args.no_probe else None)
     rates = speed.scaled(rates, **{k: threads / rates.threads for k in ("matvec", "prefill_flops", "vision_flops")})
     prompt = first.usage.prompt_tokens
-    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt)
-    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates)
+    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt, weights=weights)
+    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates, backend=info.vision_backend)
     slices = first.timings.slices_encoded
+    prefill = speed.prefill_seconds(prompt, text.shape, rates, weights=weights)
     return {
         "predicted_decode_tokens_per_s": 1 / token,
         "predicted_encode_s": encode * slices,
-        "predicted_first_ttft_s": encode * slices + speed.prefill_seconds(prompt, text.shape, rates) + token,
+        "predicted_first_ttft_s": encode * slices + prefill + token,
         "rates_source": rates.source,
     }
 

@@ -398,13 +398,15 @@ def embedding_bytes(text: TextShape, quant: str | None) -> tuple[int, int]:
     t = text
     q = _quant(quant)
     embd_type = _EMBD_TYPE.get(q, q if q in GGML_TYPE_BITS else "Q8_0")
+    if t.tied_embeddings:  # llama-quant.cpp quantizes a tied token_embd as the output matrix
+        embd_type = output_type(q)
     n = t.n_vocab * t.n_embd
     token_embd = int(n * GGML_TYPE_BITS[embd_type] / 8)
-    output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[_output_type(q)] / 8)
+    output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[output_type(q)] / 8)
     return token_embd, output
 
 
-def _output_type(quant: str) -> str:
+def output_type(quant: str) -> str:
     """The output matrix's type: Q6_K below Q8_0 (llama-quant.cpp), else the quant's own."""
     return quant if quant in ("Q8_0", "F16", "BF16", "F32") else "Q6_K"
 
@@ -432,7 +434,7 @@ def repacked_bytes(model_size: int, text: TextShape, quant: str | None, cpu: str
     mix = QUANT_TYPE_MIX.get(q, {q: 1.0})
     share = sum(part for typ, part in mix.items() if typ in types)
     layers = share * max(0, model_size - token_embd - output)
-    return int(layers) + (output if _output_type(q) in types else 0)
+    return int(layers) + (output if output_type(q) in types else 0)
 
 
 def cpu_family(machine: str) -> str:

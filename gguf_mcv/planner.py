@@ -81,6 +81,8 @@ class QuantCandidate:
     file: str
     size: int  #: bytes
     exact: bool = True  #: False when ``size`` is an estimate (a catalog figure, not the Hub's)
+    #: bytes by ggml weight type, when the file's header was read (speed predictions)
+    weights: speed.WeightProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -437,7 +439,7 @@ def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
         ctx.speeds[c.quant] = speed.predict(
             model_size=c.size, text=ctx.arch, quant=c.quant, vision=ctx.vision, rates=ctx.rates,
             detail=ctx.detail, kv_cache_type=ctx.kv_cache_type, gpu_share=share,
-            vision_on_gpu=s.vision_on_gpu, gpu=gpu)
+            vision_on_gpu=s.vision_on_gpu, gpu=gpu, weights=c.weights, vision_backend=s.vision_backend)
 
 
 def _too_slow(c: QuantCandidate, ctx: _Context) -> str:
@@ -625,6 +627,6 @@ def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
             q = normalize_quant(c.quant)
         except ConfigError:
             continue
-        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact))
+        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact, getattr(c, "weights", None)))
     return list(seen.values())
 

@@ -18,11 +18,12 @@ from . import constants
 from .catalog import CatalogEntry, load_catalog
 from .errors import ConfigError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
-from .headers import read_projector_header, read_text_header
+from .headers import read_projector_header, read_tensors, read_text_header
 from .hub import RepoFiles, fetch, list_files, remote_text_header
+from .memory import tensor_list
 from .planner import Plan, QuantCandidate, candidates_from, choose
 from .quants import classify_gguf, normalize_quant
-from .speed import Rates
+from .speed import Rates, weight_profile
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
     info = classify_gguf(os.path.basename(os.fspath(model_path)))
     quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
-    candidate = QuantCandidate(quant, os.fspath(model_path), text.size)
+    weights = weight_profile(text.size, text.shape, quant, tensor_list(read_tensors(model_path)))
+    candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
                     **{**options, **vision_options(vision_backend), "quant": quant})

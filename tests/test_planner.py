@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -337,6 +338,19 @@ def test_rows_predict_faster_decoding_for_smaller_files() -> None:
     assert all(r.video_first_answer_s > r.first_answer_s > 0 for r in p.rows)
     assert p.speed == speed.predict(model_size=SIZES_26[p.quant], text=QWEN2_7B, quant=p.quant, vision=None,
                                     rates=RATES)
+
+
+def test_first_answers_are_predicted_with_the_vision_backend_the_plan_assumes() -> None:
+    """auto on a CPU with onnxruntime is onnx-int8: its measured encoder rate times the photo,
+    and a llama.cpp plan keeps libmtmd's."""
+    rates = replace(RATES, vision_by_backend={"onnx-int8": 400e9, "onnx-fp32": 150e9})
+    onnx = plan_26(PI5_8GB, rates=rates, vision_backend="auto", onnxruntime="1.0")
+    mtmd = plan_26(PI5_8GB, rates=rates, vision_backend="llama.cpp", onnxruntime="1.0")
+    assert onnx.vision_backend == "onnx-int8" and mtmd.vision_backend == "llama.cpp"
+    assert onnx.speed.encode_s_per_slice == pytest.approx(speed.encode_seconds(None, QWEN2_7B.n_embd, rates,
+                                                                               backend="onnx-int8"))
+    assert mtmd.speed.encode_s_per_slice == pytest.approx(speed.encode_seconds(None, QWEN2_7B.n_embd, rates))
+    assert onnx.speed.first_answer_s < mtmd.speed.first_answer_s
 
 
 def test_min_tokens_per_s_takes_the_best_quant_fast_enough() -> None:

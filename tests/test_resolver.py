@@ -240,3 +240,27 @@ def test_plan_on_the_command_line_takes_the_vision_backend(tiny, capsys: pytest.
     with pytest.raises(SystemExit) as info:  # argparse: bad usage
         main(["plan", str(tiny.quants["Q4_K_M"]), "--vision-backend", "onnx"])
     assert info.value.code == 2 and "--vision-backend" in capsys.readouterr().err
+
+
+def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
+    """plan_local reads the file's tensor types: a slow kernel for one of them shows in the
+    prediction, which the size-and-quant estimate alone could not know."""
+    from dataclasses import replace
+
+    from gguf_mcv import speed
+    from gguf_mcv.headers import read_tensors, read_text_header
+    from gguf_mcv.memory import tensor_list
+    from gguf_mcv.resolver import plan_local
+
+    path = tiny.quants["Q4_K_M"]
+    header = read_text_header(path)
+    profile = speed.weight_profile(header.size, header.shape, "Q4_K_M", tensor_list(read_tensors(path)))
+    assert set(profile.per_token()) >= {"Q4_K", "Q6_K"}
+    rates = speed.Rates(bandwidth=1e15, matvec=20e9, prefill_flops=100e9, vision_flops=100e9, threads=2,
+                        source="test", matvec_by_type={"Q4_K": 20e9, "Q6_K": 20e9})
+    slow_q6 = replace(rates, matvec_by_type={"Q4_K": 20e9, "Q6_K": 1e9})
+    fast = plan_local(path, tiny.mmproj, hardware=_laptop_like(), rates=rates, ram_budget="8GB")
+    slow = plan_local(path, tiny.mmproj, hardware=_laptop_like(), rates=slow_q6, ram_budget="8GB")
+    expected = speed.decode_seconds(header.size, header.shape, "Q4_K_M", slow_q6, n_past=0, weights=profile)
+    assert slow.speed.decode_tokens_per_s < fast.speed.decode_tokens_per_s / 2
+    assert 1 / slow.speed.decode_tokens_per_s >= expected  # the KV cache at the photo's length on top
