@@ -87,7 +87,9 @@ class KVStore:
         self.n_vocab, self.n_ctx = n_vocab, n_ctx
         self.max_bytes, self.min_positions = max_bytes, min_positions
         self.counts: Counter[str] = Counter()
-        self._tag = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
+        # the name is for messages only (the same files can be loaded under other names)
+        what = {k: v for k, v in self.identity.items() if k != "name"}
+        self._tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         self._index: dict[str, _Entry] = {}  # entries of this model, by key
         self._ignored: set[str] = set()  # keys of other models' entries (looked at once)
         self._lock = threading.Lock()

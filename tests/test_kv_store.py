@@ -325,6 +325,17 @@ def test_the_folder_is_capped_least_recently_used_first(tmp_path) -> None:
     store.close()
 
 
+def test_the_same_files_under_another_name_find_the_entries(tmp_path) -> None:
+    units, data = list(range(100)), b"state" * 100
+    first = kv_store.KVStore(tmp_path, {**_fake_identity(), "name": "minicpm-v-2.6"}, n_vocab=1000, n_ctx=N_CTX)
+    first.keep(KVState(units, data))
+    first.close()
+    second = kv_store.KVStore(tmp_path, {**_fake_identity(), "name": "ggml-model-Q8_0"}, n_vocab=1000, n_ctx=N_CTX)
+    found = second.find(units + [1], better_than=0, partial=True)
+    assert found is not None and found.data == data and second.counts["damaged"] == 0
+    second.close()
+
+
 @pytest.mark.parametrize("bad", [dict(max_bytes=True), dict(max_bytes=10), dict(max_bytes="1GB"),
                                  dict(min_positions=0), dict(min_positions=2.5)])
 def test_bad_settings_are_refused(tmp_path, bad) -> None:
