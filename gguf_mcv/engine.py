@@ -522,7 +522,7 @@ class Engine:
         self._sync_with_llama()
         common = self._realign(prompt, _common_prefix(self._units, units))
         if self.kv_store is not None:
-            common = self._swap_state(prompt, common)
+            common = self._swap_state(prompt, common, shift)
         if shift:
             common = self._shift_out(prompt, common)
         if prompt.n_pos + reserve > self.n_ctx:  # realigning can change the count a little
@@ -580,13 +580,17 @@ class Engine:
             common = i + _common_prefix(kv[i:], new[i:])
         return common
 
-    def _swap_state(self, prompt: Prompt, common: int) -> int:
+    def _swap_state(self, prompt: Prompt, common: int, shift: bool) -> int:
         """Keep the cache's state in ``kv_store`` when this prompt would drop at least its
-        ``min_positions`` positions, and restore a kept state that holds more of the prompt.
-        Returns the new common prefix length."""
+        ``min_positions`` positions (reusing its first ``common`` units, or with ``shift`` all
+        up to the end of the stretch :meth:`_shift_out` would keep), and restore a kept state that holds more of the
+        prompt. Returns the new common prefix length."""
         store = cast(StateStore, self.kv_store)
         found = store.find(prompt.units, better_than=common, partial=not self._recurrent)
-        if self._dirty and self.n_past - _n_pos(self._units[:common]) >= store.min_positions:
+        match = shift_match(self._units, prompt.units, common) if shift else None
+        # the stretch a shift drops is dropped for good (the conversation goes on without it)
+        reused = _n_pos(self._units[:common if match is None else sum(match)])
+        if self._dirty and self.n_past - reused >= store.min_positions:
             store.keep(self.save_state())
             self._dirty = False
         if found is None:

@@ -354,7 +354,8 @@ class Scheduler:
         limit = len(units) - 1  # the last prompt token is evaluated again: sampling needs its logits
         stored, job.stored = job.stored, None
         from_store = usable_prefix(stored, units, self._can_rewind) if stored is not None else 0
-        self._keep(slot, _common_prefix(slot.units, units))  # before anything overwrites it
+        # (the stretch a shift drops is dropped for good: the conversation goes on without it)
+        self._keep(slot, _n_pos(slot.units[:keep if match is None else sum(match)]))  # before it is overwritten
         if min(from_store, limit) > max(keep, shared if self._can_rewind else 0) \
                 and self._restore(slot, cast(KVState, stored)):
             self._truncate(slot, min(from_store, limit))
@@ -404,11 +405,11 @@ class Scheduler:
         slot.n_past -= stop - start
         self.shifted_positions += stop - start
 
-    def _keep(self, slot: _Slot, keep: int) -> None:
-        """Give ``slot``'s state to the store when the prompt it starts keeps only ``keep``
-        units of it and drops at least the store's ``min_positions``."""
+    def _keep(self, slot: _Slot, reused: int) -> None:
+        """Give ``slot``'s state to the store when the prompt it starts reuses only ``reused``
+        of its positions and drops at least the store's ``min_positions``."""
         store = self.store
-        if store is None or not slot.dirty or slot.n_past - _n_pos(slot.units[:keep]) < store.min_positions:
+        if store is None or not slot.dirty or slot.n_past - reused < store.min_positions:
             return
         lc, ctx = self._lc, self.engine.llama.ctx
         size = int(lc.llama_state_seq_get_size(ctx, slot.seq))

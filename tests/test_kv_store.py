@@ -354,3 +354,14 @@ def test_a_second_store_on_one_model_is_refused(tiny, tmp_path) -> None:
         model.keep_chats(tmp_path / "a")
         with pytest.raises(ConfigError, match="already keeps"):
             model.keep_chats(tmp_path / "b")
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_conversation_that_drops_turns_is_shifted_not_kept(tiny, tmp_path, parallel) -> None:
+    from test_slots import long_talk
+
+    with load(tiny, parallel) as model:
+        store = model.keep_chats(tmp_path)
+        replies = long_talk(model, api=True)
+        assert sum(r.dropped_turns > 0 for r in replies) >= 4
+        assert store.flush(30) and store.counts["saved"] == 0  # its own shift is no eviction

@@ -6,8 +6,9 @@ A conversation (a 1344×1344 photo at detail "high", then a few text turns) is a
 model is "restarted" (its idle state kept as a server does when it stops, the model closed
 and loaded again), and the next question is timed: with ``keep_chats`` (the state comes back
 from disk), and without (the conversation is evaluated again; the image embeddings come from
-the disk embedding cache, as ``serve`` has it by default, or are encoded again with
-``--no-embed-cache``). Prints one JSON object per mode.
+the disk embedding cache, as ``serve`` has it by default — filled by the first mode, so
+the photo is encoded once — or are encoded again with ``--no-embed-cache``). Prints one
+JSON object per mode.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     kw = dict(model_path=args.ladder / f"ggml-model-{args.quant}.gguf",
               mmproj_path=args.ladder / "mmproj-model-f16.gguf", n_ctx=args.n_ctx, n_threads=args.threads)
+    embeddings = tempfile.TemporaryDirectory()  # shared by both modes: the photo is encoded once
+
+    def cache() -> EmbeddingCache:
+        return EmbeddingCache() if args.no_embed_cache else EmbeddingCache(disk_dir=Path(embeddings.name))
+
     for keep in (False, True):
         with tempfile.TemporaryDirectory() as tmp:
-            def cache() -> EmbeddingCache:
-                return EmbeddingCache() if args.no_embed_cache else EmbeddingCache(disk_dir=Path(tmp) / "emb")
 
             with gguf_mcv.load(**kw, embed_cache=cache()) as model:
                 store = model.keep_chats(Path(tmp) / "kept") if keep else None
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ttft_s": round(t.ttft_ms / 1000, 3), "load_s": round(loaded_s, 3),
                 "keep_idle_s": round(saved_s, 3), "kept_bytes": disk,
             }))
+    embeddings.cleanup()
     return 0
 
 
