@@ -348,7 +348,8 @@ class Model:
         overwrite it (in a slot, or the single sequence), and restore it when a later prompt
         starts with more of it than the cache holds (see :mod:`gguf_mcv.kv_store`). The folder
         is capped at ``max_bytes`` (least recently used entries go first); states losing fewer
-        than ``min_positions`` positions are not kept. Returns the store (its ``counts``);
+        than ``min_positions`` positions are not kept; :meth:`keep_idle` keeps what the cache
+        holds now (a server calls it as it stops). Returns the store (its ``counts``);
         :class:`ConfigError` if the folder cannot be used or one is already attached."""
         engine = self.engine
         if engine.kv_store is not None:
