@@ -365,3 +365,23 @@ def test_a_conversation_that_drops_turns_is_shifted_not_kept(tiny, tmp_path, par
         replies = long_talk(model, api=True)
         assert sum(r.dropped_turns > 0 for r in replies) >= 4
         assert store.flush(30) and store.counts["saved"] == 0  # its own shift is no eviction
+
+
+@pytest.mark.slow  # builds a MiniCPM-V 4.6-shaped model (~5 s)
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_hybrid_models_kept_state_comes_back_to_a_checkpoint(tmp_path_factory, parallel) -> None:
+    from gguf_mcv.synthetic import GENERATIONS, build
+
+    files = build(tmp_path_factory.mktemp("v46"), GENERATIONS["4.6"][0], quants=("Q8_0",))
+    with gguf_mcv.load(model_path=files.quants["Q8_0"], mmproj_path=files.mmproj, n_ctx=N_CTX, n_threads=2,
+                       parallel=parallel, embed_cache=EmbeddingCache()) as model:
+        store = model.keep_chats(tmp_path_factory.mktemp("kept"))
+        messages = first_turn(30)
+        first = model.chat_completion(messages, max_tokens=6, **GREEDY)
+        others(model, parallel + 1)
+        assert store.flush(30) and store.counts["saved"] >= 1
+        again = model.chat_completion(follow_up(messages, first), max_tokens=4, **GREEDY)
+        assert store.counts["restored"] == 1
+        # back to the checkpoint before the prompt's end (recurrent state cannot go back further)
+        assert again.usage.cached_tokens >= first.usage.prompt_tokens - 40
+        assert again.timings.slices_encoded == again.timings.slices_from_cache == 0
