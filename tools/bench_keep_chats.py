@@ -83,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                 loaded_s = time.perf_counter() - began
                 if keep:
                     model.keep_chats(Path(tmp) / "kept")
+                cpu = time.process_time()
                 reply = model.chat_completion(messages, max_tokens=8, **GREEDY)
+                cpu = time.process_time() - cpu
             t = reply.timings
             print(json.dumps({
                 "mode": "keep_chats" if keep else "without", "prompt_positions": reply.usage.prompt_tokens,
                 "evaluated": reply.usage.prompt_tokens - reply.usage.cached_tokens,
                 "slices_encoded": t.slices_encoded, "slices_from_cache": t.slices_from_cache,
-                "ttft_s": round(t.ttft_ms / 1000, 3), "load_s": round(loaded_s, 3),
+                "ttft_s": round(t.ttft_ms / 1000, 3), "answer_cpu_s": round(cpu, 3), "load_s": round(loaded_s, 3),
                 "keep_idle_s": round(saved_s, 3), "kept_bytes": disk,
             }))
     embeddings.cleanup()
