@@ -14,6 +14,12 @@ slot holds a longer one (a shared system prompt, an image another conversation a
 about), that prefix is copied into the chosen slot (``llama_memory_seq_cp``: in the
 unified KV cache the cells are shared, not evaluated or copied again).
 
+A prompt that dropped its oldest turns (``Job.shift``) has the dropped stretch removed from
+its slot's sequence and the rest shifted back, as the engine does for sequence 0. With a
+``store`` (:mod:`gguf_mcv.kv_store`), a slot's state is kept before another conversation
+overwrites it, and a prompt that starts with more of a kept state than any slot holds gets
+that state put back into its slot.
+
 Only the scheduler's thread touches the context. Callers tokenize on their own thread,
 :meth:`Scheduler.submit` a :class:`Job` and read its events.
 """
