@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import saved_chat
-from .embed_cache import DISK_TIMEOUT_S, _bytes_only_disk
+from .embed_cache import DISK_TIMEOUT_S, bytes_only_disk
 from .engine import KVState, Unit, _n_pos, usable_prefix
 from .errors import ConfigError, SavedChatError
 
@@ -104,7 +104,7 @@ class KVStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             return diskcache.Cache(os.fspath(self.directory), timeout=DISK_TIMEOUT_S, size_limit=self.max_bytes,
-                                   eviction_policy="least-recently-used", cull_limit=4, disk=_bytes_only_disk())
+                                   eviction_policy="least-recently-used", cull_limit=4, disk=bytes_only_disk())
         except Exception as exc:  # noqa: BLE001 - sqlite3 / OSError / diskcache's Timeout
             raise ConfigError(f"Cannot keep conversations in {self.directory}: {exc} ({type(exc).__name__}). "
                               "Use a writable folder, or delete this one to start it afresh.") from exc
