@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
                    help="drop a request's oldest turns when its history does not fit (default: refuse it)")
+    p.add_argument("--keep-chats", metavar="DIR",
+                   help="keep idle conversations' KV state in DIR (when another one takes their place, and "
+                        "when the server stops), so their next request, even after a restart, is not evaluated again")
+    p.add_argument("--keep-chats-size", default="4GiB", help="size cap of --keep-chats, e.g. 10GB (default 4GiB)")
     _cache_args(p)
     p.set_defaults(func=_serve)
 
@@ -363,10 +367,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
+    from .units import parse_size  # lazy: per command
+
+    keep_bytes = parse_size(args.keep_chats_size)  # a bad size, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
               allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
-              truncate=args.truncate)
+              truncate=args.truncate, keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes)
     return 0
 
 
