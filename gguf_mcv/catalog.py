@@ -304,6 +304,7 @@ _ARCH: dict[str, tuple[type, Any]] = {
     # hybrid text models' recurrent layers (the GGUF's {arch}.ssm.* keys)
     "ssm_conv_kernel": (int, None), "ssm_inner_size": (int, None), "ssm_state_size": (int, None),
     "ssm_group_count": (int, None),
+    "tied_embeddings": (bool, False),  # no output.weight: the logits reuse token_embd
 }
 _VISION: dict[str, tuple[type, Any]] = {
     **{k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")},
@@ -354,7 +355,7 @@ def _check_top(w: _Where, top: dict[str, Any]) -> None:
 
 def _arch(w: _Where, table: dict[str, Any]) -> TextShape:
     v = _fields(w, table, _ARCH, "arch.")
-    _positive(w, v, "arch.", [k for k in _ARCH if k != "llm_arch"])
+    _positive(w, v, "arch.", [k for k in _ARCH if k not in ("llm_arch", "tied_embeddings")])
     if v["n_kv_layers"] is None:
         v["n_kv_layers"] = v["n_layers"]
     if v["n_kv_layers"] > v["n_layers"]:

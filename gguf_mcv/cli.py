@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", help="evaluate this quant only")
     p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
                    help="image detail the first-answer prediction assumes (default auto)")
+    p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
+                   help="the vision encoder whose memory the plan counts (default auto, as load)")
     _speed_args(p)
     p.add_argument("--no-probe", action="store_true",
                    help="predict speed from default constants instead of measuring this machine once")
@@ -117,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-media", action="store_true", help="let requests name http(s) URLs")
     p.add_argument("--truncate", action="store_true",
                    help="drop a request's oldest turns when its history does not fit (default: refuse it)")
+    p.add_argument("--keep-chats", metavar="DIR",
+                   help="keep idle conversations' KV state in DIR (when another one takes their place, and "
+                        "when the server stops), so their next request, even after a restart, is not evaluated again")
+    p.add_argument("--keep-chats-size", default="4GiB", help="size cap of --keep-chats, e.g. 10GB (default 4GiB)")
     _cache_args(p)
     p.set_defaults(func=_serve)
 
@@ -238,10 +244,11 @@ def _plan(args: argparse.Namespace) -> int:
     local = _local_files(args)
     if local is not None:
         result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
-                            rates=rates, **limits)
+                            rates=rates, vision_backend=args.vision_backend, **limits)
     else:
         result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
-                      kv_cache_type=args.kv, hardware=hw, rates=rates, **limits)
+                      kv_cache_type=args.kv, hardware=hw, rates=rates, vision_backend=args.vision_backend,
+                      **limits)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -360,10 +367,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
+    from .units import parse_size  # lazy: per command
+
+    keep_bytes = parse_size(args.keep_chats_size)  # a bad size, before minutes of loading
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
               allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
-              truncate=args.truncate)
+              truncate=args.truncate, keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes)
     return 0
 
 
@@ -396,21 +406,24 @@ def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[
     """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
     from . import speed  # lazy: per command
     from .hardware import probe as hardware_probe  # lazy: per command
-    from .headers import read_projector_header, read_text_header  # lazy: per command
+    from .headers import read_projector_header, read_tensors, read_text_header  # lazy: per command
+    from .memory import tensor_list  # lazy: per command
     from .resolver import machine_rates  # lazy: per command
 
     text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
+    weights = speed.weight_profile(text.size, text.shape, info.quant, tensor_list(read_tensors(info.model_path)))
     threads = args.threads or hardware_probe().recommended_threads
     rates = machine_rates(hardware_probe(), False if args.no_probe else None)
     rates = speed.scaled(rates, **{k: threads / rates.threads for k in ("matvec", "prefill_flops", "vision_flops")})
     prompt = first.usage.prompt_tokens
-    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt)
-    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates)
+    token = speed.decode_seconds(text.size, text.shape, info.quant, rates, n_past=prompt, weights=weights)
+    encode = speed.encode_seconds(projector.shape, text.shape.n_embd, rates, backend=info.vision_backend)
     slices = first.timings.slices_encoded
+    prefill = speed.prefill_seconds(prompt, text.shape, rates, weights=weights)
     return {
         "predicted_decode_tokens_per_s": 1 / token,
         "predicted_encode_s": encode * slices,
-        "predicted_first_ttft_s": encode * slices + speed.prefill_seconds(prompt, text.shape, rates) + token,
+        "predicted_first_ttft_s": encode * slices + prefill + token,
         "rates_source": rates.source,
     }
 

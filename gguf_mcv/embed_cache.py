@@ -189,7 +189,7 @@ class EmbeddingCache:
                 try:
                     self._disk = diskcache.Cache(
                         os.fspath(self.disk_dir), timeout=DISK_TIMEOUT_S, size_limit=self.max_disk_bytes,
-                        eviction_policy="least-recently-used", cull_limit=16, disk=_bytes_only_disk())
+                        eviction_policy="least-recently-used", cull_limit=16, disk=bytes_only_disk())
                 except Exception as exc:  # noqa: BLE001 - see _disk_error
                     self._disk_failed = True
                     logger.warning("not using the embedding disk cache in %s: %s (%s). Delete that "
@@ -234,7 +234,7 @@ class EmbeddingCache:
             self._disk_error("write", exc)
 
 
-def _bytes_only_disk() -> type:
+def bytes_only_disk() -> type:
     """A diskcache ``Disk`` that hands back stored bytes as they are and never unpickles:
     a value of another kind (text, a pickle someone else stored) reads as an empty entry."""
     import diskcache  # lazy: see _open_disk

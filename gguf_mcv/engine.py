@@ -44,6 +44,25 @@ MAX_CHECKPOINTS = 2
 MIN_SHIFT_MATCH = 8
 
 
+class StateStore(Protocol):
+    """Where KV states of conversations wait while the cache holds others (``gguf_mcv.kv_store``)."""
+
+    min_positions: int  #: states shorter than this are not worth keeping
+
+    def find(self, units: Sequence["Unit"], *, better_than: int, partial: bool) -> "KVState | None":
+        """A kept state sharing more than ``better_than`` leading units with ``units``
+        (with ``partial=False``: only one it can go back to, see :func:`usable_prefix`)."""
+
+    def keep(self, state: "KVState") -> None:
+        """Keep ``state`` (written in the background)."""
+
+    def refused(self, state: "KVState", why: str) -> None:
+        """``state`` (from :meth:`find`) could not be restored: forget it."""
+
+    def restored(self, state: "KVState") -> None:
+        """``state`` (from :meth:`find`) now fills a sequence."""
+
+
 class VisionEncoder(Protocol):
     """A vision encoder other than libmtmd's (``gguf_mcv.onnx_vision``)."""
 
@@ -139,6 +158,41 @@ class _Checkpoint:
     data: Any  #: the ctypes byte array llama.cpp wrote the state into
 
 
+def usable_prefix(state: KVState, units: Sequence[Unit], partial: bool) -> int:
+    """How many leading units of ``units`` a cache restored from ``state`` keeps: their common
+    prefix, or — where the cache cannot go back partly (``partial=False``) — all of the state
+    if it is a prefix of ``units``, else its latest checkpoint inside the common prefix, or 0."""
+    common = _common_prefix(state.units, units)
+    if partial or common == len(state.units):
+        return common
+    return max((n for n, _, _ in state.checkpoints if n <= common), default=0)
+
+
+def checkpoints_of(state: KVState) -> list[_Checkpoint]:
+    """``state``'s checkpoints as llama.cpp buffers; :class:`EngineError` if one does not fall on its units."""
+    checkpoints = [_Checkpoint(n, p, (ctypes.c_uint8 * len(d)).from_buffer_copy(d)) for n, p, d in state.checkpoints]
+    if any(not 0 < c.n_units <= len(state.units) or c.n_pos != _n_pos(state.units[:c.n_units]) for c in checkpoints):
+        raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
+    return checkpoints[-MAX_CHECKPOINTS:]
+
+
+def shift_match(kv: Sequence[Unit], new: Sequence[Unit], common: int) -> tuple[int, int] | None:
+    """Where ``new`` goes on after a stretch of ``kv`` it dropped: ``(k, n)`` when ``kv[k:k+n]``
+    equals ``new[common:common+n]`` for the longest such ``n`` (k > common), and ``n`` is at least
+    MIN_SHIFT_MATCH (or all that ``kv`` has left); None otherwise."""
+    if common >= len(kv) or common >= len(new):
+        return None
+    rest = new[common:]
+    best_k, best_n = 0, 0
+    for k in range(common + 1, len(kv)):
+        n = _common_prefix(kv[k:], rest)
+        if n > best_n:
+            best_k, best_n = k, n
+    if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k) or best_n == 0:
+        return None
+    return best_k, best_n
+
+
 def _n_pos(units: Sequence[Unit]) -> int:
     return sum(1 if isinstance(u, int) else u.n_pos for u in units)
 
@@ -200,6 +254,9 @@ class Engine:
         self.restored_checkpoints = 0  #: rewinds of a recurrent cache served by a checkpoint
         self.finish_reason = "length"  #: why the last generate() on sequence 0 ended
         self._checkpoints: list[_Checkpoint] = []
+        #: keeps the cache's state when a prompt would overwrite it, and gives back kept ones
+        self.kv_store: StateStore | None = None
+        self._dirty = False  # the cache holds evaluated units no store has yet
         # hybrid and recurrent text models (MiniCPM-V 4.6's qwen35) cannot rewind their cache
         self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llama.model)
                                or llama_cpp.llama_model_is_hybrid(llama.model))
@@ -277,10 +334,7 @@ class Engine:
         if n_pos > self.n_ctx:
             raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
                                        "load the model with a larger n_ctx.")
-        checkpoints = [_Checkpoint(n, p, (ctypes.c_uint8 * len(d)).from_buffer_copy(d))
-                       for n, p, d in state.checkpoints]
-        if any(not 0 < c.n_units <= len(units) or c.n_pos != _n_pos(units[:c.n_units]) for c in checkpoints):
-            raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
+        checkpoints = checkpoints_of(state)
         lc, ctx = self._lc, self.llama.ctx
         mem = lc.llama_get_memory(ctx)
         self._truncate(0)
@@ -296,7 +350,8 @@ class Engine:
         self.llama.input_ids[:n_pos] = ids
         self.llama.n_tokens = n_pos
         self._units = units
-        self._checkpoints = checkpoints[-MAX_CHECKPOINTS:]
+        self._checkpoints = checkpoints
+        self._dirty = False
 
     @property
     def closed(self) -> bool:
@@ -466,6 +521,8 @@ class Engine:
         start = time.perf_counter()
         self._sync_with_llama()
         common = self._realign(prompt, _common_prefix(self._units, units))
+        if self.kv_store is not None:
+            common = self._swap_state(prompt, common, shift)
         if shift:
             common = self._shift_out(prompt, common)
         if prompt.n_pos + reserve > self.n_ctx:  # realigning can change the count a little
@@ -523,6 +580,37 @@ class Engine:
             common = i + _common_prefix(kv[i:], new[i:])
         return common
 
+    def _swap_state(self, prompt: Prompt, common: int, shift: bool) -> int:
+        """Keep the cache's state in ``kv_store`` when this prompt would drop at least its
+        ``min_positions`` positions (reusing its first ``common`` units, or with ``shift`` all
+        up to the end of the stretch :meth:`_shift_out` would keep), and restore a kept state that holds more of the
+        prompt. Returns the new common prefix length."""
+        store = cast(StateStore, self.kv_store)
+        found = store.find(prompt.units, better_than=common, partial=not self._recurrent)
+        match = shift_match(self._units, prompt.units, common) if shift else None
+        # the stretch a shift drops is dropped for good (the conversation goes on without it)
+        reused = _n_pos(self._units[:common if match is None else sum(match)])
+        if self._dirty and self.n_past - reused >= store.min_positions:
+            store.keep(self.save_state())
+            self._dirty = False
+        if found is None:
+            return common
+        try:
+            self.restore_state(found)
+        except (EngineError, ContextOverflowError) as exc:  # the cache is empty now
+            store.refused(found, str(exc))
+            return 0
+        store.restored(found)
+        return self._realign(prompt, _common_prefix(self._units, prompt.units))
+
+    def keep_idle(self) -> None:
+        """Give the cache's state to ``kv_store`` if it holds something the store has not (and
+        that is worth keeping)."""
+        store = self.kv_store
+        if store is not None and self._dirty and self.n_past >= store.min_positions:
+            store.keep(self.save_state())
+            self._dirty = False
+
     def _shift_out(self, prompt: Prompt, common: int) -> int:
         """Remove a stretch of the cache the prompt skips (dropped turns) and shift the rest back.
 
@@ -530,20 +618,12 @@ class Engine:
         evaluating everything after the stretch again. Only for caches that can shift
         (attention-only text models); returns the new common prefix length.
         """
-        kv, new = self._units, prompt.units
-        if common >= len(kv) or common >= len(new):
-            return common
+        kv = self._units
         mem = self._lc.llama_get_memory(self.llama.ctx)
-        if not self._lc.llama_memory_can_shift(mem):
+        match = shift_match(kv, prompt.units, common)
+        if match is None or not self._lc.llama_memory_can_shift(mem):
             return common
-        rest = new[common:]
-        best_k, best_n = 0, 0
-        for k in range(common + 1, len(kv)):
-            n = _common_prefix(kv[k:], rest)
-            if n > best_n:
-                best_k, best_n = k, n
-        if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k) or best_n == 0:
-            return common
+        best_k, best_n = match
         self._truncate(best_k + best_n)  # what follows the reused stretch goes first
         start, stop, end = _n_pos(kv[:common]), _n_pos(kv[:best_k]), self.n_past
         delta = stop - start
@@ -602,6 +682,7 @@ class Engine:
             self._sync_with_llama()
             raise EngineError(f"llama.cpp failed to evaluate the prompt: {exc}") from exc
         self._units.extend(tokens)
+        self._dirty = True
 
     def _eval_image(self, prompt: Prompt, index: int, stats: PrefillStats) -> None:
         unit = prompt.units[index]
@@ -631,6 +712,7 @@ class Engine:
         self.llama.n_tokens = new_n_past.value
         self.llama.input_ids[n_past:new_n_past.value] = IMAGE_SENTINEL
         self._units.append(unit)
+        self._dirty = True
 
     def _encode(self, chunk, unit: ImageUnit, source: tuple[Image, int] | None = None) -> np.ndarray:
         if self.encoder is not None:

@@ -229,8 +229,8 @@ def respond(
     ``constraint`` (checked by the caller) holds the answer to its grammar and fills
     ``Reply.parsed``; with ``reasoning`` on, a think block (opened by the prompt, or by the
     model as its first words) stays free and the grammar starts after ``</think>``.
-    With a ``scheduler`` the answer runs in one of its parallel slots (``shift`` does not
-    apply there), else on the engine's own sequence. Once ``cancel`` is set, the prompt's
+    With a ``scheduler`` the answer runs in one of its parallel slots (shifting that slot's
+    cache), else on the engine's own sequence. Once ``cancel`` is set, the prompt's
     evaluation stops after the image slice (or slot chunk) in progress and
     :class:`AnswerCancelled` is raised.
     """
@@ -246,7 +246,7 @@ def respond(
         if scheduler is None:
             source = _Serial(engine, prompt_text, images, progress, shift=shift)
         else:
-            source = _Scheduled(scheduler, engine, prompt_text, images, progress, cancel)
+            source = _Scheduled(scheduler, engine, prompt_text, images, progress, cancel, shift=shift)
         stats = source.prefill(sampling, max_tokens, options)
         if on_prefill is not None:
             on_prefill(stats)
@@ -343,16 +343,17 @@ class _Scheduled:
     answered on the scheduler's; its events are read here."""
 
     def __init__(self, scheduler: Scheduler, engine: Engine, prompt_text: str, images: Sequence[Image],
-                 progress: Callable[[int, int, int], None], cancel: threading.Event | None) -> None:
+                 progress: Callable[[int, int, int], None], cancel: threading.Event | None, *,
+                 shift: bool = False) -> None:
         self._scheduler, self._engine, self._text, self._images = scheduler, engine, prompt_text, images
-        self._progress, self._cancel = progress, cancel
+        self._progress, self._cancel, self._shift = progress, cancel, shift
         self._job: Job | None = None
         self._events: Iterator[tuple[str, Any]] = iter(())
         self.finish_reason = "length"
 
     def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats:
         prompt = self._engine.tokenize(self._text, self._images)
-        job = Job(prompt, sampling, max_tokens, generate=options)
+        job = Job(prompt, sampling, max_tokens, generate=options, shift=self._shift)
         if self._cancel is not None:
             job.cancelled = self._cancel
         try:

@@ -193,7 +193,17 @@ def _tensor(name: str, dims: list[int], kind: int, offset: int) -> TensorInfo:
 
 def read_fields(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """All metadata keys and tensor shapes (numpy order) of a GGUF file, checked for damage."""
-    path = Path(path)
+    fields, tensors = _read_checked(Path(path))
+    return fields, {t.name: t.shape for t in tensors}
+
+
+def read_tensors(path: str | os.PathLike) -> list[TensorInfo]:
+    """Every tensor's header entry (name, shape, ggml type, bytes) of a GGUF file, checked
+    for damage as :func:`read_fields` checks it."""
+    return _read_checked(Path(path))[1]
+
+
+def _read_checked(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     if not path.is_file():
         raise ModelNotFoundError(f"Model file {path} does not exist: check the path.")
     size = path.stat().st_size
@@ -221,7 +231,7 @@ def read_fields(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tupl
                 f"{path} is truncated: tensor {t.name} ends at byte {t.offset + t.n_bytes} but "
                 f"the file has {size} bytes. Delete it and download it again."
             )
-    return fields, {t.name: t.shape for t in tensors}
+    return fields, tensors
 
 
 def read_text_header(path: str | os.PathLike) -> TextHeader:

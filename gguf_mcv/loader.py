@@ -26,6 +26,7 @@ from .planner import Plan, resolve_budget
 from .resolver import plan_local, pull
 from .slots import Scheduler
 from .templates import FAMILIES, ChatTemplate, choose_template
+from .vision_backends import choose_backend
 
 
 def load(
@@ -71,7 +72,7 @@ def load(
     make the plan keep only quants (and, for ``"auto"``, models) predicted to meet them
     (:func:`gguf_mcv.plan`). ``vision_backend`` picks who runs the vision encoder:
     ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
-    converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.onnx_vision.choose_backend``);
+    converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.vision_backends.choose_backend``);
     ``model.info`` says which and why. ``parallel=N`` answers up to N questions at once
     (N slots of ``n_ctx`` positions each in one llama.cpp context, decoded together: see
     :mod:`gguf_mcv.slots`); ``"auto"`` takes as many as the memory budget holds (at most 8).
@@ -99,7 +100,8 @@ def load(
             raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
                      kv_cache_type=kv_cache_type, revision=revision,
-                     min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
+                     min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
+                     vision_backend=vision_backend)
         model_path, mmproj_path, quant_name, repo = files.model, files.mmproj, files.quant, files.repo
         entry, planned = files.entry, files.plan
         name = entry.display_name if entry is not None else (files.repo or str(model))
@@ -109,7 +111,7 @@ def load(
                projector_type=entry.projector_type if entry is not None else None)
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
-                             kv_cache_type=kv_cache_type)
+                             kv_cache_type=kv_cache_type, vision_backend=vision_backend)
     if options.parallel == "auto":
         options = replace(options, parallel=auto_parallel(model_path, mmproj_path, options, ram_budget))
     return _open(model_path, mmproj_path, text, projector, options, planned, entry,
@@ -122,7 +124,10 @@ def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
     """How many parallel slots the memory budget holds for these files (see
     :func:`memory.parallel_for_budget`): the plan's need for one, then a KV cache per slot."""
     budget, _ = resolve_budget(probe(), ram_budget)
-    one = estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type)
+    projector = read_projector_header(mmproj_path)
+    backend, _ = _choose_vision_backend(options, projector, bool(options.vision_gpu))
+    one = estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
+                         vision_backend=backend)
     text = read_text_header(model_path).shape
     return parallel_for_budget(one.needed, slot_bytes(text, options.n_ctx, options.kv_cache_type), budget)
 
@@ -207,11 +212,7 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
     encoder and a stand-in mmproj without the tower's weights (no double loading)."""
     from . import onnx_vision
 
-    # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
-    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
-    backend, reason = onnx_vision.choose_backend(
-        options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
-        ort_version=onnx_vision.onnxruntime_version() if may_use else None)
+    backend, reason = _choose_vision_backend(options, projector, vision_gpu)
     if backend == "llama.cpp":
         return backend, reason, None, mmproj_path
     identity = file_identity(mmproj_path)
@@ -224,6 +225,16 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
         reason += f"; int8 vs fp32 cosine {converted.int8_cosine:.4f}"
     encoder = onnx_vision.OnnxVision(converted, backend.removeprefix("onnx-"), identity, n_threads=n_threads)
     return backend, reason, encoder, onnx_vision.standin(mmproj_path, identity)
+
+
+def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool) -> tuple[str, str]:
+    """(backend, reason) by the rule the planner uses too (:mod:`gguf_mcv.vision_backends`)."""
+    from .onnx_vision import onnxruntime_version
+
+    # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
+    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
+    return choose_backend(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
+                          ort_version=onnxruntime_version() if may_use else None)
 
 
 def _template(llama, text: TextHeader, entry: CatalogEntry | None, chat_template: str | None) -> ChatTemplate:

@@ -23,6 +23,12 @@ Two quantities matter and they differ:
 
 ``needed`` is deliberately conservative about file pages: token_embd rows a prompt
 never uses and the libraries' code stay counted.
+
+The vision encoder's terms depend on who runs it (``vision_backend``): libmtmd holds the
+mmproj's tensors and one slice's compute buffer; ONNX Runtime (``onnx-int8``/``onnx-fp32``,
+:mod:`gguf_mcv.onnx_vision`) holds the converted graph's weights (:func:`onnx_weight_bytes`),
+its arena for one slice (:func:`onnx_arena_bytes`) and its own library, while libmtmd then
+loads only a stand-in mmproj of a few KB.
 """
 
 from __future__ import annotations
@@ -91,6 +97,17 @@ HYBRID_TENSORS_PER_LAYER = 13
 #: markers, question, answer) -- sizes the KV view the attention reads.
 PROMPT_TEXT_TOKENS = 96
 
+#: ONNX Runtime's library, session and thread pool: measured as the RSS the ONNX backends
+#: add beyond their weights and arena (tiny and bench presets, tools/bench_memory.py).
+ORT_RUNTIME = 25 * _MiB
+#: f32 copies of the attention scores (heads x patches x patches) alive at once in ONNX
+#: Runtime's arena: the QK^T MatMul's output and the Softmax's (no fused attention on the
+#: CPU provider for this graph). Fitted: the arena of the 16-head bench tower at 1024
+#: patches is 2 x 64 MiB, of the 4-head tiny tower 2 x 16 MiB.
+ORT_SCORE_COPIES = 2
+#: Rows of libmtmd's learned position table the ONNX graph keeps (POS_GRID^2 = 70 x 70).
+ONNX_POS_ROWS = 4900
+
 # --- assumptions that could not be measured here (no GPU on the calibration machine) ---
 
 #: VRAM a CUDA context, cuBLAS workspace and llama.cpp's pools take before any tensor.
@@ -99,6 +116,9 @@ CUDA_CONTEXT_VRAM = 350 * _MiB
 CUDA_HOST_OVERHEAD = 300 * _MiB
 #: Metal's command buffers and library on Apple Silicon (shared memory).
 METAL_OVERHEAD = 150 * _MiB
+
+#: Who may run the vision encoder, as :func:`estimate` takes it ("auto" resolved first).
+VISION_BACKENDS = ("llama.cpp", "onnx-int8", "onnx-fp32")
 
 #: Bytes per KV element including block overhead: f16 2; q8_0 34 bytes per 32 values;
 #: q4_0 18 bytes per 32 (ggml-common.h block_q8_0 / block_q4_0).
@@ -187,7 +207,7 @@ class MemoryEstimate:
     vision_compute: int  #: one slice's encoder graph plus the matmul work buffer
     images: int  #: decoded image and its f32 slices while the prompt is tokenized
     vocab: int  #: llama.cpp's tokenizer tables
-    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, hybrid graph metadata, + GPU runtime)
+    overhead: int  #: Python, libraries, contexts (RUNTIME_BASE, hybrid graph metadata, + GPU runtime, + ONNX Runtime)
     reclaimable: int  #: file pages in ``weights`` never read after loading
     long_prompt: int  #: extra compute pages a full 512-token batch at full context touches
     gpu: GpuMemory | None = None
@@ -195,6 +215,9 @@ class MemoryEstimate:
     recurrent: int = 0
     #: the GPU shares RAM (Jetson, Apple): ``gpu.total`` is counted in ``needed`` too
     unified: bool = False
+    #: who runs the vision encoder: ``vision_weights``/``vision_compute`` are libmtmd's for
+    #: "llama.cpp", ONNX Runtime's weights and arena for "onnx-int8"/"onnx-fp32"
+    vision_backend: str = "llama.cpp"
 
     @property
     def runtime(self) -> int:
@@ -305,6 +328,54 @@ def vision_compute_bytes(vision: VisionShape | None, text_width: int, *,
     return int(max(vit, resampler) + work + window_mask)
 
 
+def onnx_matmul_params(vision: VisionShape) -> int:
+    """Weights of the SigLIP blocks' MatMuls (Q, K, V, output, FFN up and down): the part
+    the int8 graph quantizes."""
+    v = vision
+    return v.blocks * (4 * v.width * v.width + 2 * v.width * v.ff)
+
+
+def onnx_weight_bytes(vision: VisionShape | None, text_width: int, mmproj_size: int,
+                      variant: str = "int8") -> int:
+    """Bytes of the ONNX graph's weights (``onnx_graph``) that ONNX Runtime holds in memory.
+
+    The tower in fp32: patch embedding, the 4900-row position table, the blocks (their MatMuls
+    int8 with one f32 scale per column in the ``int8`` variant; biases and LayerNorms f32) and
+    the post-norm. The projector in fp32: the resampler from its shape (the 2-D sin/cos keys
+    are an input, not a weight); another projector (MiniCPM-V 4.6's merger) as twice what the
+    F16 mmproj holds beyond the tower. Checked against every conversion of the test presets.
+    Never more than twice ``mmproj_size`` (the whole F16 file in fp32), which bounds a tower
+    nobody described (``VisionShape()``'s SigLIP-400M defaults) by the file actually planned.
+    """
+    if variant not in ("int8", "fp32"):
+        raise ConfigError(f"ONNX variant must be 'int8' or 'fp32', not {variant!r}.")
+    v = vision or VisionShape()
+    w, ff, patch = v.width, v.ff, 3 * v.patch_size**2
+    matmuls = onnx_matmul_params(v)
+    small = v.blocks * (9 * w + ff) * 4  # q/k/v/out/ffn biases and two LayerNorms per block
+    embed = (w * patch + w + ONNX_POS_ROWS * w + 2 * w) * 4  # patch conv + bias, positions, post_ln
+    if variant == "int8":
+        blocks = matmuls + v.blocks * (5 * w + ff) * 4 + small  # int8 + per-column scales
+    else:
+        blocks = matmuls * 4 + small
+    if v.projector == "resampler":
+        d, q = text_width, v.query_tokens
+        projector = (d * w + 5 * d * d + q * d + 10 * d) * 4  # kv, q/k/v/out + proj, queries, biases, LNs
+    else:
+        tower_f16 = matmuls * 2 + small + (w * patch + ONNX_POS_ROWS * w) * 2 + 3 * w * 4
+        projector = 2 * max(0, mmproj_size - tower_f16)
+    return int(min(embed + blocks + projector, 2 * mmproj_size))
+
+
+def onnx_arena_bytes(vision: VisionShape | None) -> int:
+    """ONNX Runtime's arena for one slice: :data:`ORT_SCORE_COPIES` f32 attention score
+    tensors (heads x patches^2); MiniCPM-V 4.6's window mask (patches^2 f32) is an input."""
+    v = vision or VisionShape()
+    p = v.patches
+    window_mask = p * p * 4 if v.projector == "minicpmv4_6" else 0
+    return int(ORT_SCORE_COPIES * v.heads * p * p * 4 + window_mask)
+
+
 def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | None = None) -> int:
     """The decoded image (IMAGE_COPIES x W*H*3) and libmtmd's f32 slices held by the prompt."""
     v = vision or VisionShape()
@@ -327,13 +398,15 @@ def embedding_bytes(text: TextShape, quant: str | None) -> tuple[int, int]:
     t = text
     q = _quant(quant)
     embd_type = _EMBD_TYPE.get(q, q if q in GGML_TYPE_BITS else "Q8_0")
+    if t.tied_embeddings:  # llama-quant.cpp quantizes a tied token_embd as the output matrix
+        embd_type = output_type(q)
     n = t.n_vocab * t.n_embd
     token_embd = int(n * GGML_TYPE_BITS[embd_type] / 8)
-    output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[_output_type(q)] / 8)
+    output = 0 if t.tied_embeddings else int(n * GGML_TYPE_BITS[output_type(q)] / 8)
     return token_embd, output
 
 
-def _output_type(quant: str) -> str:
+def output_type(quant: str) -> str:
     """The output matrix's type: Q6_K below Q8_0 (llama-quant.cpp), else the quant's own."""
     return quant if quant in ("Q8_0", "F16", "BF16", "F32") else "Q6_K"
 
@@ -361,7 +434,7 @@ def repacked_bytes(model_size: int, text: TextShape, quant: str | None, cpu: str
     mix = QUANT_TYPE_MIX.get(q, {q: 1.0})
     share = sum(part for typ, part in mix.items() if typ in types)
     layers = share * max(0, model_size - token_embd - output)
-    return int(layers) + (output if _output_type(q) in types else 0)
+    return int(layers) + (output if output_type(q) in types else 0)
 
 
 def cpu_family(machine: str) -> str:
@@ -413,6 +486,7 @@ def estimate(
     flash_attn: bool | None = None,
     cpu: str | None = None,
     tensors: Iterable[tuple[str, str, int]] | None = None,
+    vision_backend: str = "llama.cpp",
 ) -> MemoryEstimate:
     """Predict the memory of ``gguf_mcv.load(...)`` followed by one image question.
 
@@ -423,9 +497,18 @@ def estimate(
     ``gpu_backend`` is ``"cuda"`` or ``"metal"`` when anything is offloaded;
     ``unified_memory`` says the GPU allocates from the same RAM. ``cpu`` is a key of
     :data:`REPACKED_TYPES` (default: this machine); ``tensors`` the file's tensor list
-    (name, type, bytes) when its header is at hand, for exact repacking.
+    (name, type, bytes) when its header is at hand, for exact repacking. ``vision_backend``
+    is who runs the encoder ("llama.cpp", "onnx-int8" or "onnx-fp32"; resolve "auto" first,
+    with :func:`gguf_mcv.vision_backends.choose_backend`).
     """
     t, v = text, vision or VisionShape()
+    if vision_backend not in VISION_BACKENDS:
+        raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)} here "
+                          f"(resolve 'auto' first), not {vision_backend!r}.")
+    onnx = vision_backend != "llama.cpp"
+    if onnx and vision_on_gpu:
+        raise ConfigError(f"vision_backend={vision_backend!r} runs the encoder on the CPU; "
+                          "it cannot be combined with vision_on_gpu.")
     image_tokens = DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens
     if (n_gpu_layers or vision_on_gpu) and gpu_backend is None:
         raise ConfigError("n_gpu_layers and vision_on_gpu need gpu_backend ('cuda' or 'metal').")
@@ -462,18 +545,29 @@ def estimate(
         repacked=repacked,
         kv_cache=kv_cache_bytes(t, n_ctx, kv_cache_type, t.kv_layers - gpu_kv_layers),
         compute=compute,
-        # clip.cpp reads every mmproj tensor into its own buffer (no mmap): ~ file size.
-        vision_weights=0 if vision_on_gpu else mmproj_size,
-        vision_compute=0 if vision_on_gpu else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision),
+        vision_weights=_vision_weights(v, t.n_embd, mmproj_size, vision_backend, vision_on_gpu),
+        vision_compute=(onnx_arena_bytes(v) if onnx else 0 if vision_on_gpu
+                        else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision)),
         images=image_bytes(image_pixels, image_tokens, v),
         vocab=vocab_bytes(t),
-        overhead=RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0),
+        overhead=(RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (ORT_RUNTIME if onnx else 0)
+                  + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0)),
         reclaimable=repacked + offloaded,
         long_prompt=max(0, worst - compute),
         gpu=gpu,
         recurrent=recurrent_bytes(t, on_cpu=1 - gpu_layers / max(1, t.n_layers)),
         unified=unified_memory,
+        vision_backend=vision_backend,
     )
+
+
+def _vision_weights(v: VisionShape, text_width: int, mmproj_size: int, backend: str, on_gpu: bool) -> int:
+    """The encoder's weights in RAM: clip.cpp reads every mmproj tensor into its own buffer
+    (no mmap: ~ the file's size); with ONNX Runtime, the converted graph's weights (libmtmd
+    then holds a stand-in of a few KB)."""
+    if backend != "llama.cpp":
+        return onnx_weight_bytes(v, text_width, mmproj_size, backend.removeprefix("onnx-"))
+    return 0 if on_gpu else mmproj_size
 
 
 def _gpu_memory(model_size: int, t: TextShape, v: VisionShape, quant: str | None, n_gpu: int,

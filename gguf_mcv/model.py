@@ -13,9 +13,9 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Literal, Sequence, overload
+from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
 
-from . import native, saved_chat, structured
+from . import kv_store, native, saved_chat, structured
 from . import tools as tooling
 from .engine import Engine, file_identity
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
@@ -239,7 +239,9 @@ class Model:
         :meth:`ask_video`, with ``video_options``. The messages are answered as given;
         with ``truncate`` the oldest questions (with their answers) are dropped, whole,
         until the prompt and room for the answer fit, as :class:`Chat` does
-        (``reply.dropped_turns`` counts them). ``schema``/``format`` as in :meth:`ask`;
+        (``reply.dropped_turns`` counts them) and, as :class:`Chat`'s default ``context_shift``
+        does, shifted out of the KV cache instead of evaluating the kept ones again.
+        ``schema``/``format`` as in :meth:`ask`;
         ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`. ``tools``
         (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
         a function) let the model call a function (:mod:`gguf_mcv.tools`): ``reply.tool_calls``;
@@ -262,7 +264,8 @@ class Model:
         if truncate:
             turns, dropped = self.turns.fit(turns, max_tokens=max_tokens, thinking=thinking)
         answer = self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop, sampling=settings,
-                             on_progress=_either(on_progress, progress), frames=counts, constraint=shape)
+                             on_progress=_either(on_progress, progress), frames=counts, constraint=shape,
+                             shift=dropped > 0)
         if dropped:
             answer = Stream(_with_dropped(answer, dropped), cancel=answer.cancel)
         return _deliver(answer, stream)
@@ -339,6 +342,48 @@ class Model:
                 chat._kv_units = self.engine.units
         return chat
 
+    def keep_chats(self, directory: str | os.PathLike, *, max_bytes: int = kv_store.DEFAULT_MAX_BYTES,
+                   min_positions: int = kv_store.MIN_POSITIONS) -> kv_store.KVStore:
+        """Keep the KV state of a conversation in ``directory`` when another one is about to
+        overwrite it (in a slot, or the single sequence), and restore it when a later prompt
+        starts with more of it than the cache holds (see :mod:`gguf_mcv.kv_store`). The folder
+        is capped at ``max_bytes`` (least recently used entries go first); states losing fewer
+        than ``min_positions`` positions are not kept; :meth:`keep_idle` keeps what the cache
+        holds now (a server calls it as it stops). Returns the store (its ``counts``);
+        :class:`ConfigError` if the folder cannot be used or one is already attached."""
+        engine = self.engine
+        if engine.kv_store is not None:
+            raise ConfigError("This model already keeps its conversations in "
+                              f"{cast(kv_store.KVStore, engine.kv_store).directory}.")
+        store = kv_store.KVStore(directory, self.identity(), n_vocab=int(engine.llama.n_vocab()),
+                                 n_ctx=self.info.n_ctx, max_bytes=max_bytes, min_positions=min_positions)
+        engine.kv_store = store
+        if self.scheduler is not None:
+            self.scheduler.store = store
+        return store
+
+    def keep_idle(self, timeout: float = 60.0) -> bool:
+        """Hand every idle conversation's state to the store of :meth:`keep_chats` and wait until
+        it is written (as a server stops); whether that finished within ``timeout`` seconds."""
+        if self.closed or self._engine.kv_store is None:
+            return False
+        store = cast(kv_store.KVStore, self._engine.kv_store)
+        if self.scheduler is not None:
+            done = self.scheduler.keep_idle(timeout)
+        else:  # on a thread of its own: an answer still running must not hang the caller (a server stopping)
+            worker = threading.Thread(target=self._keep_own_sequence, name="gguf_mcv-keep-idle", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            done = not worker.is_alive()
+        return store.flush(timeout) and done
+
+    def _keep_own_sequence(self) -> None:
+        try:
+            with self._lock.hold():
+                self._engine.keep_idle()
+        except ModelClosedError:
+            pass
+
     def identity(self) -> dict[str, Any]:
         """What a saved conversation must have been made with: text model file, quant,
         projector and vision backend (and the name, for messages)."""
@@ -385,6 +430,8 @@ class Model:
         llama = engine.llama
         if self.scheduler is not None:
             self.scheduler.close()  # its thread uses the context: stopped first
+        if isinstance(engine.kv_store, kv_store.KVStore):
+            engine.kv_store.close()  # writes what is pending
         engine.close()
         llama.close()
         if self._verbose:

@@ -32,8 +32,9 @@ from . import constants
 from .errors import ConfigError, EngineError, NotEnoughDiskError
 from .media import Image
 from .mtmd_preprocess import PreprocessParams, slice_pixels
-from .onnx_graph import PROJECTORS, Projector, Weights, build_model, graph_inputs
+from .onnx_graph import Projector, Weights, build_model, graph_inputs
 from .units import format_size
+from .vision_backends import choose_backend  # noqa: F401  (the rule lives there; imported from here too)
 
 #: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
 #: (mean over tokens of the per-token cosine, on the validation images)
@@ -297,28 +298,6 @@ def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     return write_standin(mmproj_path, folder / f"{identity}-standin.gguf")
-
-
-def choose_backend(requested: str, *, vision_gpu: bool, projector_type: str,
-                   ort_version: str | None) -> tuple[str, str]:
-    """(backend, reason) for ``requested`` (options.VISION_BACKENDS) before any conversion:
-    ``auto`` takes ``onnx-int8`` for a CPU encoder when onnxruntime imports and the projector is
-    one the converter knows, else ``llama.cpp``. An explicit ONNX backend that cannot run is a
-    ConfigError."""
-    if requested == "llama.cpp":
-        return "llama.cpp", "asked for"
-    problem = ("the vision encoder runs on the GPU" if vision_gpu
-               else "onnxruntime is not installed (pip install onnxruntime onnx)" if ort_version is None
-               else f"the ONNX converter does not handle the {projector_type!r} projector"
-               if projector_type not in PROJECTORS else None)
-    if requested == "auto":
-        if problem:
-            return "llama.cpp", f"auto: {problem}"
-        return "onnx-int8", f"auto: CPU encoder, onnxruntime {ort_version}"
-    if problem:
-        raise ConfigError(f"vision_backend={requested!r} cannot be used: {problem}. "
-                          "Use vision_backend='llama.cpp' (or 'auto').")
-    return requested, "asked for"
 
 
 def progress_bar() -> Callable[[str, int, int], None]:

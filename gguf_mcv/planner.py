@@ -26,6 +26,12 @@ Rules, in order:
   one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
   offloaded and the GPU's allocations count against the one RAM budget; if no quant
   fits that way (device copies cost RAM there), the plan is for the CPU alone.
+* **Vision backend** (``vision_backend``, resolved per quant by the loader's rule,
+  :func:`gguf_mcv.vision_backends.choose_backend`): ``"auto"`` is ``onnx-int8`` when the
+  encoder stays on the CPU and ``onnxruntime`` (its version passed as ``onnxruntime``)
+  imports, else ``llama.cpp``; the memory of the backend each row assumes is what is fitted.
+  On a CPU, ``auto``'s int8 tower is smaller than libmtmd's F16 one, so a tight budget keeps
+  the better text quant rather than the larger encoder.
 * **Speed limits** (``min_tokens_per_s``, ``max_first_answer_s``, with ``rates``): among
   the quants that fit, only those the speed model (:mod:`gguf_mcv.speed`) predicts to
   meet them; none meeting them is a :class:`~gguf_mcv.errors.NoQuantFitsError` naming the
@@ -45,11 +51,12 @@ from typing import Any, Iterable, Mapping, Sequence
 from . import memory, speed
 from .errors import ConfigError, NoQuantFitsError
 from .hardware import Hardware
-from .options import MAX_N_CTX, MIN_N_CTX, check_int
+from .options import MAX_N_CTX, MIN_N_CTX, VISION_BACKENDS, check_int
 from .quants import normalize_quant, quality_rank
 from .shapes import TextShape, VisionShape
 from .speed import Rates, SpeedPrediction
 from .units import format_size, parse_size
+from .vision_backends import choose_backend
 
 PREFERENCES = ("quality", "speed", "size")
 #: Share of available RAM kept free when no budget is given, and its floor in bytes.
@@ -74,6 +81,8 @@ class QuantCandidate:
     file: str
     size: int  #: bytes
     exact: bool = True  #: False when ``size`` is an estimate (a catalog figure, not the Hub's)
+    #: bytes by ggml weight type, when the file's header was read (speed predictions)
+    weights: speed.WeightProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,7 @@ class PlanRow:
     decode_tokens_per_s: float | None = None  #: predicted (None: no rates given)
     first_answer_s: float | None = None  #: predicted seconds to the first token, a photo
     video_first_answer_s: float | None = None  #: the same for a 16-frame video
+    vision_backend: str = "llama.cpp"  #: who runs the encoder in this row's memory figures
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,8 @@ class Plan:
     slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache and batch row)
     speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
     rates: Rates | None = None  #: the machine rates the predictions used
+    vision_backend: str = "llama.cpp"  #: who runs the encoder in the chosen setup
+    vision_backend_reason: str = ""  #: why (the loader's rule for ``vision_backend="auto"``)
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
@@ -143,6 +155,8 @@ class Plan:
         if self.slot_bytes:
             lines.append(f"Parallel slots (parallel=\"auto\"): {self.slots}, "
                          f"{format_size(self.slot_bytes)} each beyond the first.")
+        lines.append(f"Vision encoder: {self.vision_backend} ({self.vision_backend_reason}); "
+                     "its weights and working memory are in the figures above.")
         lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
                      f"n_threads={self.n_threads}, {gpu}.")
         if self.speed is not None and self.rates is not None:
@@ -162,7 +176,8 @@ class Plan:
             "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
             "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
             "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
-            "slot_bytes": self.slot_bytes,
+            "slot_bytes": self.slot_bytes, "vision_backend": self.vision_backend,
+            "vision_backend_reason": self.vision_backend_reason,
             "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
             "speed": self.speed.to_dict() if self.speed is not None else None,
             "rates": self.rates.to_dict() if self.rates is not None else None,
@@ -177,6 +192,8 @@ class _Setup:
     vision_on_gpu: bool = False
     backend: str | None = None
     unified: bool = False
+    vision_backend: str = "llama.cpp"  #: who runs the vision encoder (resolved, never "auto")
+    vision_reason: str = "asked for"
 
 
 _Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
@@ -203,6 +220,8 @@ class _Context:
     min_tokens_per_s: float | None = None
     max_first_answer_s: float | None = None
     speeds: dict[str, speed.SpeedPrediction] | None = None  #: per quant, when rates are known
+    vision_request: str = "auto"  #: the ``vision_backend`` asked for
+    onnxruntime: str | None = None  #: onnxruntime's version where it imports, else None
 
     @property
     def limited(self) -> bool:
@@ -227,12 +246,16 @@ def choose(
     detail: str = "auto",
     min_tokens_per_s: float | None = None,
     max_first_answer_s: float | None = None,
+    vision_backend: str = "auto",
+    onnxruntime: str | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
     ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
     With ``rates`` (:func:`gguf_mcv.speed_probe.rates`) every row carries predicted
     speeds for a photo at ``detail``, and the speed limits can be used.
+    ``vision_backend`` is ``load()``'s option; ``onnxruntime`` the version that imports
+    on the machine planned for (None: it does not, so ``"auto"`` means llama.cpp).
     """
     if prefer not in PREFERENCES:
         raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
@@ -242,6 +265,9 @@ def choose(
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
+    if not isinstance(vision_backend, str) or vision_backend not in VISION_BACKENDS:
+        raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)}, not {vision_backend!r}.")
+    ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     evaluated = _evaluate_all(cands, ctx)
     _predict_all(evaluated, ctx)
@@ -302,17 +328,18 @@ def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None
         image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
         vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
         unified_memory=setup.unified, cpu=memory.cpu_family(ctx.hardware.machine),
+        vision_backend=setup.vision_backend,
     )
 
 
 def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated]:
     """Each quant with its estimate and GPU split on this machine."""
-    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_setup(c, ctx)]]
+    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_with_vision_backend(_setup(c, ctx), ctx)]]
     if ctx.unified and not any(_fits(e, s, ctx) for _, e, s in evaluated):
         # a full offload costs RAM here (device copies, CUDA context, device compute
         # buffer); when no quant fits that way, plan for the CPU alone
         ctx.cpu_only = True
-        cpu = _Setup(backend=ctx.backend)
+        cpu = _with_vision_backend(_Setup(backend=ctx.backend), ctx)
         evaluated = [(c, _estimate(c, ctx, cpu), cpu) for c in cands]
     return evaluated
 
@@ -342,11 +369,20 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
 
 
+def _with_vision_backend(s: _Setup, ctx: _Context) -> _Setup:
+    """``s`` with the vision backend the loader would pick for it (the same rule)."""
+    backend, reason = choose_backend(ctx.vision_request, vision_gpu=s.vision_on_gpu,
+                                     projector_type=ctx.vision.projector, ort_version=ctx.onnxruntime)
+    return replace(s, vision_backend=backend, vision_reason=reason)
+
+
 def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
+    # an ONNX backend asked for runs the encoder on the CPU (load() refuses it on the GPU)
+    tower_may_offload = not ctx.vision_request.startswith("onnx")
     if ctx.backend is None:
         return _Setup()
     if ctx.unified:  # one pool for both: offload everything, it is what makes these fast
-        return _Setup(-1, True, ctx.backend, True)
+        return _Setup(-1, tower_may_offload, ctx.backend, True)
     if ctx.gpu_free is None:
         return _Setup(backend=ctx.backend)
     usable = int(ctx.gpu_free * (1 - GPU_HEADROOM))
@@ -354,7 +390,7 @@ def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
                              vision=ctx.vision, quant=c.quant, n_ctx=ctx.n_ctx,
                              kv_cache_type=ctx.kv_cache_type, vision_on_gpu=True,
                              gpu_backend=ctx.backend, cpu="none")
-    vision_on_gpu = vision.gpu is not None and vision.gpu.total <= usable
+    vision_on_gpu = tower_may_offload and vision.gpu is not None and vision.gpu.total <= usable
     n = memory.fit_gpu_layers(ctx.gpu_free, model_size=c.size, text=ctx.arch, quant=c.quant,
                               n_ctx=ctx.n_ctx, kv_cache_type=ctx.kv_cache_type,
                               mmproj_size=ctx.mmproj_size, vision=ctx.vision,
@@ -403,7 +439,7 @@ def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
         ctx.speeds[c.quant] = speed.predict(
             model_size=c.size, text=ctx.arch, quant=c.quant, vision=ctx.vision, rates=ctx.rates,
             detail=ctx.detail, kv_cache_type=ctx.kv_cache_type, gpu_share=share,
-            vision_on_gpu=s.vision_on_gpu, gpu=gpu)
+            vision_on_gpu=s.vision_on_gpu, gpu=gpu, weights=c.weights, vision_backend=s.vision_backend)
 
 
 def _too_slow(c: QuantCandidate, ctx: _Context) -> str:
@@ -481,7 +517,7 @@ def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) ->
         rows.append(PlanRow(c.quant, c.file, c.size, e.needed, e.total, fits, note,
                             s.n_gpu_layers, c is chosen,
                             p.decode_tokens_per_s if p else None, p.first_answer_s if p else None,
-                            p.video_first_answer_s if p else None))
+                            p.video_first_answer_s if p else None, s.vision_backend))
     return tuple(rows)
 
 
@@ -503,6 +539,7 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
         vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
         gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
         speed=(ctx.speeds or {}).get(c.quant), rates=ctx.rates,
+        vision_backend=s.vision_backend, vision_backend_reason=s.vision_reason,
     )
 
 
@@ -542,9 +579,28 @@ def _nothing_fits_message(evaluated, ctx: _Context) -> str:
         verdict = "fits" if q8.needed <= ctx.budget else "still does not fit"
         lines.append(f"- kv_cache_type='q8_0' halves the KV cache: {c.quant} then needs "
                      f"{format_size(q8.needed)} ({verdict}).")
+    int8 = _smaller_vision(c, ctx, s)
+    if int8 is not None:
+        verdict = "fits" if int8.needed <= ctx.budget else "still does not fit"
+        lines.append(f"- vision_backend='onnx-int8' (or 'auto') runs the encoder in int8: {c.quant} then "
+                     f"needs {format_size(int8.needed)} ({verdict}).")
     lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)} (about 0.5 GB in Q4_K_M).")
     lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
     return "\n".join(lines)
+
+
+def _smaller_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:
+    """``c``'s estimate with the int8 ONNX encoder, when the plan used libmtmd's on the CPU
+    although onnx-int8 could run here (None otherwise)."""
+    if s.vision_backend != "llama.cpp" or s.vision_on_gpu or ctx.onnxruntime is None:
+        return None
+    try:
+        choose_backend("onnx-int8", vision_gpu=False, projector_type=ctx.vision.projector,
+                       ort_version=ctx.onnxruntime)
+    except ConfigError:
+        return None
+    int8 = _estimate(c, ctx, replace(s, vision_backend="onnx-int8"))
+    return int8 if int8.needed < _estimate(c, ctx, s).needed else None
 
 
 def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup) -> int | None:
@@ -571,6 +627,6 @@ def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
             q = normalize_quant(c.quant)
         except ConfigError:
             continue
-        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact))
+        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact, getattr(c, "weights", None)))
     return list(seen.values())
 

@@ -18,11 +18,12 @@ from . import constants
 from .catalog import CatalogEntry, load_catalog
 from .errors import ConfigError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
-from .headers import read_projector_header, read_text_header
+from .headers import read_projector_header, read_tensors, read_text_header
 from .hub import RepoFiles, fetch, list_files, remote_text_header
+from .memory import tensor_list
 from .planner import Plan, QuantCandidate, candidates_from, choose
 from .quants import classify_gguf, normalize_quant
-from .speed import Rates
+from .speed import Rates, weight_profile
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def plan(
     max_first_answer_s: float | None = None,
     rates: Rates | None = None,
     speed_probe: bool | None = None,
+    vision_backend: str = "auto",
 ) -> Plan:
     """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
 
@@ -77,13 +79,16 @@ def plan(
     ``rates``, by default this machine's (:func:`gguf_mcv.speed_probe.rates`: measured
     once, a few seconds; ``speed_probe=False`` or ``GGUF_MCV_NO_PROBE=1`` for the
     defaults). ``min_tokens_per_s`` and ``max_first_answer_s`` keep only quants (and,
-    for ``"auto"``, models) predicted to meet them.
+    for ``"auto"``, models) predicted to meet them. ``vision_backend`` is ``load()``'s: the
+    memory figures count the encoder it resolves to (``"auto"``: ONNX Runtime int8 on a CPU
+    where onnxruntime imports).
     """
     hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
-                                   rates=rates or machine_rates(hw, speed_probe))
+                                   rates=rates or machine_rates(hw, speed_probe),
+                                   **vision_options(vision_backend))
     if model == "auto":
         return _plan_auto(**options)
     repo, entry = resolve(model)
@@ -104,17 +109,28 @@ def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refres
     return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
 
 
+def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
+    """``vision_backend`` and the onnxruntime version that imports here, for
+    :func:`~gguf_mcv.planner.choose` (onnxruntime is imported only when it may be used)."""
+    from .onnx_vision import onnxruntime_version  # lazy: the loader's check, imports onnxruntime
+
+    ort = onnxruntime_version() if vision_backend != "llama.cpp" else None
+    return {"vision_backend": vision_backend, "onnxruntime": ort}
+
+
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
-               hardware: Hardware | None = None, **options: Any) -> Plan:
+               hardware: Hardware | None = None, vision_backend: str = "auto", **options: Any) -> Plan:
     """:func:`~gguf_mcv.planner.choose` for one local model file and its projector
-    (shapes from their headers). ``rates`` and the speed limits work as in :func:`plan`."""
+    (shapes from their headers). ``rates``, the speed limits and ``vision_backend`` work as
+    in :func:`plan`."""
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
     info = classify_gguf(os.path.basename(os.fspath(model_path)))
     quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
-    candidate = QuantCandidate(quant, os.fspath(model_path), text.size)
+    weights = weight_profile(text.size, text.shape, quant, tensor_list(read_tensors(model_path)))
+    candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, "quant": quant})
+                    **{**options, **vision_options(vision_backend), "quant": quant})
     return replace(result, model=os.fspath(model_path))
 
 
@@ -129,6 +145,7 @@ def pull(
     progress: bool | None = None,
     min_tokens_per_s: float | None = None,
     max_first_answer_s: float | None = None,
+    vision_backend: str = "auto",
 ) -> ModelFiles:
     """Make sure a model file and its mmproj are in the HF cache; return their paths.
 
@@ -139,14 +156,15 @@ def pull(
     download bars (default: when stderr is a terminal). ``min_tokens_per_s`` and
     ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
     them, as in :func:`plan` (this machine is then probed once, see
-    :mod:`gguf_mcv.speed_probe`).
+    :mod:`gguf_mcv.speed_probe`). ``vision_backend`` is ``load()``'s (the plan counts its memory).
     """
     planned = None
     limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
     limited = min_tokens_per_s is not None or max_first_answer_s is not None
     if model == "auto":
         planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
-                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False, **limits)
+                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False,
+                       vision_backend=vision_backend, **limits)
         model, quant = planned.model, planned.quant
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
@@ -154,7 +172,8 @@ def pull(
         hw = probe()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
-                                rates=machine_rates(hw) if limited else None, **limits)
+                                rates=machine_rates(hw) if limited else None,
+                                **vision_options(vision_backend), **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None

@@ -30,7 +30,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import numpy as np
 import PIL.Image
@@ -68,30 +68,12 @@ def write(path: str | os.PathLike, saved: SavedChat) -> Path:
     """Write ``saved`` to ``path`` atomically (a temporary file in the same folder, then a
     rename): a crash or a full disk leaves the old file, or none, never half of one."""
     target = _as_path(path)
-    header = {
-        "format": FORMAT, "version": VERSION, "model": saved.model, "settings": saved.settings,
-        "turns": [{"role": role, "text": text, "images": [im.digest for im in images]}
-                  for role, text, images in saved.turns],
-        "units": None if saved.kv is None else [u if isinstance(u, int) else [u.key, u.n_pos]
-                                                for u in saved.kv.units],
-        "state": None if saved.kv is None else {
-            **_blob_meta(saved.kv.data),
-            "checkpoints": [{"n_units": n, "n_pos": p, **_blob_meta(d)} for n, p, d in saved.kv.checkpoints]},
-    }
-    images = {im.digest: im for _, _, ims in saved.turns for im in ims}
     tmp: str | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w") as zf:
-                zf.writestr("chat.json", json.dumps(header), compress_type=zipfile.ZIP_DEFLATED)
-                if saved.kv is not None:
-                    zf.writestr("state.bin", saved.kv.data, compress_type=zipfile.ZIP_STORED)
-                    for i, (_, _, data) in enumerate(saved.kv.checkpoints):
-                        zf.writestr(f"checkpoint-{i}.bin", data, compress_type=zipfile.ZIP_STORED)
-                for digest, image in images.items():
-                    zf.writestr(f"images/{digest}.png", _png(image), compress_type=zipfile.ZIP_STORED)
+            write_to(f, saved)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -105,6 +87,30 @@ def write(path: str | os.PathLike, saved: SavedChat) -> Path:
     return target
 
 
+def write_to(f: IO[bytes], saved: SavedChat) -> None:
+    """Write ``saved`` as a saved-chat archive into the open binary file ``f`` (not atomic:
+    :func:`write` makes it so for a path)."""
+    header = {
+        "format": FORMAT, "version": VERSION, "model": saved.model, "settings": saved.settings,
+        "turns": [{"role": role, "text": text, "images": [im.digest for im in images]}
+                  for role, text, images in saved.turns],
+        "units": None if saved.kv is None else [u if isinstance(u, int) else [u.key, u.n_pos]
+                                                for u in saved.kv.units],
+        "state": None if saved.kv is None else {
+            **_blob_meta(saved.kv.data),
+            "checkpoints": [{"n_units": n, "n_pos": p, **_blob_meta(d)} for n, p, d in saved.kv.checkpoints]},
+    }
+    images = {im.digest: im for _, _, ims in saved.turns for im in ims}
+    with zipfile.ZipFile(f, "w") as zf:
+        zf.writestr("chat.json", json.dumps(header), compress_type=zipfile.ZIP_DEFLATED)
+        if saved.kv is not None:
+            zf.writestr("state.bin", saved.kv.data, compress_type=zipfile.ZIP_STORED)
+            for i, (_, _, data) in enumerate(saved.kv.checkpoints):
+                zf.writestr(f"checkpoint-{i}.bin", data, compress_type=zipfile.ZIP_STORED)
+        for digest, image in images.items():
+            zf.writestr(f"images/{digest}.png", _png(image), compress_type=zipfile.ZIP_STORED)
+
+
 def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: int = MAX_STATE_BYTES) -> SavedChat:
     """The checked contents of the saved chat at ``path``; :class:`SavedChatError` if unusable.
 
@@ -112,18 +118,33 @@ def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: 
     """
     source = _as_path(path)
     try:
-        with zipfile.ZipFile(source) as zf:
-            header = _header(zf, source)
-            saved = _contents(zf, header, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
+        return read_from(source, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
     except FileNotFoundError:
         raise SavedChatError(f"No saved conversation at {source}: check the path.") from None
-    except SavedChatError:
+
+
+def read_from(f: Path | IO[bytes], source: str | os.PathLike, *, n_vocab: int, n_ctx: int,
+              max_state_bytes: int = MAX_STATE_BYTES, state: bool = True,
+              check: Callable[[dict[str, Any]], None] | None = None) -> SavedChat:
+    """The checked contents of the saved chat in ``f`` (a path or a seekable binary file;
+    ``source`` names it in messages); :class:`SavedChatError` if unusable. With ``state=False``
+    only ``chat.json`` is read: the KV state's units and checkpoint positions come back with
+    empty data (enough to decide whether the state is worth reading). ``check`` sees the
+    file's model identity first, before anything else is read or checked, and may raise."""
+    where = Path(os.fspath(source))
+    try:
+        with zipfile.ZipFile(f) as zf:
+            header = _header(zf, where)
+            if check is not None:
+                check(_typed(header.get("model"), dict, "model", where))
+            return _contents(zf, header, where, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes,
+                             state=state)
+    except (SavedChatError, FileNotFoundError):
         raise
     except Exception as exc:  # noqa: BLE001
         # zipfile and zlib report damage in many ways (BadZipFile, a bad CRC, EOFError, zlib.error,
         # OSError, ValueError...): each one means an unusable file, never a crash
-        raise _damaged(source, f"{type(exc).__name__}: {exc}") from exc
-    return saved
+        raise _damaged(where, f"{type(exc).__name__}: {exc}") from exc
 
 
 def _as_path(path: Any) -> Path:
@@ -171,7 +192,7 @@ def _typed(value: Any, kind: type | tuple[type, ...], what: str, source: Path) -
 
 
 def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vocab: int, n_ctx: int,
-              max_state_bytes: int) -> SavedChat:
+              max_state_bytes: int, state: bool = True) -> SavedChat:
     model = _typed(header.get("model"), dict, "model", source)
     settings = _typed(header.get("settings"), dict, "settings", source)
     turn_list = _typed(header.get("turns"), list, "turns", source)
@@ -194,7 +215,7 @@ def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vo
         units = _units(header["units"], source, n_vocab, n_ctx)
         meta = _typed(header["state"], dict, "state", source)
         limit = min(max_state_bytes, _available_memory() // 2)
-        kv = KVState(units, _blob(zf, "state.bin", meta, source, limit))
+        kv = KVState(units, _blob(zf, "state.bin", meta, source, limit) if state else b"")
         checkpoints = _typed(meta.get("checkpoints", []), list, "the checkpoints", source)
         if len(checkpoints) > MAX_CHECKPOINTS:
             raise _damaged(source, f"it has {len(checkpoints)} checkpoints")
@@ -202,7 +223,8 @@ def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vo
             c = _typed(c, dict, "a checkpoint", source)
             n_units = _typed(c.get("n_units"), int, "a checkpoint's units", source)
             n_pos = _typed(c.get("n_pos"), int, "a checkpoint's positions", source)
-            kv.checkpoints.append((n_units, n_pos, _blob(zf, f"checkpoint-{i}.bin", c, source, limit)))
+            data = _blob(zf, f"checkpoint-{i}.bin", c, source, limit) if state else b""
+            kv.checkpoints.append((n_units, n_pos, data))
     return SavedChat(model=model, settings=settings, turns=turns, kv=kv, images=images)
 
 

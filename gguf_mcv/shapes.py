@@ -78,7 +78,7 @@ class TextShape:
             n_layers=table["n_layers"], n_embd=table["n_embd"], n_head=table["n_head"],
             n_head_kv=table["n_head_kv"], head_dim=table["head_dim"], n_vocab=table["n_vocab"],
             n_kv_layers=table.get("n_kv_layers"), architecture=table["llm_arch"],
-            n_ctx_train=table["n_ctx_train"],
+            n_ctx_train=table["n_ctx_train"], tied_embeddings=bool(table.get("tied_embeddings", False)),
             **{k: table[k] for k in _SSM_FIELDS if table.get(k) is not None},
         )  # fmt: skip
 

@@ -15,6 +15,12 @@ slot holds a longer one (a shared system prompt, an image another conversation a
 about), that prefix is copied into the chosen slot (``llama_memory_seq_cp``: in the
 unified KV cache the cells are shared, not evaluated or copied again).
 
+A prompt that dropped its oldest turns (``Job.shift``) has the dropped stretch removed from
+its slot's sequence and the rest shifted back, as the engine does for sequence 0. With a
+``store`` (:mod:`gguf_mcv.kv_store`), a slot's state is kept before another conversation
+overwrites it, and a prompt that starts with more of a kept state than any slot holds gets
+that state put back into its slot.
+
 Only the scheduler's thread touches the context. Callers tokenize on their own thread,
 :meth:`Scheduler.submit` a :class:`Job` and read its events.
 """
@@ -30,7 +36,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence, cast
 
-from .engine import MAX_CHECKPOINTS, Engine, ImageUnit, PrefillStats, Prompt, Unit, _Checkpoint, _common_prefix, _n_pos
+from .engine import (
+    MAX_CHECKPOINTS,
+    Engine,
+    ImageUnit,
+    KVState,
+    PrefillStats,
+    Prompt,
+    StateStore,
+    Unit,
+    _Checkpoint,
+    _common_prefix,
+    _n_pos,
+    checkpoints_of,
+    shift_match,
+    usable_prefix,
+)
 from .errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from .options import Sampling
 
@@ -63,6 +84,9 @@ class Job:
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    #: a stretch of a slot's cache this prompt skips (dropped turns) may be shifted out
+    shift: bool = False
+    stored: KVState | None = None  #: a kept state that holds more of the prompt (see Scheduler.store)
 
     def cancel(self) -> None:
         """Stop this job at the scheduler's next step (within one chunk or image slice)."""
@@ -92,6 +116,7 @@ class _Slot:
         self.logits_index = -1
         self.finish_reason = "length"
         self.last_used = 0.0
+        self.dirty = False  # holds evaluated units that no store has yet
 
     # -- the SequenceView that Engine.generate sees ---------------------------------
 
@@ -112,6 +137,7 @@ class _Slot:
             self.units.append(cast(int, self.pending))
             self.n_past += 1
             self.evaluated = False
+            self.dirty = True
 
     # -- state ---------------------------------------------------------------------
 
@@ -122,6 +148,13 @@ class _Slot:
     @property
     def prefilling(self) -> bool:
         return self.job is not None and self.tokens is None
+
+
+@dataclass
+class _KeepIdle:
+    """A request to the step loop: give every idle slot's state to the store."""
+
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class Scheduler:
@@ -140,7 +173,7 @@ class Scheduler:
         self.n_batch = int(engine.llama.n_batch)
         self.prefill_chunk = max(1, min(prefill_chunk, self.n_batch - n_slots))
         self._slots = [_Slot(i, n_ctx) for i in range(n_slots)]
-        self._inbox: "queue.Queue[Job | None]" = queue.Queue()
+        self._inbox: "queue.Queue[Job | _KeepIdle | None]" = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._batch = self._lc.llama_batch_init(self.n_batch, 0, 1)
         self._mem = self._lc.llama_get_memory(engine.llama.ctx)
@@ -156,6 +189,11 @@ class Scheduler:
         self._since_slice_s = 0.0
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
         self.restored_checkpoints = 0  #: rewinds of a recurrent slot served by a checkpoint
+        self.shifted_positions = 0  #: positions removed by shifting a slot's cache (dropped turns)
+        self.restored_states = 0  #: prompts started from a state the store kept
+        #: keeps a slot's state before another conversation overwrites it, and gives kept ones back
+        self.store: StateStore | None = None
+        self._can_shift = self._can_rewind and bool(self._lc.llama_memory_can_shift(self._mem))
         self._thread = threading.Thread(target=self._loop, name="gguf_mcv-slots", daemon=True)
         self._thread.start()
 
@@ -176,8 +214,21 @@ class Scheduler:
         if self._closed:
             raise ModelClosedError("This model has been closed; load it again.")
         self._check_alive()
+        store = self.store
+        if store is not None and job.stored is None:  # read on the caller's thread, not the loop's
+            held = max(_common_prefix(list(s.units), units) for s in self._slots)
+            job.stored = store.find(units, better_than=held, partial=self._can_rewind)
         self._inbox.put(job)
         return job
+
+    def keep_idle(self, timeout: float = 60.0) -> bool:
+        """Give every idle slot's state to the store (as the server stops); whether that was done
+        within ``timeout`` seconds."""
+        if self.store is None or self._closed or not self._thread.is_alive():
+            return False
+        request = _KeepIdle()
+        self._inbox.put(request)
+        return request.done.wait(timeout)
 
     def events(self, job: Job, on_progress: Callable[[int, int, int], None] | None = None
                ) -> Iterator[tuple[str, Any]]:
@@ -255,7 +306,9 @@ class Scheduler:
                     job = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if job is not None:
+                if isinstance(job, _KeepIdle):
+                    job.done.set()
+                elif job is not None:
                     self._fail(job, gone)
 
     def _take_inbox(self, block: bool) -> None:
@@ -267,7 +320,13 @@ class Scheduler:
             if job is None:
                 self._closed = True
                 return
-            self._waiting.append(job)
+            if isinstance(job, _KeepIdle):
+                for slot in self._slots:
+                    if slot.free:
+                        self._keep(slot, 0)
+                job.done.set()
+            else:
+                self._waiting.append(job)
             try:
                 job = self._inbox.get_nowait()
             except queue.Empty:
@@ -288,28 +347,45 @@ class Scheduler:
             if not free:
                 return
             job = self._waiting.popleft()
-            units = job.prompt.units
-            slot = max(free, key=lambda s: (_common_prefix(s.units, units), -s.last_used))
+            slot = max(free, key=lambda s: (self._reusable(s, job)[0], -s.last_used))
             self._start(slot, job)
+
+    def _reusable(self, slot: _Slot, job: Job) -> tuple[int, tuple[int, int] | None]:
+        """How many leading units of ``job``'s prompt ``slot`` can keep — with a dropped stretch
+        shifted out, where the job allows it and the cache can shift — and that shift's match."""
+        units = job.prompt.units
+        keep = _common_prefix(slot.units, units)
+        match = shift_match(slot.units, units, keep) if job.shift and self._can_shift else None
+        return (keep + match[1] if match is not None else keep), match
 
     def _start(self, slot: _Slot, job: Job) -> None:
         units = job.prompt.units
         slot.job, slot.cursor, slot.tokens, slot.pending = job, 0, None, None
         slot.started, slot.served = time.perf_counter(), 0
         slot.stats = PrefillStats(prompt_tokens=job.prompt.n_pos, image_tokens=job.prompt.image_tokens)
-        keep = _common_prefix(slot.units, units)
+        keep, match = self._reusable(slot, job)
         source = max((s for s in self._slots if s is not slot), default=None,
                      key=lambda s: _common_prefix(s.units, units))
         shared = _common_prefix(source.units, units) if source is not None else 0
         limit = len(units) - 1  # the last prompt token is evaluated again: sampling needs its logits
-        if self._can_rewind and source is not None and min(shared, limit) > keep:
+        stored, job.stored = job.stored, None
+        from_store = usable_prefix(stored, units, self._can_rewind) if stored is not None else 0
+        # (the stretch a shift drops is dropped for good: the conversation goes on without it)
+        self._keep(slot, _n_pos(slot.units[:keep if match is None else sum(match)]))  # before it is overwritten
+        if min(from_store, limit) > max(keep, shared if self._can_rewind else 0) \
+                and self._restore(slot, cast(KVState, stored)):
+            self._truncate(slot, min(from_store, limit))
+        elif self._can_rewind and source is not None and min(shared, limit) > keep:
             shared = min(shared, limit)
             pos = _n_pos(source.units[:shared])
             self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
             self._lc.llama_memory_seq_cp(self._mem, source.seq, slot.seq, 0, pos)
             slot.units, slot.n_past = list(source.units[:shared]), pos
+            slot.checkpoints.clear()
             self.copied_positions += pos
         else:
+            if match is not None:
+                self._shift_out(slot, keep - match[1], *match)
             self._truncate(slot, min(keep, limit))
         slot.cursor = len(slot.units)
         slot.checkpoint_at = Engine._checkpoint_point(units) if not self._can_rewind else -1
@@ -331,6 +407,58 @@ class Scheduler:
             n_units, pos = self._restore_checkpoint(slot)
         del slot.units[n_units:]
         slot.n_past = pos
+
+    def _shift_out(self, slot: _Slot, common: int, k: int, n: int) -> None:
+        """Remove ``slot.units[common:k]`` from the slot's sequence and shift ``k:k+n`` back to
+        follow ``common`` (llama.cpp's sequence remove + add, as the engine's ``_shift_out``)."""
+        self._truncate(slot, k + n)  # what follows the reused stretch goes first
+        start, stop = _n_pos(slot.units[:common]), _n_pos(slot.units[:k])
+        if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, start, stop):
+            self._truncate(slot, common)
+            return
+        self._lc.llama_memory_seq_add(self._mem, slot.seq, stop, -1, start - stop)
+        del slot.units[common:k]
+        slot.n_past -= stop - start
+        self.shifted_positions += stop - start
+
+    def _keep(self, slot: _Slot, reused: int) -> None:
+        """Give ``slot``'s state to the store when the prompt it starts reuses only ``reused``
+        of its positions and drops at least the store's ``min_positions``."""
+        store = self.store
+        if store is None or not slot.dirty or slot.n_past - reused < store.min_positions:
+            return
+        lc, ctx = self._lc, self.engine.llama.ctx
+        size = int(lc.llama_state_seq_get_size(ctx, slot.seq))
+        data = (ctypes.c_uint8 * size)()
+        if size and int(lc.llama_state_seq_get_data(ctx, data, size, slot.seq)) == size:
+            store.keep(KVState(list(slot.units), bytes(data),
+                               [(c.n_units, c.n_pos, bytes(c.data)) for c in slot.checkpoints]))
+            slot.dirty = False
+
+    def _restore(self, slot: _Slot, state: KVState) -> bool:
+        """Make ``slot``'s sequence hold ``state`` (kept by the store); False (and an empty
+        sequence) when llama.cpp or the checks refuse it."""
+        lc, ctx = self._lc, self.engine.llama.ctx
+        n_pos = _n_pos(state.units)
+        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+        slot.units, slot.n_past, slot.checkpoints = [], 0, []
+        try:
+            checkpoints = checkpoints_of(state)
+            if n_pos > slot.n_ctx:
+                raise EngineError(f"it holds {n_pos} positions, more than a slot's {slot.n_ctx}")
+            data = (ctypes.c_uint8 * len(state.data)).from_buffer_copy(state.data)
+            if (int(lc.llama_state_seq_set_data(ctx, data, len(state.data), slot.seq)) != len(state.data)
+                    or int(lc.llama_memory_seq_pos_max(self._mem, slot.seq)) != n_pos - 1):
+                raise EngineError("llama.cpp did not accept it")
+        except EngineError as exc:
+            lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+            cast(StateStore, self.store).refused(state, str(exc))
+            return False
+        slot.units, slot.n_past, slot.checkpoints = list(state.units), n_pos, checkpoints
+        slot.dirty = False
+        self.restored_states += 1
+        cast(StateStore, self.store).restored(state)
+        return True
 
     def _save_checkpoint(self, slot: _Slot) -> None:
         """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
@@ -409,6 +537,7 @@ class Scheduler:
         if prefill is not None:
             prefill.units.extend(chunk)
             prefill.n_past += len(chunk)
+            prefill.dirty = True
             prefill.cursor += len(chunk)
             if prefill.cursor == len(cast(Job, prefill.job).prompt.units):
                 self._prefilled(prefill)
@@ -460,6 +589,7 @@ class Scheduler:
             return False
         slot.units.append(unit)
         slot.n_past = int(new_n_past.value)
+        slot.dirty = True
         slot.cursor += 1
         slot.done_images += 1
         job.events.put(("progress", (slot.done_images, slot.todo_images, stats.slices_from_cache)))

@@ -24,11 +24,13 @@ at the chosen ``detail``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import memory
 from .errors import ConfigError
+from .quants import BITS_PER_WEIGHT
 from .shapes import TextShape, VisionShape
 from .slicing import AUTO_MAX_SLICES_CPU, AUTO_MAX_SLICES_GPU, DETAILS, MAX_SLICES, count_slices, fit_slices
 
@@ -54,14 +56,19 @@ def _positive(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Rates:
-    """What one machine does per second, for the speed model. Every field is positive.
+    """What one machine does per second, for the speed model. Every number is positive.
 
     ``bandwidth``: bytes per second a streaming read reaches with all threads (decode
     reads every weight once per token). ``matvec``: weight bytes per second llama.cpp's
-    decode kernels get through when memory is not the limit. ``prefill_flops``: FLOP/s
-    of llama.cpp's quantized matrix multiplication on a prompt. ``vision_flops``: FLOP/s
-    of libmtmd's vision encoder (F16 weights). ``threads``: the thread count they were
-    measured with.
+    decode kernels get through when memory is not the limit, and ``matvec_by_type`` the
+    same per ggml weight type (``"Q4_K"``, ``"Q8_0"``...: their kernels differ by up to
+    3x per byte); ``matvec`` stands in for a type not listed. ``prefill_flops`` and
+    ``prefill_by_type``: FLOP/s of llama.cpp's matrix multiplication on a prompt, in
+    general and per type. ``token_overhead_s`` and ``layer_overhead_s``: the fixed cost
+    of one decoded token (graph, sampling, Python) and what each layer adds to it.
+    ``vision_flops``: FLOP/s of libmtmd's vision encoder (F16 weights);
+    ``vision_by_backend``: the same for other encoders (``"onnx-int8"``, ``"onnx-fp32"``).
+    ``threads``: the thread count they were measured with.
     """
 
     bandwidth: float
@@ -70,26 +77,63 @@ class Rates:
     vision_flops: float
     threads: int = 1
     source: str = "defaults"
+    matvec_by_type: Mapping[str, float] = field(default_factory=dict)
+    prefill_by_type: Mapping[str, float] = field(default_factory=dict)
+    vision_by_backend: Mapping[str, float] = field(default_factory=dict)
+    token_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("bandwidth", "matvec", "prefill_flops", "vision_flops"):
             value = getattr(self, name)
             if not _positive(value):
                 raise ConfigError(f"Rates.{name} must be a positive finite number, not {value!r}.")
+        for name in ("token_overhead_s", "layer_overhead_s"):
+            value = getattr(self, name)
+            if not _number(value) or not math.isfinite(value) or not 0 <= value < 1:
+                raise ConfigError(f"Rates.{name} must be a number of seconds from 0 to 1, not {value!r}.")
+        for name in ("matvec_by_type", "prefill_by_type", "vision_by_backend"):
+            table = getattr(self, name)
+            if not isinstance(table, Mapping) or not all(
+                    isinstance(k, str) and _positive(v) for k, v in table.items()):
+                raise ConfigError(f"Rates.{name} must map names to positive finite numbers, not {table!r}.")
+            object.__setattr__(self, name, dict(table))
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ConfigError(f"Rates.threads must be a positive integer, not {self.threads!r}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in self.__dict__.items()}
+
+    def matvec_for(self, ggml_type: str) -> float:
+        """Decode bytes per second for weights of ``ggml_type`` (``matvec`` when not probed)."""
+        return self.matvec_by_type.get(ggml_type.upper(), self.matvec)
+
+    def prefill_for(self, ggml_type: str) -> float:
+        """Prompt FLOP/s for weights of ``ggml_type`` (``prefill_flops`` when not probed)."""
+        return self.prefill_by_type.get(ggml_type.upper(), self.prefill_flops)
+
+    def vision_for(self, backend: str | None) -> float:
+        """The vision encoder's FLOP/s with ``backend`` (libmtmd's when None or not probed)."""
+        return self.vision_by_backend.get(backend or "", self.vision_flops)
 
 
 #: Used when probing is switched off (``probe=False`` / ``GGUF_MCV_NO_PROBE=1``): this
-#: project's 2-core AVX-512 development machine. Its 1-thread probe (tools/bench_speed.py,
-#: README "Speed: predicted vs measured": 31 GB/s, 13.5 GB/s, 120 and 64 GFLOP/s), the
-#: arithmetic rates x 1.6 for the second core (a SigLIP slice took ~14 s on one thread
-#: there and ~9 s on two), rounded.
-DEFAULT_RATES = Rates(bandwidth=30e9, matvec=22e9, prefill_flops=190e9, vision_flops=100e9,
-                      threads=2, source="defaults")
+#: project's 2-core AVX-512 development machine. The median of seven 1-thread probes
+#: (tools/bench_speed.py, README "Speed: predicted vs measured"; IQ3_S and IQ4_XS from one
+#: probe scaled by its Q4_K to the median's), the arithmetic rates
+#: x 1.6 for the second core (a SigLIP slice took ~14 s on one thread there and ~9 s on
+#: two), rounded to two digits.
+DEFAULT_RATES = Rates(
+    bandwidth=28e9, matvec=25e9, prefill_flops=230e9, vision_flops=110e9, threads=2, source="defaults",
+    matvec_by_type={"Q2_K": 16e9, "Q3_K": 13e9, "Q4_0": 23e9, "Q4_1": 16e9, "Q4_K": 25e9, "Q5_0": 17e9,
+                    "Q5_1": 17e9, "Q5_K": 18e9, "Q6_K": 27e9, "Q8_0": 28e9, "F16": 36e9, "IQ3_S": 5.7e9,
+                    "IQ4_XS": 16e9},
+    prefill_by_type={"Q2_K": 160e9, "Q3_K": 250e9, "Q4_0": 220e9, "Q4_1": 91e9, "Q4_K": 230e9, "Q5_0": 160e9,
+                     "Q5_1": 86e9, "Q5_K": 270e9, "Q6_K": 240e9, "Q8_0": 190e9, "F16": 160e9, "IQ3_S": 260e9,
+                     "IQ4_XS": 280e9},
+    vision_by_backend={"onnx-fp32": 150e9, "onnx-int8": 400e9},
+    token_overhead_s=45e-6, layer_overhead_s=28e-6,
+)
 
 
 @dataclass(frozen=True)
@@ -156,6 +200,12 @@ def vision_flops_per_slice(vision: VisionShape | None, text_width: int) -> float
     see P/4 tokens, and a last 2x2 merge projects P/16 tokens to the text width
     (libmtmd ``clip_graph_minicpmv4_6``).
     """
+    return sum(vision_flops_parts(vision, text_width))
+
+
+def vision_flops_parts(vision: VisionShape | None, text_width: int) -> tuple[float, float]:
+    """:func:`vision_flops_per_slice` split into (the ViT blocks, the rest: patch embedding,
+    merger, projector). The ONNX int8 encoder runs only the blocks in int8."""
     v = vision or VisionShape()
     p, w, f = v.patches, v.width, v.ff
 
@@ -166,10 +216,10 @@ def vision_flops_per_slice(vision: VisionShape | None, text_width: int) -> float
     d, q = text_width, v.query_tokens
     if v.full_blocks is not None:
         full = min(v.full_blocks, v.blocks)
-        merged = full * block(p) + block(p) + (v.blocks - full) * block(p // 4)
-        return 2.0 * (merged + patch_embd + (p // 16) * 4 * w * d)
+        blocks = full * block(p) + (v.blocks - full) * block(p // 4)
+        return 2.0 * blocks, 2.0 * (block(p) + patch_embd + (p // 16) * 4 * w * d)
     resampler = p * w * d + 2 * p * d * d + 3 * q * d * d + 2 * q * p * d
-    return 2.0 * (v.blocks * block(p) + patch_embd + resampler)
+    return 2.0 * v.blocks * block(p), 2.0 * (patch_embd + resampler)
 
 
 def decode_bytes(model_size: int, text: TextShape, quant: str | None) -> int:
@@ -181,45 +231,136 @@ def decode_bytes(model_size: int, text: TextShape, quant: str | None) -> int:
     return max(0, model_size - token_embd)
 
 
+@dataclass(frozen=True)
+class WeightProfile:
+    """A text model's weight bytes by ggml type (``{"Q4_K": bytes, ...}``).
+
+    ``layers``: everything but the embeddings; ``output``: the matrix that makes the
+    logits (``output.weight``, or ``token_embd`` when the two are tied). A decoded token
+    reads both once; a prompt runs every token through the layers and only its last
+    through the output. ``token_embd`` is otherwise left out: one row of it is read.
+    """
+
+    layers: Mapping[str, int]
+    output: Mapping[str, int]
+
+    def per_token(self) -> dict[str, int]:
+        """Bytes read per decoded token, by type."""
+        out = dict(self.layers)
+        for t, n in self.output.items():
+            out[t] = out.get(t, 0) + n
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers.values()) + sum(self.output.values())
+
+
+def weight_profile(model_size: int, text: TextShape, quant: str | None,
+                   tensors: Iterable[tuple[str, str, int]] | None = None) -> WeightProfile:
+    """The :class:`WeightProfile` of a text model file: exact from ``tensors`` -- (name,
+    ggml type name, bytes) as :func:`gguf_mcv.memory.tensor_list` reads them from a header
+    -- else from ``model_size`` and llama.cpp's type mix for ``quant``
+    (:data:`gguf_mcv.memory.QUANT_TYPE_MIX`)."""
+    if tensors is not None:
+        listed = list(tensors)
+        names = {name for name, _, _ in listed}
+        out_name = "output.weight" if "output.weight" in names else "token_embd.weight"
+        layers: dict[str, int] = {}
+        output: dict[str, int] = {}
+        for name, typ, n in listed:
+            if name == out_name:
+                output[typ.upper()] = output.get(typ.upper(), 0) + n
+            elif name != "token_embd.weight":
+                layers[typ.upper()] = layers.get(typ.upper(), 0) + n
+        return WeightProfile(layers, output)
+    q = (quant or "Q4_K_M").upper()
+    token_embd, output_bytes = memory.embedding_bytes(text, q)
+    out_type = memory.output_type(q)
+    if text.tied_embeddings:
+        output_bytes = token_embd  # the same matrix, in the output's type
+    rest = max(0, model_size - token_embd - (0 if text.tied_embeddings else output_bytes))
+    mix = memory.QUANT_TYPE_MIX.get(q, {_MAIN_TYPE.get(q, q): 1.0})
+    return WeightProfile({t: int(rest * share) for t, share in mix.items()}, {out_type: output_bytes})
+
+
+#: The ggml type most of a file of these quants is made of, where the name is not a type.
+_MAIN_TYPE = {"IQ3_M": "IQ3_S", "IQ3_XS": "IQ3_S", "Q3_K_S": "Q3_K", "Q4_K_S": "Q4_K", "Q5_K_S": "Q5_K"}
+
+
+def type_bits(ggml_type: str) -> float:
+    """Bits per weight of a ggml type (its block size), Q4_K's for a name nobody knows."""
+    t = ggml_type.upper()
+    return memory.GGML_TYPE_BITS.get(t) or BITS_PER_WEIGHT.get(t) or memory.GGML_TYPE_BITS["Q4_K"]
+
+
 # --- predictions ----------------------------------------------------------------------
 
 
 def decode_seconds(model_size: int, text: TextShape, quant: str | None, rates: Rates, *,
                    n_past: int = 512, kv_cache_type: str = "f16", gpu_share: float = 0.0,
-                   gpu: GpuRates | None = None) -> float:
+                   gpu: GpuRates | None = None, weights: WeightProfile | None = None) -> float:
     """Seconds for one decoded token at ``n_past`` cached positions.
 
-    ``gpu_share`` (0..1) of the layer weights and KV cache run on ``gpu``.
+    Each weight type's bytes at the slower of the memory bandwidth and that type's
+    measured kernel rate, the KV cache (and a hybrid model's recurrent state, read and
+    written) at the bandwidth, plus llama.cpp's fixed cost per token and per layer.
+    ``weights`` defaults to :func:`weight_profile` from the size and quant. ``gpu_share``
+    (0..1) of the layer weights and KV cache run on ``gpu``.
     """
-    weights = decode_bytes(model_size, text, quant)
+    profile = weights or weight_profile(model_size, text, quant)
     kv = text.kv_bytes_per_token(memory.KV_BYTES_PER_ELEMENT[kv_cache_type]) * max(0, n_past)
+    state = 2 * 4 * text.recurrent_values  # f32, read and written back
     share = _share(gpu_share, gpu)
-    cpu_weights, cpu_kv = weights * (1 - share), kv * (1 - share)
-    cpu = max((cpu_weights + cpu_kv) / rates.bandwidth, cpu_weights / rates.matvec)
+    cpu = sum(n * (1 - share) / min(rates.bandwidth, rates.matvec_for(t)) for t, n in profile.per_token().items())
+    cpu += (kv + state) * (1 - share) / rates.bandwidth
+    cpu += rates.token_overhead_s + rates.layer_overhead_s * text.n_layers
     on_gpu = 0.0
     if share and gpu is not None:
-        on_gpu = (weights + kv) * share / gpu.bandwidth
+        on_gpu = (profile.total + kv + state) * share / gpu.bandwidth
     return cpu + on_gpu
 
 
 def prefill_seconds(n_tokens: int, text: TextShape, rates: Rates, *, n_past: int = 0,
-                    gpu_share: float = 0.0, gpu: GpuRates | None = None) -> float:
-    """Seconds to evaluate ``n_tokens`` prompt tokens after ``n_past`` (logits for the last only)."""
+                    gpu_share: float = 0.0, gpu: GpuRates | None = None,
+                    weights: WeightProfile | None = None) -> float:
+    """Seconds to evaluate ``n_tokens`` prompt tokens after ``n_past`` (logits for the last only).
+
+    With ``weights`` each type's multiplications run at that type's measured prompt rate;
+    without, the layers' operations (from the shape) at ``rates.prefill_flops``.
+    """
     n = max(0, n_tokens)
-    flops = n * text_flops_per_token(text) + attention_flops(text, n_past + n // 2) * n
-    flops += 2.0 * text.n_vocab * text.n_embd  # the output matrix, for the last token
+    attention = attention_flops(text, n_past + n // 2) * n
+    if weights is None:
+        flops = n * text_flops_per_token(text) + attention + 2.0 * text.n_vocab * text.n_embd
+        cpu_seconds = flops / rates.prefill_flops
+    else:
+        def matmul(table: Mapping[str, int], tokens: int) -> tuple[float, float]:
+            ops = {t: 2.0 * tokens * b * 8 / type_bits(t) for t, b in table.items()}
+            return sum(ops.values()), sum(f / rates.prefill_for(t) for t, f in ops.items())
+
+        layer_flops, layer_s = matmul(weights.layers, n)
+        out_flops, out_s = matmul(weights.output, 1)
+        flops = layer_flops + out_flops + attention
+        cpu_seconds = layer_s + out_s + attention / rates.prefill_flops
     share = _share(gpu_share, gpu)
-    seconds = flops * (1 - share) / rates.prefill_flops
+    seconds = cpu_seconds * (1 - share)
     if share and gpu is not None:
         seconds += flops * share / gpu.flops
     return seconds
 
 
 def encode_seconds(vision: VisionShape | None, text_width: int, rates: Rates, *,
-                   gpu: GpuRates | None = None) -> float:
-    """Seconds for one slice through the vision encoder (on ``gpu`` when given)."""
-    flops = vision_flops_per_slice(vision, text_width)
-    return flops / (gpu.flops if gpu is not None else rates.vision_flops)
+                   gpu: GpuRates | None = None, backend: str | None = None) -> float:
+    """Seconds for one slice through the vision encoder: on ``gpu`` when given, else on
+    the CPU with ``backend`` (``"onnx-int8"``...; None or ``"llama.cpp"``: libmtmd)."""
+    if gpu is not None:
+        return vision_flops_per_slice(vision, text_width) / gpu.flops
+    blocks, rest = vision_flops_parts(vision, text_width)
+    if backend == "onnx-int8" and "onnx-fp32" in rates.vision_by_backend:
+        # only the blocks' MatMuls are int8; the rest runs in fp32
+        return blocks / rates.vision_for(backend) + rest / rates.vision_for("onnx-fp32")
+    return (blocks + rest) / rates.vision_for(backend)
 
 
 def photo_slices(detail: str = "auto", *, vision_on_gpu: bool = False,
@@ -235,20 +376,27 @@ def photo_slices(detail: str = "auto", *, vision_on_gpu: bool = False,
 
 def predict(*, model_size: int, text: TextShape, quant: str | None, vision: VisionShape | None,
             rates: Rates, detail: str = "auto", kv_cache_type: str = "f16", gpu_share: float = 0.0,
-            vision_on_gpu: bool = False, gpu: GpuRates | None = None) -> SpeedPrediction:
-    """Decode, prefill and encode rates and first-answer times for one quant on one machine."""
+            vision_on_gpu: bool = False, gpu: GpuRates | None = None, weights: WeightProfile | None = None,
+            vision_backend: str | None = None) -> SpeedPrediction:
+    """Decode, prefill and encode rates and first-answer times for one quant on one machine.
+
+    ``weights``: the file's :class:`WeightProfile` when its header was read (else one is
+    estimated from the size and quant); ``vision_backend``: the encoder on the CPU
+    (``"onnx-int8"``, ``"onnx-fp32"``; None or ``"llama.cpp"``: libmtmd).
+    """
     v = vision or VisionShape()
     slice_size = v.image_size or 448
     slices = photo_slices(detail, vision_on_gpu=vision_on_gpu, slice_size=slice_size)
-    encode = encode_seconds(v, text.n_embd, rates, gpu=gpu if vision_on_gpu else None)
-    gpu_args: dict[str, Any] = dict(gpu_share=gpu_share, gpu=gpu)
+    encode = encode_seconds(v, text.n_embd, rates, gpu=gpu if vision_on_gpu else None, backend=vision_backend)
+    weights = weights or weight_profile(model_size, text, quant)
+    gpu_args: dict[str, Any] = dict(gpu_share=gpu_share, gpu=gpu, weights=weights)
     per_slice = v.query_tokens + MARKER_TOKENS_PER_SLICE
 
     def first_answer(n_slices: int, extra_tokens: int) -> float:
         prompt = n_slices * per_slice + extra_tokens + QUESTION_TOKENS
         return (n_slices * encode + prefill_seconds(prompt, text, rates, **gpu_args)
-                + decode_seconds(model_size, text, quant, rates, n_past=prompt,
-                                 kv_cache_type=kv_cache_type, **gpu_args))
+                + decode_seconds(model_size, text, quant, rates, n_past=prompt, kv_cache_type=kv_cache_type,
+                                 **gpu_args))
 
     photo_prompt = slices * per_slice + QUESTION_TOKENS
     token = decode_seconds(model_size, text, quant, rates, n_past=photo_prompt,
@@ -283,9 +431,20 @@ def check_limit(name: str, value: Any) -> float | None:
     return float(value)
 
 
+#: The per-type tables that scale with each general rate in :func:`scaled`.
+_TABLES = {"matvec": "matvec_by_type", "prefill_flops": "prefill_by_type", "vision_flops": "vision_by_backend"}
+
+
 def scaled(rates: Rates, **factors: float) -> Rates:
-    """``rates`` with some fields multiplied (e.g. ``bandwidth=0.5``): for what-if boards."""
-    return replace(rates, **{k: getattr(rates, k) * f for k, f in factors.items()})
+    """``rates`` with some rates multiplied (e.g. ``bandwidth=0.5``): for what-if boards.
+
+    ``matvec``, ``prefill_flops`` and ``vision_flops`` scale their per-type tables too."""
+    changes: dict[str, Any] = {}
+    for name, f in factors.items():
+        changes[name] = getattr(rates, name) * f
+        if name in _TABLES:
+            changes[_TABLES[name]] = {k: v * f for k, v in getattr(rates, _TABLES[name]).items()}
+    return replace(rates, **changes)
 
 
 def _share(gpu_share: float, gpu: GpuRates | None) -> float:

@@ -12,12 +12,16 @@ What is measured (:func:`measure`):
 
 * memory bandwidth: numpy streaming reads (a dot product of two arrays far larger than
   the CPU caches) on every recommended thread at once;
-* llama.cpp's own rates, on a small model pair generated for the purpose
-  (:mod:`gguf_mcv.synthetic`, in a temporary folder, deleted after): one 448-pixel slice
-  through one SigLIP-400M-sized vision block (libmtmd's F16 matrices), a 280-token prompt
-  and 32 decoded tokens through a 2-layer, 1024-wide Q4_K_M text model. Those kernels
-  (ggml's quantized dot products, its F16 conversions) run at rates numpy's BLAS says
-  nothing about, so they are timed where they run.
+* llama.cpp's own rates, on small models generated for the purpose
+  (:mod:`gguf_mcv.synthetic`, in a temporary folder, deleted after): for each weight
+  type in :data:`PROBED_TYPES` a 2-layer, 1024-wide text model whose matrices are all of
+  that type, timed on a ~140-token prompt and 32 greedy tokens (ggml's kernels differ by
+  up to 3x per byte between types, and a file mixes several); two narrow models that
+  time the fixed cost of a token and of a layer; and one 448-pixel slice through one
+  SigLIP-400M-sized vision block (libmtmd's F16 matrices). Those kernels run at rates
+  numpy's BLAS says nothing about, so they are timed where they run. The text models'
+  weights are random blocks of the type, written without llama.cpp's quantizer (which
+  needs seconds per K-quant model).
 
 Every timing is busy time (:func:`busy_seconds`): CPU seconds per thread, which on an
 idle machine is the wall clock and on a shared one leaves out other processes' turns.
@@ -25,13 +29,16 @@ idle machine is the wall clock and on a shared one leaves out other processes' t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import stat
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
@@ -42,7 +49,7 @@ from .errors import ConfigError, GgufMcvError
 from .speed import DEFAULT_RATES, Rates
 
 #: Bumped when what is measured changes: older cache files are then probed again.
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 CACHE_NAME = "speed-probe.json"
 #: Bytes each thread streams through per bandwidth pass: far beyond any CPU cache.
 BANDWIDTH_BYTES = 128 * 2**20
@@ -210,41 +217,129 @@ def busy_seconds(threads: int) -> float:
 
 
 def probe_spec() -> Any:
-    """The generated model pair the probe times: a 1024-wide, 2-layer Q4_K_M text model (rows
-    that are multiples of 256, as in every real MiniCPM-V, so the K-quant types are used) with
-    a small vocabulary, and one SigLIP-400M-sized vision block."""
+    """The generated models the probe times: 1024 wide with 2 layers (rows that are
+    multiples of 256, as in every real MiniCPM-V, so every block type fits), a small
+    vocabulary, and one SigLIP-400M-sized vision block."""
     from .synthetic import SyntheticSpec
 
     return SyntheticSpec(n_embd=1024, n_layer=2, n_head=16, n_head_kv=2, n_ff=2816, n_vocab=1024,
-                         n_merges=240, v_embd=1152, v_layer=1, v_head=16, v_ff=4304,
+                         n_merges=32, v_embd=1152, v_layer=1, v_head=16, v_ff=4304,
                          name="gguf_mcv speed probe")
 
 
-def time_llama(threads: int, folder: Path | None = None) -> dict[str, float]:
-    """Busy seconds (:func:`busy_seconds`) llama.cpp takes, on the probe pair, for one
-    448-pixel slice, a 280-token prompt and each of 32 decoded tokens.
+def overhead_spec(n_layer: int) -> Any:
+    """A model so narrow that a token's time is llama.cpp's fixed cost: graph, sampling,
+    the Python loop, and what each of its ``n_layer`` layers adds."""
+    return replace(probe_spec(), n_embd=128, n_head=2, n_head_kv=1, n_ff=256, n_layer=n_layer,
+                   v_embd=64, v_head=4, v_ff=128)
 
-    The pair is generated into ``folder`` (default: a temporary folder, deleted after).
+
+#: ggml weight types the probe times, one generated model each: every type llama.cpp's
+#: quant mixes use (K-quants, and the legacy types it falls back to for rows that are not
+#: multiples of 256), F16, and the i-quants third-party ladders add (IQ3_M and IQ3_XS are
+#: mostly IQ3_S). Another type is predicted at Q4_K's rate.
+PROBED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16",
+                "IQ3_S", "IQ4_XS")
+#: Layer counts of the two overhead models: their difference gives the cost per layer.
+OVERHEAD_LAYERS = (1, 9)
+#: Greedy tokens timed per model (the first, which finishes the prompt, is not).
+TIMED_TOKENS = 32
+#: Words of each type's prompt: about 140 tokens, one batch through the GEMM path.
+PROMPT_WORDS = 50
+
+
+def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] = PROBED_TYPES) -> dict[str, Any]:
+    """Busy seconds (:func:`busy_seconds`) llama.cpp takes on generated models.
+
+    Returns ``slice_s`` (one 448-pixel slice through the probe's vision block),
+    ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
+    the overhead models) and ``types``: per ggml type, a ~140-token prompt's ``prefill_s``, the median ``token_s`` of
+    :data:`TIMED_TOKENS` greedy tokens, ``prefill_tokens``, ``n_past`` and the model's
+    ``tensors`` (:func:`gguf_mcv.memory.tensor_list`). Every model is written in
+    milliseconds (:func:`gguf_mcv.synthetic.write_text_model` with ``weight_type``) into
+    ``folder`` (default: a temporary folder, deleted after).
     """
     if folder is None:
         with tempfile.TemporaryDirectory(prefix="gguf-mcv-probe-") as tmp:
-            return time_llama(threads, Path(tmp))
+            return time_llama(threads, Path(tmp), types)
+    from .mmproj_standin import write_standin
+    from .synthetic import write_mmproj, write_text_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = probe_spec()
+    mmproj = write_mmproj(folder / "probe-mmproj.gguf", spec)
+    standin = write_standin(mmproj, folder / "probe-standin.gguf")
+    out: dict[str, Any] = {"types": {}, "overhead": {}}
+    for t in types:
+        path = write_text_model(folder / f"probe-{t}.gguf", spec, weight_type=t)
+        with _engine(path, mmproj if t == "Q4_K" else standin, threads) as engine:
+            if t == "Q4_K":
+                out["slice_s"] = _time_slice(engine, threads)
+            out["types"][t] = {**_time_text(engine, threads, words=PROMPT_WORDS), "tensors": _tensors(path)}
+    out["onnx_slice_s"] = time_onnx(mmproj, threads, folder)
+    tiny = overhead_spec(1)
+    tiny_standin = write_standin(write_mmproj(folder / "overhead-mmproj.gguf", tiny), folder / "overhead-standin.gguf")
+    for n_layer in OVERHEAD_LAYERS:
+        path = write_text_model(folder / f"overhead-{n_layer}.gguf", overhead_spec(n_layer), weight_type="F16")
+        with _engine(path, tiny_standin, threads) as engine:
+            out["overhead"][n_layer] = _time_text(engine, threads, words=10)["token_s"]
+    return out
+
+
+def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
+    """Busy seconds ONNX Runtime takes for one 448-pixel slice through ``mmproj``'s tower,
+    after a small one has warmed the session up, per variant (``{"onnx-fp32": s,
+    "onnx-int8": s}``); empty when onnxruntime or onnx cannot be imported (then the
+    libmtmd rate stands in)."""
+    try:
+        import onnx
+
+        from .onnx_graph import Weights, build_model
+        from .onnx_vision import OnnxEncoder
+    except ImportError:
+        return {}
+    import numpy as np
+
+    weights = Weights(mmproj)
+    projector = weights.projector()
+    times = {}
+    for variant in ("fp32", "int8"):
+        path = folder / f"probe-{variant}.onnx"
+        model, _ = build_model(weights, fold=True, int8=variant == "int8")
+        onnx.save_model(model, str(path))
+        encoder = OnnxEncoder(path, projector, n_threads=threads)
+        rng = np.random.default_rng(0)
+        encoder.encode_pixels(rng.standard_normal((3, 112, 112), np.float32))  # warm-up
+        pixels = rng.standard_normal((3, projector.image_size, projector.image_size), np.float32)
+        start = busy_seconds(threads)
+        encoder.encode_pixels(pixels)
+        times[f"onnx-{variant}"] = busy_seconds(threads) - start
+    return times
+
+
+@contextlib.contextmanager
+def _engine(path: Path, mmproj: Path, threads: int) -> Iterator[Any]:
     import llama_cpp  # lazy: llama.cpp's native library
 
     from .engine import Engine
-    from .synthetic import build
 
-    built = build(folder, probe_spec(), ["Q4_K_M"])
-    llama = llama_cpp.Llama(model_path=str(built.quants["Q4_K_M"]), n_ctx=2048, n_batch=512,
-                            n_ubatch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    engine = Engine(llama, built.mmproj, n_threads=threads)
+    llama = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_ubatch=512,
+                            n_threads=threads, n_threads_batch=threads, verbose=False)
     try:
-        out = {"slice_s": _time_slice(engine, threads)}
-        out.update(_time_text(engine, threads))
-        return out
+        engine = Engine(llama, mmproj, n_threads=threads, slice_size=probe_spec().image_size)
+        try:
+            yield engine
+        finally:
+            engine.close()
     finally:
-        engine.close()
         llama.close()
+
+
+def _tensors(path: Path) -> list[tuple[str, str, int]]:
+    from .headers import read_tensors
+    from .memory import tensor_list
+
+    return tensor_list(read_tensors(path))
 
 
 def _time_slice(engine: Any, threads: int) -> float:
@@ -265,63 +360,85 @@ def _time_slice(engine: Any, threads: int) -> float:
     return seconds
 
 
-def _time_text(engine: Any, threads: int) -> dict[str, float]:
-    """A text prompt's prefill, then 32 greedy tokens (the first one not timed)."""
+def _time_text(engine: Any, threads: int, tokens: int = TIMED_TOKENS, words: int = 100) -> dict[str, float]:
+    """A prompt of ``words`` words (100: about 280 tokens), then the median busy time of
+    ``tokens`` greedy tokens (the first one, which ends the prompt's evaluation, not timed)."""
     from .options import Sampling
 
-    words = " ".join(f"w{i % 50}" for i in range(100))
-    with engine.tokenize(words) as prompt:
+    text = " ".join(f"w{i % 50}" for i in range(words))
+    with engine.tokenize(text) as prompt:
         start = busy_seconds(threads)
         engine.prefill(prompt)
         out = {"prefill_s": busy_seconds(threads) - start, "prefill_tokens": float(prompt.n_pos)}
-    steps = engine.generate(Sampling(temperature=0.0), 33)
+    steps = engine.generate(Sampling(temperature=0.0), tokens + 1)
     next(steps)
-    start, n = busy_seconds(threads), 0
-    for _ in steps:
-        n += 1
-    out["token_s"] = (busy_seconds(threads) - start) / max(1, n)
-    out["n_past"] = out["prefill_tokens"] + 1 + n / 2
+    times = []
+    while True:
+        start = busy_seconds(threads)
+        try:
+            next(steps)
+        except StopIteration:
+            break
+        times.append(busy_seconds(threads) - start)
+    out["token_s"] = statistics.median(times) if times else float("nan")
+    out["n_past"] = out["prefill_tokens"] + 1 + len(times) / 2
     return out
 
 
-def rates_from(bandwidth: float, timed: dict[str, float], threads: int, source: str) -> Rates:
-    """:class:`Rates` from the bandwidth and :func:`time_llama`'s timings of the probe pair.
+def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: str) -> Rates:
+    """:class:`Rates` from the bandwidth and :func:`time_llama`'s timings.
 
-    Everything one probe token costs is put on its weights (``matvec``): llama.cpp's
-    per-token work grows with the layers, as the weights do.
+    The overhead models give the fixed cost per token and per layer; each type's model,
+    less that cost and its KV cache at the bandwidth, gives the type's decode rate; its
+    prompt gives the type's prompt rate. Q4_K's rates stand in for types not timed.
     """
     from .shapes import TextShape, VisionShape
-    from .speed import attention_flops, decode_bytes, text_flops_per_token, vision_flops_per_slice
+    from .speed import attention_flops, type_bits, vision_flops_per_slice, weight_profile
 
     spec = probe_spec()
     text = TextShape(n_layers=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
                      n_head_kv=spec.n_head_kv, head_dim=spec.head_size, n_vocab=spec.n_vocab,
                      n_ff=spec.n_ff)
     vision = VisionShape(width=spec.v_embd, blocks=spec.v_layer, heads=spec.v_head, ff=spec.v_ff)
-    n = timed["prefill_tokens"]
-    size = _q4_k_m_bytes(text)
-    kv = text.kv_bytes_per_token() * timed["n_past"]
+    (few, few_s), (many, many_s) = sorted((int(k), float(v)) for k, v in timed["overhead"].items())
+    layer_s = max(0.0, (many_s - few_s) / (many - few))
+    token_s = max(0.0, few_s - layer_s * few)
+    matvec: dict[str, float] = {}
+    prefill: dict[str, float] = {}
+    for t, m in timed["types"].items():
+        profile = weight_profile(0, text, None, [tuple(x) for x in m["tensors"]])
+        read = profile.per_token().get(t, 0)
+        kv = text.kv_bytes_per_token() * m["n_past"] / bandwidth
+        # a noisy overhead reading must not leave the weights no time at all
+        weights_s = max(m["token_s"] - token_s - layer_s * spec.n_layer - kv, 0.25 * m["token_s"])
+        matvec[t] = read / weights_s
+        n = m["prefill_tokens"]
+        params = sum(b * 8 / type_bits(typ) for typ, b in profile.layers.items())
+        out_params = sum(b * 8 / type_bits(typ) for typ, b in profile.output.items())
+        flops = 2 * n * params + 2 * out_params + n * attention_flops(text, int(n // 2))
+        prefill[t] = flops / m["prefill_s"]
+    generic = "Q4_K" if "Q4_K" in matvec else next(iter(matvec))
     return Rates(
-        bandwidth=bandwidth,
-        matvec=(decode_bytes(size, text, "Q4_K_M") + kv) / timed["token_s"],
-        prefill_flops=(n * text_flops_per_token(text) + n * attention_flops(text, int(n // 2)))
-        / timed["prefill_s"],
+        bandwidth=bandwidth, matvec=matvec[generic], prefill_flops=prefill[generic],
         vision_flops=vision_flops_per_slice(vision, spec.n_embd) / timed["slice_s"],
-        threads=threads, source=source,
+        threads=threads, source=source, matvec_by_type=matvec, prefill_by_type=prefill,
+        vision_by_backend=_onnx_rates(timed.get("onnx_slice_s") or {}, vision, spec.n_embd),
+        token_overhead_s=min(token_s, 0.5), layer_overhead_s=min(layer_s, 0.5),
     )
 
 
-def _q4_k_m_bytes(text: Any) -> int:
-    """The probe's Q4_K_M text file, but for its header: layers at Q4_K_M's mix plus embeddings."""
-    from .memory import GGML_TYPE_BITS, QUANT_TYPE_MIX, embedding_bytes
+def _onnx_rates(seconds: dict[str, float], vision: Any, text_width: int) -> dict[str, float]:
+    """FLOP/s per ONNX variant: fp32 over the whole slice; int8 over the blocks only, after
+    taking out the rest (patch embedding, projector) at fp32's rate -- as
+    :func:`gguf_mcv.speed.encode_seconds` predicts it."""
+    from .speed import vision_flops_parts
 
-    bits = sum(share * GGML_TYPE_BITS[t] for t, share in QUANT_TYPE_MIX["Q4_K_M"].items())
-    token_embd, output = embedding_bytes(text, "Q4_K_M")
-    layer_params = text_params_per_layer(text)
-    return int(layer_params * text.n_layers * bits / 8) + token_embd + output
-
-
-def text_params_per_layer(text: Any) -> int:
-    """Weights of one attention + FFN layer (the matrices; norms and biases are noise)."""
-    q, kv = text.n_head * text.head_dim, text.n_head_kv * text.head_dim
-    return text.n_embd * (2 * q + 2 * kv) + 3 * text.n_embd * text.ff
+    if "onnx-fp32" not in seconds:
+        return {}
+    blocks, rest = vision_flops_parts(vision, text_width)
+    fp32 = (blocks + rest) / seconds["onnx-fp32"]
+    out = {"onnx-fp32": fp32}
+    if "onnx-int8" in seconds:
+        # a noisy reading must not leave the blocks no time at all
+        out["onnx-int8"] = blocks / max(seconds["onnx-int8"] - rest / fp32, 0.25 * seconds["onnx-int8"])
+    return out

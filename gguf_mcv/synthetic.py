@@ -26,7 +26,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +294,13 @@ def byte_tokens() -> list[str]:
 
 def bpe_merges(n_merges: int) -> list[tuple[str, str]]:
     """Learn up to ``n_merges`` BPE merges from a Zipf-weighted English word list."""
+    return list(_learned_merges(n_merges))
+
+
+@lru_cache(maxsize=8)
+def _learned_merges(n_merges: int) -> tuple[tuple[str, str], ...]:
+    # about a second for a few hundred merges: every model of a build (and every model
+    # the speed probe writes) has the same vocabulary
     counts: dict[tuple[str, ...], int] = {}
     for rank, word in enumerate(dict.fromkeys(_WORDS)):
         weight = 40_000 // (rank + 200)  # gently Zipf: rarer words still get whole-word merges
@@ -310,7 +317,7 @@ def bpe_merges(n_merges: int) -> list[tuple[str, str]]:
         best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
         merges.append(best)
         counts = {_merge(syms, best): c for syms, c in counts.items()}
-    return merges
+    return tuple(merges)
 
 
 def _merge(syms: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
@@ -549,27 +556,71 @@ def _atomic(path: Path) -> Iterator[Path]:
             os.unlink(tmp)
 
 
-def _write_gguf(path: Path, arch: str, add_kv: Callable[[Any], None], plans: list[_Plan], seed: int) -> Path:
-    """Write a GGUF file tensor by tensor (never all weights in memory at once)."""
+#: Every byte of a random block is masked to its low 4 bits: as the high byte of an f16
+#: (a block's scale) that keeps the scale below 2**-11, as small as a real model's, so
+#: activations stay finite. Larger random scales overflow to inf and NaN, which some of
+#: ggml's kernels then process up to 2x slower than real weights (measured: Q8_0, Q5_0).
+_SAFE_MASK = 0x0F
+
+
+def _raw_blocks(shape: tuple[int, ...], ggml_type: str, seed: int, name: str) -> np.ndarray:
+    """Random bytes laid out as ``ggml_type`` blocks for a (rows, cols) matrix: meaningless
+    weights that cost llama.cpp exactly what real ones of that type cost."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    rows, cols = shape
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    raw = np.frombuffer(rng.bytes(rows * (cols // block) * size), np.uint8).reshape(rows, -1)
+    return raw & np.uint8(_SAFE_MASK)
+
+
+def _write_gguf(path: Path, arch: str, add_kv: Callable[[Any], None], plans: list[_Plan], seed: int,
+                weight_type: str | None = None) -> Path:
+    """Write a GGUF file tensor by tensor (never all weights in memory at once).
+
+    With ``weight_type`` (a ggml type name) every 2-D F16 matrix is written as random
+    blocks of that type instead (see :func:`write_text_model`).
+    """
     import gguf  # lazy: ~0.2 s to import, only to build models
+
+    def raw(shape: tuple[int, ...], dtype: type) -> bool:
+        return weight_type is not None and len(shape) == 2 and dtype is np.float16
 
     with _atomic(Path(path)) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         add_kv(writer)
         for name, shape, dtype, _ in plans:
-            writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+            if raw(shape, dtype):
+                data = _raw_blocks(shape, str(weight_type), seed, name)
+                writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes,
+                                       raw_dtype=gguf.GGMLQuantizationType[str(weight_type)])
+            else:
+                writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for plan in plans:
-            writer.write_tensor_data(_fill(plan, seed))
+            name, shape, dtype, _ = plan
+            writer.write_tensor_data(_raw_blocks(shape, str(weight_type), seed, name) if raw(shape, dtype)
+                                     else _fill(plan, seed))
         writer.close()
     return Path(path)
 
 
-def write_text_model(path: str | os.PathLike[str], spec: SyntheticSpec = TINY) -> Path:
-    """Write the F16 text model (with tokenizer and chat template) to ``path``."""
+def write_text_model(path: str | os.PathLike[str], spec: SyntheticSpec = TINY, *,
+                     weight_type: str | None = None) -> Path:
+    """Write the F16 text model (with tokenizer and chat template) to ``path``.
+
+    ``weight_type`` (a ggml type name such as ``"Q5_1"``) writes every weight matrix as
+    random blocks of that type instead, in milliseconds and without llama.cpp's
+    quantizer: the model then answers nonsense at exactly the speed of that type, which
+    is what the speed probe times. Every matrix's row length must be a multiple of the
+    type's block size.
+    """
     spec.validate()
+    if weight_type is not None:
+        _check_weight_type(spec, weight_type)
 
     def add_kv(w: Any) -> None:
         w.add_name(f"{spec.name} synthetic (random weights)")
@@ -586,7 +637,20 @@ def write_text_model(path: str | os.PathLike[str], spec: SyntheticSpec = TINY) -
         _add_tokenizer(w, spec)
         w.add_chat_template(_chat_template(spec))
 
-    return _write_gguf(Path(path), spec.text_arch, add_kv, text_tensors(spec), spec.seed)
+    return _write_gguf(Path(path), spec.text_arch, add_kv, text_tensors(spec), spec.seed, weight_type)
+
+
+def _check_weight_type(spec: SyntheticSpec, weight_type: str) -> None:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]][0]
+    except KeyError:
+        raise ConfigError(f"unknown ggml type {weight_type!r}") from None
+    rows = {shape[1] for _, shape, dtype, _ in text_tensors(spec) if len(shape) == 2 and dtype is np.float16}
+    if any(n % block for n in rows):
+        raise ConfigError(f"{weight_type} packs {block} weights per block: every matrix row "
+                          f"({', '.join(map(str, sorted(rows)))} wide here) must be a multiple of it")
 
 
 def _add_arch_kv(w: Any, spec: SyntheticSpec) -> None:

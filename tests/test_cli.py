@@ -375,3 +375,51 @@ def test_serve_refuses_a_bad_parallel_in_one_line(tiny, value: str, words: str) 
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0]
+
+
+def test_serve_refuses_a_bad_keep_chats_size_in_one_line(tiny, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    done = run("serve", str(tiny.quants["Q4_K_M"]), "--port", port, "--keep-chats", str(tmp_path),
+               "--keep-chats-size", "lots")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot read 'lots' as a size" in lines[0]
+
+
+def test_serve_keeps_the_idle_conversation_when_stopped_by_sigint(tiny, tmp_path) -> None:
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kept = tmp_path / "kept"
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q8_0"]), "--port",
+                             str(port), "--api-key", "", "--keep-chats", str(kept), "--no-disk-cache"],
+                            env=os.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "Tell me a story. " * 20}],
+                           "max_tokens": 3}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    assert r.status == 200
+                break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+                time.sleep(0.3)
+        assert not list(kept.rglob("*.val"))  # nothing overwrote the conversation yet
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert len(list(kept.rglob("*.val"))) == 1  # kept as the server stopped

@@ -222,6 +222,84 @@ def test_prediction_matches_a_real_load_of_the_tiny_model(tiny, tmp_path) -> Non
     assert predicted == pytest.approx(measured, rel=0.15), (predicted / MiB, measured / MiB)
 
 
+# --- the ONNX vision backend -----------------------------------------------------------------
+
+
+def test_onnx_int8_tower_is_smaller_than_libmtmds_and_fp32_larger() -> None:
+    llama, int8, fp32 = (est(vision_backend=b) for b in ("llama.cpp", "onnx-int8", "onnx-fp32"))
+    # SigLIP-400M + 2.6's 3584-wide resampler (fp32 in both graphs, ~270 MB): int8 ~ 0.68x the F16
+    # file, fp32 ~ twice it
+    assert 0.5 * MMPROJ_SIZE < int8.vision_weights < 0.75 * MMPROJ_SIZE
+    assert 1.8 * MMPROJ_SIZE < fp32.vision_weights <= 2 * MMPROJ_SIZE
+    assert int8.total < llama.total < fp32.total and int8.needed < llama.needed < fp32.needed
+    # the text side is the same whoever runs the encoder
+    assert (int8.weights, int8.kv_cache, int8.compute, int8.images) == (
+        llama.weights, llama.kv_cache, llama.compute, llama.images)
+    assert int8.overhead - llama.overhead == memory.ORT_RUNTIME
+    assert (llama.vision_backend, int8.vision_backend) == ("llama.cpp", "onnx-int8")
+
+
+def test_onnx_weights_and_arena_are_never_reclaimable() -> None:
+    llama, int8 = est(vision_backend="llama.cpp"), est(vision_backend="onnx-int8")
+    assert int8.reclaimable == llama.reclaimable  # ONNX Runtime reads its weights into anonymous memory
+    assert llama.needed - int8.needed == llama.total - int8.total
+
+
+def test_onnx_arena_is_the_attention_scores_twice() -> None:
+    siglip = VisionShape()
+    assert memory.onnx_arena_bytes(siglip) == 2 * 16 * 1024 * 1024 * 4  # 128 MiB
+    assert memory.onnx_arena_bytes(VisionShape(heads=4)) == memory.onnx_arena_bytes(siglip) // 4
+    merger = VisionShape(projector="minicpmv4_6", full_blocks=1)
+    assert memory.onnx_arena_bytes(merger) == memory.onnx_arena_bytes(siglip) + 1024 * 1024 * 4  # + window mask
+    assert est(vision_backend="onnx-fp32").vision_compute == memory.onnx_arena_bytes(siglip)
+
+
+def test_onnx_weights_of_an_undescribed_tower_are_bounded_by_the_file() -> None:
+    small_file = 6 * MiB  # a tiny mmproj planned with SigLIP-400M's default shape
+    for variant in ("int8", "fp32"):
+        assert memory.onnx_weight_bytes(VisionShape(), 3584, small_file, variant) <= 2 * small_file
+        merger = VisionShape(projector="minicpmv4_6", full_blocks=1)  # merger = file less tower: never negative
+        assert 0 <= memory.onnx_weight_bytes(merger, 1024, small_file, variant) <= 2 * small_file
+    empty = VisionShape(width=0, blocks=0, heads=0, ff=0, patch_size=0, image_size=0)  # a zeroed header
+    assert memory.onnx_weight_bytes(empty, 0, 0) == 0 and memory.onnx_arena_bytes(empty) == 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "ONNX-INT8", "onnx", "", None, 3])
+def test_an_unresolved_or_unknown_vision_backend_is_refused(backend) -> None:
+    with pytest.raises(ConfigError, match="vision_backend"):
+        est(vision_backend=backend)
+
+
+def test_onnx_on_the_gpu_and_unknown_variants_are_refused() -> None:
+    with pytest.raises(ConfigError, match="CPU"):
+        est(vision_backend="onnx-int8", vision_on_gpu=True, gpu_backend="cuda")
+    with pytest.raises(ConfigError, match="variant"):
+        memory.onnx_weight_bytes(VisionShape(), 3584, MMPROJ_SIZE, "int4")
+
+
+def _initializer_bytes(path) -> int:
+    """What an ONNX file's initializers hold, from their shapes and types (external data not read)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    itemsize = lambda t: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize  # noqa: E731
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * itemsize(t) for t in model.graph.initializer)
+
+
+@pytest.mark.slow
+def test_onnx_weights_match_the_tiny_models_conversion(tiny) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv import onnx_vision
+    from gguf_mcv.engine import file_identity
+    from gguf_mcv.headers import read_projector_header, read_text_header
+
+    converted = onnx_vision.prepare(tiny.mmproj, file_identity(tiny.mmproj))  # cached per test session
+    projector, text = read_projector_header(tiny.mmproj), read_text_header(tiny.quants["Q4_K_M"])
+    for variant in ("int8", "fp32"):
+        predicted = memory.onnx_weight_bytes(projector.shape, text.shape.n_embd, projector.size, variant)
+        assert predicted == pytest.approx(_initializer_bytes(converted.path(variant)), rel=0.01), variant
+
+
 # --- parallel slots -------------------------------------------------------------------------
 
 

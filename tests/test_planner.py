@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,19 @@ def test_rows_predict_faster_decoding_for_smaller_files() -> None:
                                     rates=RATES)
 
 
+def test_first_answers_are_predicted_with_the_vision_backend_the_plan_assumes() -> None:
+    """auto on a CPU with onnxruntime is onnx-int8: its measured encoder rate times the photo,
+    and a llama.cpp plan keeps libmtmd's."""
+    rates = replace(RATES, vision_by_backend={"onnx-int8": 400e9, "onnx-fp32": 150e9})
+    onnx = plan_26(PI5_8GB, rates=rates, vision_backend="auto", onnxruntime="1.0")
+    mtmd = plan_26(PI5_8GB, rates=rates, vision_backend="llama.cpp", onnxruntime="1.0")
+    assert onnx.vision_backend == "onnx-int8" and mtmd.vision_backend == "llama.cpp"
+    assert onnx.speed.encode_s_per_slice == pytest.approx(speed.encode_seconds(None, QWEN2_7B.n_embd, rates,
+                                                                               backend="onnx-int8"))
+    assert mtmd.speed.encode_s_per_slice == pytest.approx(speed.encode_seconds(None, QWEN2_7B.n_embd, rates))
+    assert onnx.speed.first_answer_s < mtmd.speed.first_answer_s
+
+
 def test_min_tokens_per_s_takes_the_best_quant_fast_enough() -> None:
     free = plan_26(PI5_8GB, rates=RATES)
     rows = {r.quant: r for r in free.rows}
@@ -456,3 +470,91 @@ def test_the_plan_shows_the_parallel_slots_the_budget_holds() -> None:
     assert 1 <= small.slots < big.slots == 8
     assert f"Parallel slots (parallel=\"auto\"): {small.slots}" in small.table()
     assert small.to_dict()["slots"] == small.slots
+
+
+# --- the vision backend the plan assumes ------------------------------------------------------
+
+ORT = "1.32.0"  # an onnxruntime version that imports on the machine planned for
+
+
+def test_auto_plans_int8_vision_on_a_cpu_where_onnxruntime_imports() -> None:
+    plan = plan_26(PI5_8GB, onnxruntime=ORT)
+    assert plan.vision_backend == "onnx-int8" and "CPU encoder" in plan.vision_backend_reason
+    assert plan.estimate.vision_backend == "onnx-int8"
+    assert {r.vision_backend for r in plan.rows} == {"onnx-int8"}
+    without = plan_26(PI5_8GB)  # onnxruntime does not import: libmtmd, as load() would do
+    assert without.vision_backend == "llama.cpp" and "onnxruntime is not installed" in without.vision_backend_reason
+    same_quant = plan_26(PI5_8GB, quant=plan.quant)
+    assert plan.predicted_bytes < same_quant.predicted_bytes
+
+
+def test_a_tight_budget_keeps_the_text_quant_with_int8_vision() -> None:
+    llama = {r.quant: r.needed for r in plan_26(PI5_8GB, ram_budget=10**12, vision_backend="llama.cpp").rows}
+    int8 = {r.quant: r.needed for r in plan_26(PI5_8GB, ram_budget=10**12, onnxruntime=ORT).rows}
+    assert all(int8[q] < llama[q] for q in llama)
+    # a budget where libmtmd's F16 tower would cost the text model a quant step
+    budget = int8["Q5_K_M"]
+    assert llama["Q5_K_M"] > budget
+    assert plan_26(PI5_8GB, ram_budget=budget, onnxruntime=ORT).quant == "Q5_K_M"
+    assert quality_rank(plan_26(PI5_8GB, ram_budget=budget, vision_backend="llama.cpp").quant) < quality_rank("Q5_K_M")
+
+
+def test_explicit_backends_are_counted_as_asked() -> None:
+    fp32 = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", vision_backend="onnx-fp32", onnxruntime=ORT)
+    llama = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", vision_backend="llama.cpp", onnxruntime=ORT)
+    assert (fp32.vision_backend, llama.vision_backend) == ("onnx-fp32", "llama.cpp")
+    assert fp32.vision_backend_reason == llama.vision_backend_reason == "asked for"
+    assert fp32.predicted_bytes > llama.predicted_bytes  # fp32 weights: twice the F16 mmproj
+    assert llama.estimate.vision_weights == MMPROJ_26
+
+
+def test_a_vision_tower_on_the_gpu_is_libmtmds_and_onnx_keeps_it_on_the_cpu() -> None:
+    auto = plan_26(LAPTOP_RTX_8GB, onnxruntime=ORT)
+    assert auto.vision_on_gpu and auto.vision_backend == "llama.cpp"
+    assert "GPU" in auto.vision_backend_reason
+    onnx = plan_26(LAPTOP_RTX_8GB, onnxruntime=ORT, vision_backend="onnx-int8")
+    assert not onnx.vision_on_gpu and onnx.vision_backend == "onnx-int8"
+    jetson = plan_26(JETSON_ORIN_NANO, onnxruntime=ORT, vision_backend="onnx-int8")  # unified memory
+    assert not jetson.vision_on_gpu and jetson.vision_backend == "onnx-int8"
+
+
+def test_the_planner_resolves_auto_by_the_loaders_rule() -> None:
+    from gguf_mcv import onnx_graph, onnx_vision, vision_backends
+
+    assert onnx_vision.choose_backend is vision_backends.choose_backend  # the loader's rule
+    assert vision_backends.ONNX_PROJECTORS == onnx_graph.PROJECTORS
+    for ort in (ORT, None):
+        for hw in (PI5_8GB, LAPTOP_RTX_8GB):
+            plan = plan_26(hw, onnxruntime=ort)
+            expected = vision_backends.choose_backend("auto", vision_gpu=plan.vision_on_gpu,
+                                                      projector_type="resampler", ort_version=ort)
+            assert (plan.vision_backend, plan.vision_backend_reason) == expected
+
+
+def test_the_table_and_json_say_which_vision_backend() -> None:
+    plan = plan_26(PI5_8GB, onnxruntime=ORT)
+    assert "Vision encoder: onnx-int8 (auto: CPU encoder, onnxruntime 1.32.0)" in plan.table()
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["vision_backend"] == "onnx-int8" and data["estimate"]["vision_backend"] == "onnx-int8"
+    assert {r["vision_backend"] for r in data["rows"]} == {"onnx-int8"}
+
+
+@pytest.mark.parametrize("value", ["ONNX", "onnx", "", None, 3, "llama"])
+def test_a_wrong_vision_backend_is_refused(value) -> None:
+    with pytest.raises(ConfigError, match="vision_backend"):
+        plan_26(PI5_8GB, vision_backend=value, onnxruntime=ORT)
+
+
+def test_an_onnx_backend_without_onnxruntime_is_refused() -> None:
+    with pytest.raises(ConfigError, match="onnxruntime is not installed"):
+        plan_26(PI5_8GB, vision_backend="onnx-int8")
+
+
+def test_nothing_fits_with_libmtmds_tower_suggests_int8_vision() -> None:
+    smallest = plan_26(PI5_8GB, ram_budget=10**12, quant="Q2_K", vision_backend="llama.cpp").predicted_bytes
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp", onnxruntime=ORT)
+    assert "vision_backend='onnx-int8'" in str(info.value) and "(fits)" in str(info.value)
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp")  # no onnxruntime: no such advice
+    assert "onnx-int8" not in str(info.value)

@@ -208,3 +208,59 @@ def test_a_fake_raspberry_pi_5_with_a_speed_floor_gets_minicpm_v_46(tmp_path) ->
     fast = _plan("auto", hardware=pi5, rates=rates, min_tokens_per_s=8)
     assert fast.model == "minicpm-v-4.6" and fast.speed.decode_tokens_per_s >= 8
     assert fast.speed.decode_tokens_per_s > 5 * by_memory.speed.decode_tokens_per_s
+
+
+def test_a_local_plan_counts_the_vision_backend_load_would_use(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv import onnx_vision
+    from gguf_mcv.resolver import plan_local, vision_options
+
+    files = (tiny.quants["Q4_K_M"], tiny.mmproj)
+    auto = plan_local(*files, ram_budget="8GB")
+    assert auto.vision_backend == "onnx-int8" and auto.estimate.vision_backend == "onnx-int8"
+    asked = plan_local(*files, ram_budget="8GB", vision_backend="llama.cpp")
+    assert asked.vision_backend == "llama.cpp" and asked.estimate.vision_weights == tiny.mmproj.stat().st_size
+    assert vision_options("llama.cpp") == {"vision_backend": "llama.cpp", "onnxruntime": None}
+    monkeypatch.setattr(onnx_vision, "onnxruntime_version", lambda: None)  # as if it did not import
+    assert plan_local(*files, ram_budget="8GB").vision_backend == "llama.cpp"
+    with pytest.raises(ConfigError, match="onnxruntime is not installed"):
+        plan_local(*files, ram_budget="8GB", vision_backend="onnx-fp32")
+
+
+def test_plan_on_the_command_line_takes_the_vision_backend(tiny, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gguf_mcv.cli import main
+
+    for backend in ("llama.cpp", "onnx-fp32"):
+        assert main(["plan", str(tiny.quants["Q4_K_M"]), "--ram", "8GB", "--json", "--no-probe",
+                     "--vision-backend", backend]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["vision_backend"] == data["rows"][0]["vision_backend"] == backend
+    with pytest.raises(SystemExit) as info:  # argparse: bad usage
+        main(["plan", str(tiny.quants["Q4_K_M"]), "--vision-backend", "onnx"])
+    assert info.value.code == 2 and "--vision-backend" in capsys.readouterr().err
+
+
+def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
+    """plan_local reads the file's tensor types: a slow kernel for one of them shows in the
+    prediction, which the size-and-quant estimate alone could not know."""
+    from dataclasses import replace
+
+    from gguf_mcv import speed
+    from gguf_mcv.headers import read_tensors, read_text_header
+    from gguf_mcv.memory import tensor_list
+    from gguf_mcv.resolver import plan_local
+
+    path = tiny.quants["Q4_K_M"]
+    header = read_text_header(path)
+    profile = speed.weight_profile(header.size, header.shape, "Q4_K_M", tensor_list(read_tensors(path)))
+    assert set(profile.per_token()) >= {"Q4_K", "Q6_K"}
+    rates = speed.Rates(bandwidth=1e15, matvec=20e9, prefill_flops=100e9, vision_flops=100e9, threads=2,
+                        source="test", matvec_by_type={"Q4_K": 20e9, "Q6_K": 20e9})
+    slow_q6 = replace(rates, matvec_by_type={"Q4_K": 20e9, "Q6_K": 1e9})
+    fast = plan_local(path, tiny.mmproj, hardware=_laptop_like(), rates=rates, ram_budget="8GB")
+    slow = plan_local(path, tiny.mmproj, hardware=_laptop_like(), rates=slow_q6, ram_budget="8GB")
+    expected = speed.decode_seconds(header.size, header.shape, "Q4_K_M", slow_q6, n_past=0, weights=profile)
+    assert slow.speed.decode_tokens_per_s < fast.speed.decode_tokens_per_s / 2
+    assert 1 / slow.speed.decode_tokens_per_s >= expected  # the KV cache at the photo's length on top

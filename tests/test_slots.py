@@ -306,3 +306,49 @@ def test_a_saved_chat_of_a_parallel_model_keeps_its_turns_not_another_slots_cach
     assert [t["content"] for t in again.history] == [t["content"] for t in chat.history]
     assert str(again.send("And now?", max_tokens=4, **GREEDY)) == str(chat.send("And now?", max_tokens=4, **GREEDY))
     assert first.usage.completion_tokens == 4
+
+
+def long_talk(model, *, api: bool, context_shift: bool = True) -> list[gguf_mcv.Reply]:
+    """12 turns of ~140 positions in a 1024-position slot: from the 7th on, the oldest are dropped
+    (by ``Chat``, or by ``chat_completion(truncate=True)`` as the server's ``--truncate`` does)."""
+    questions = [f"Turn {i}: " + "say something about the weather " * 12 for i in range(12)]
+    if not api:
+        chat = model.chat(system="Answer in a few words.", context_shift=context_shift)
+        return [chat.send(q, max_tokens=8, **GREEDY) for q in questions]
+    messages: list[dict] = [{"role": "system", "content": "Answer in a few words."}]
+    replies = []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        replies.append(model.chat_completion(messages, max_tokens=8, truncate=True, **GREEDY))
+        messages.append({"role": "assistant", "content": str(replies[-1])})
+    return replies
+
+
+def evaluated(reply: gguf_mcv.Reply) -> int:
+    return reply.usage.prompt_tokens - reply.usage.cached_tokens
+
+
+@pytest.mark.parametrize("api", [False, True], ids=["chat", "chat_completion"])
+def test_dropped_turns_are_shifted_out_of_a_slot_as_out_of_one_sequence(tiny, alone, api) -> None:
+    lone_shifted = alone.engine.shifted_positions
+    lone = long_talk(alone, api=api)
+    # a fresh context: cells laid out as on one sequence (a busy unified cache may order them
+    # otherwise, and then sums come out ~1e-2 off, enough to flip a random model's greedy picks)
+    with load(tiny, parallel=2) as par:
+        slots = long_talk(par, api=api)
+        slot_shifted = par.scheduler.shifted_positions
+    assert [str(r) for r in slots] == [str(r) for r in lone]
+    assert [r.dropped_turns for r in slots] == [r.dropped_turns for r in lone]
+    drops = [r for r in slots if r.dropped_turns]
+    assert len(drops) >= 4
+    new_turn = max(evaluated(r) for r in slots[1:] if not r.dropped_turns)  # one question and its markup
+    assert all(evaluated(r) <= new_turn + 2 for r in drops)  # the kept turns were not evaluated again
+    assert [evaluated(r) for r in slots[1:]] == [evaluated(r) for r in lone[1:]]  # (the first: what each held)
+    assert slot_shifted == alone.engine.shifted_positions - lone_shifted > 0
+
+
+def test_without_context_shift_a_slot_evaluates_the_kept_turns_again(par) -> None:
+    shifted = par.scheduler.shifted_positions
+    replies = long_talk(par, api=False, context_shift=False)
+    assert par.scheduler.shifted_positions == shifted
+    assert all(evaluated(r) > 400 for r in replies if r.dropped_turns)  # everything after the system prompt

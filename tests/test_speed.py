@@ -47,7 +47,7 @@ def test_decode_is_bandwidth_bound_for_big_models_and_arithmetic_bound_when_matv
     assert t == pytest.approx((weights + kv) / RATES.bandwidth)
     slow = replace(RATES, matvec=1e9)
     t_slow = speed.decode_seconds(size, QWEN2_7B, "Q4_K_M", slow, n_past=100)
-    assert t_slow == pytest.approx(weights / 1e9)
+    assert t_slow == pytest.approx(weights / 1e9 + kv / RATES.bandwidth)  # the KV cache is read, not multiplied
 
 
 def test_decode_slows_with_file_size_and_context() -> None:
@@ -145,3 +145,108 @@ def test_gpu_rates_for_backends() -> None:
     assert speed.gpu_rates_for("cuda", "jetson") is speed.GPU_RATES["jetson"]
     assert speed.gpu_rates_for("cuda").bandwidth > speed.gpu_rates_for("cuda", "jetson").bandwidth
     assert speed.gpu_rates_for("vulkan") is speed.GPU_RATES["cuda"]
+
+
+# --- per-type rates, overheads, weight profiles -------------------------------------------
+
+#: a file's tensors as a header lists them: (name, ggml type, bytes)
+TENSORS = [("token_embd.weight", "Q4_K", 1000), ("blk.0.attn_q.weight", "Q4_K", 400),
+           ("blk.0.ffn_down.weight", "Q6_K", 300), ("blk.0.attn_norm.weight", "F32", 8),
+           ("output.weight", "Q8_0", 600)]
+
+
+def test_weight_profile_from_a_header_leaves_out_token_embd_but_keeps_the_output() -> None:
+    p = speed.weight_profile(0, BENCH, "Q4_K_M", TENSORS)
+    assert p.layers == {"Q4_K": 400, "Q6_K": 300, "F32": 8} and p.output == {"Q8_0": 600}
+    assert p.per_token() == {"Q4_K": 400, "Q6_K": 300, "F32": 8, "Q8_0": 600} and p.total == 1308
+    tied = speed.weight_profile(0, BENCH, "Q4_K_M", [t for t in TENSORS if t[0] != "output.weight"])
+    assert tied.output == {"Q4_K": 1000}  # tied: token_embd makes the logits, read whole
+
+
+def test_weight_profile_from_the_catalog_follows_llama_cpps_quant_mix() -> None:
+    size = 488_859_872
+    p = speed.weight_profile(size, BENCH, "Q4_K_M")
+    token_embd, output = memory.embedding_bytes(BENCH, "Q4_K_M")
+    assert p.output == {"Q6_K": output}
+    rest = size - token_embd - output
+    assert p.layers == {"Q4_K": int(0.8 * rest), "Q6_K": int(0.2 * rest)}
+    q8 = speed.weight_profile(size, BENCH, "Q8_0")
+    assert q8.layers == {"Q8_0": size - sum(memory.embedding_bytes(BENCH, "Q8_0"))}
+    # tied (MiniCPM-V 4.6): token_embd takes the output's type and is read whole
+    tied = speed.weight_profile(size, TIED, "Q4_K_M")
+    whole = int(TIED.n_vocab * TIED.n_embd * 6.5625 / 8)
+    assert tied.output == {"Q6_K": whole} and size - whole - 2 <= sum(tied.layers.values()) <= size - whole
+
+
+def test_each_weight_type_decodes_at_its_own_rate() -> None:
+    rates = replace(RATES, bandwidth=1e15, matvec_by_type={"Q5_1": 1e9, "Q4_K": 4e9})
+    slow = speed.WeightProfile({"Q5_1": 10**9}, {})
+    fast = speed.WeightProfile({"Q4_K": 10**9}, {})
+    other = speed.WeightProfile({"IQ3_S": 10**9}, {})  # not probed: the general matvec rate
+    t = {name: speed.decode_seconds(0, BENCH, None, rates, n_past=0, weights=w)
+         for name, w in (("slow", slow), ("fast", fast), ("other", other))}
+    assert t["slow"] == pytest.approx(1.0) and t["fast"] == pytest.approx(0.25)
+    assert t["other"] == pytest.approx(10**9 / RATES.matvec)
+    # the memory bandwidth still caps a type whose kernel is faster than memory
+    capped = replace(rates, bandwidth=2e9)
+    assert speed.decode_seconds(0, BENCH, None, capped, n_past=0, weights=fast) == pytest.approx(0.5)
+
+
+def test_fixed_costs_per_token_and_per_layer_are_added() -> None:
+    none = speed.WeightProfile({}, {})
+    rates = replace(RATES, token_overhead_s=0.001, layer_overhead_s=0.0001)
+    assert speed.decode_seconds(0, BENCH, None, rates, n_past=0, weights=none) == pytest.approx(0.001 + 24 * 0.0001)
+
+
+def test_a_hybrid_models_recurrent_state_is_read_and_written_per_token() -> None:
+    hybrid = replace(BENCH, n_kv_layers=6, ssm_conv_kernel=4, ssm_inner_size=2048, ssm_state_size=128,
+                     ssm_group_count=16)
+    none = speed.WeightProfile({}, {})
+    t = speed.decode_seconds(0, hybrid, None, RATES, n_past=0, weights=none)
+    assert t == pytest.approx(8 * hybrid.recurrent_values / RATES.bandwidth)
+
+
+def test_prefill_runs_each_type_at_its_own_rate() -> None:
+    w = speed.WeightProfile({"Q5_1": 6 * 10**8}, {"Q8_0": 0})  # 8e8 weights of 6 bits
+    rates = replace(RATES, prefill_by_type={"Q5_1": 1e11})
+    t = speed.prefill_seconds(100, BENCH, rates, weights=w)
+    attention = speed.attention_flops(BENCH, 50) * 100 / RATES.prefill_flops
+    assert t == pytest.approx(2 * 100 * 8e8 / 1e11 + attention)
+    slower = replace(rates, prefill_by_type={"Q5_1": 5e10})
+    assert speed.prefill_seconds(100, BENCH, slower, weights=w) > 1.9 * t - attention
+
+
+def test_the_onnx_int8_encoder_runs_the_blocks_at_its_rate_and_the_rest_at_fp32s() -> None:
+    blocks, rest = speed.vision_flops_parts(VisionShape(), 3584)
+    assert blocks + rest == pytest.approx(speed.vision_flops_per_slice(VisionShape(), 3584))
+    assert blocks > 10 * rest
+    rates = replace(RATES, vision_by_backend={"onnx-int8": 400e9, "onnx-fp32": 150e9})
+    assert speed.encode_seconds(None, 3584, rates, backend="onnx-int8") == pytest.approx(blocks / 400e9 + rest / 150e9)
+    assert speed.encode_seconds(None, 3584, rates, backend="onnx-fp32") == pytest.approx((blocks + rest) / 150e9)
+    for backend in (None, "llama.cpp", "something-new"):  # libmtmd's rate
+        assert speed.encode_seconds(None, 3584, rates, backend=backend) == pytest.approx((blocks + rest) / 100e9)
+    p = speed.predict(model_size=488_859_872, text=BENCH, quant="Q4_K_M", vision=None, rates=rates,
+                      vision_backend="onnx-int8")
+    assert p.encode_s_per_slice == pytest.approx(speed.encode_seconds(None, BENCH.n_embd, rates, backend="onnx-int8"))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("matvec_by_type", {"Q4_K": 0}), ("matvec_by_type", {"Q4_K": math.nan}), ("matvec_by_type", {3: 1e9}),
+    ("matvec_by_type", [("Q4_K", 1e9)]), ("prefill_by_type", {"Q4_K": "fast"}), ("prefill_by_type", None),
+    ("vision_by_backend", {"onnx-int8": -1.0}), ("vision_by_backend", {"onnx-int8": True}),
+    ("token_overhead_s", -0.001), ("token_overhead_s", math.inf), ("layer_overhead_s", 5.0),
+    ("layer_overhead_s", "0"),
+])
+def test_rates_refuse_impossible_tables_and_overheads(field: str, value) -> None:
+    with pytest.raises(ConfigError, match=field):
+        replace(RATES, **{field: value})
+
+
+def test_scaled_rates_scale_their_tables_and_cached_rates_round_trip() -> None:
+    rates = replace(RATES, matvec_by_type={"Q4_K": 4e9}, prefill_by_type={"Q8_0": 1e11},
+                    vision_by_backend={"onnx-int8": 3e11}, token_overhead_s=0.001)
+    half = speed.scaled(rates, matvec=0.5, prefill_flops=0.5, vision_flops=0.5, bandwidth=2)
+    assert half.matvec_by_type == {"Q4_K": 2e9} and half.prefill_by_type == {"Q8_0": 5e10}
+    assert half.vision_by_backend == {"onnx-int8": 1.5e11} and half.bandwidth == 40e9
+    assert half.token_overhead_s == 0.001
+    assert Rates(**rates.to_dict()) == rates

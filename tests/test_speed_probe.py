@@ -169,15 +169,49 @@ def test_bandwidth_is_a_positive_rate() -> None:
     assert math.isfinite(bw) and 1e8 < bw < 1e13
 
 
+def _timed(scale: float = 1.0) -> dict:
+    """:func:`speed_probe.time_llama`'s result for made-up timings (``scale`` x slower)."""
+    types = {}
+    for t, token_s in (("Q4_K", 0.001), ("Q5_1", 0.003)):
+        tensors = [["token_embd.weight", t, 500_000], ["blk.0.attn_q.weight", t, 4_000_000],
+                   ["blk.1.attn_q.weight", t, 4_000_000], ["output.weight", t, 500_000]]
+        types[t] = {"prefill_s": 0.1 * scale, "prefill_tokens": 280.0, "token_s": token_s * scale,
+                    "n_past": 297.0, "tensors": tensors}
+    return {"slice_s": 0.5 * scale, "types": types, "overhead": {1: 0.0001 * scale, 9: 0.0005 * scale},
+            "onnx_slice_s": {"onnx-fp32": 0.2 * scale, "onnx-int8": 0.1 * scale}}
+
+
 def test_rates_from_timings_scale_inversely_with_time() -> None:
-    timed = {"slice_s": 0.5, "prefill_s": 0.2, "prefill_tokens": 280.0, "token_s": 0.002, "n_past": 297.0}
-    a = speed_probe.rates_from(20e9, timed, 2, "t")
-    b = speed_probe.rates_from(20e9, {**timed, "slice_s": 1.0, "prefill_s": 0.4, "token_s": 0.004}, 2, "t")
+    a = speed_probe.rates_from(1e15, _timed(), 2, "t")
+    b = speed_probe.rates_from(1e15, _timed(2.0), 2, "t")
     assert a.vision_flops == pytest.approx(2 * b.vision_flops)
     assert a.prefill_flops == pytest.approx(2 * b.prefill_flops)
-    assert a.matvec == pytest.approx(2 * b.matvec)
-    with pytest.raises(ValueError):  # a zero timing is an impossible rate, never a silent inf
-        speed_probe.rates_from(20e9, {**timed, "slice_s": math.inf}, 2, "t")
+    for name in ("matvec_by_type", "prefill_by_type", "vision_by_backend"):
+        for k, v in getattr(a, name).items():
+            assert v == pytest.approx(2 * getattr(b, name)[k]), (name, k)
+    assert a.token_overhead_s == pytest.approx(b.token_overhead_s / 2)
+    with pytest.raises(ValueError):  # an infinite timing is an impossible rate, never a silent zero
+        speed_probe.rates_from(20e9, {**_timed(), "slice_s": math.inf}, 2, "t")
+
+
+def test_rates_from_takes_the_fixed_costs_out_of_each_types_rate() -> None:
+    r = speed_probe.rates_from(1e15, _timed(), 2, "t")
+    assert r.layer_overhead_s == pytest.approx(0.00005) and r.token_overhead_s == pytest.approx(0.00005)
+    # 8.5 MB read per token (layers + output, not token_embd) in 1 ms less 0.15 ms of fixed cost
+    assert r.matvec_by_type["Q4_K"] == pytest.approx(8_500_000 / 0.00085, rel=1e-3)
+    assert r.matvec_by_type["Q5_1"] < r.matvec_by_type["Q4_K"] / 3
+    assert r.matvec == r.matvec_by_type["Q4_K"] and r.prefill_flops == r.prefill_by_type["Q4_K"]
+    # int8 runs the blocks only; the rest at fp32's rate: so faster than twice fp32 on the blocks
+    assert r.vision_by_backend["onnx-int8"] > 2 * r.vision_by_backend["onnx-fp32"]
+    no_onnx = speed_probe.rates_from(1e15, {**_timed(), "onnx_slice_s": {}}, 2, "t")
+    assert no_onnx.vision_by_backend == {}
+
+
+def test_a_noisy_overhead_reading_never_gives_a_type_negative_time() -> None:
+    timed = _timed()
+    timed["overhead"] = {1: 0.01, 9: 0.02}  # more than a whole token: a hiccup
+    r = speed_probe.rates_from(1e15, timed, 2, "t")
+    assert all(math.isfinite(v) and v > 0 for v in r.matvec_by_type.values())
 
 
 @pytest.mark.slow
@@ -188,6 +222,12 @@ def test_the_real_probe_measures_this_machine(tmp_path: Path) -> None:
     assert got.source.startswith("the probe of") and got.threads == 2
     for name in ("bandwidth", "matvec", "prefill_flops", "vision_flops"):
         assert 1e8 < getattr(got, name) < 1e14, name
+    assert set(got.matvec_by_type) == set(got.prefill_by_type) == set(speed_probe.PROBED_TYPES)
+    # finite and positive; on cores other work oversubscribes two threads can spin for a
+    # tenth of a second per token (Q4_1 at 1e8 B/s under a load of 10), hence the wide floor
+    assert all(1e6 < v < 1e14 for v in got.matvec_by_type.values())
+    assert 0 <= got.token_overhead_s < 0.01 and 0 <= got.layer_overhead_s < 0.01
+    assert set(got.vision_by_backend) == {"onnx-fp32", "onnx-int8"}
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=Counter()) == got
 
 

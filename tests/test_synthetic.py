@@ -348,3 +348,33 @@ def test_hybrid_preset_quantizes_to_the_whole_ladder(tmp_path: Path) -> None:
     built = build(tmp_path, synthetic.PRESETS["4.6"])
     sizes = [built.quants[q].stat().st_size for q in LADDER] + [built.f16.stat().st_size]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), sizes
+
+
+@pytest.mark.parametrize("weight_type", ["Q5_1", "Q4_K", "Q8_0"])
+def test_weight_type_writes_random_blocks_llama_cpp_runs_with_finite_logits(weight_type: str, tmp_path: Path) -> None:
+    """The speed probe's models: every matrix of one type, written without the quantizer."""
+    spec = dataclasses.replace(TINY, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=1)
+    path = synthetic.write_text_model(tmp_path / "m.gguf", spec, weight_type=weight_type)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {types[n] for n in types if n.endswith(".weight") and "norm" not in n} == {weight_type}
+    assert {types[n] for n in types if "norm" in n} == {"F32"}
+    # dequantized, the weights are small and finite, as a real model's (no inf/NaN scales)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    assert np.isfinite(w).all() and 0 < np.abs(w).max() < 1
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=False)
+    try:
+        llm.eval(llm.tokenize(b"hello world"))
+        assert np.isfinite(np.asarray(llm.scores[llm.n_tokens - 1])).all()
+    finally:
+        llm.close()
+
+
+def test_weight_type_refuses_unknown_types_and_rows_that_are_not_whole_blocks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown ggml type"):
+        synthetic.write_text_model(tmp_path / "a.gguf", TINY, weight_type="Q9_X")
+    with pytest.raises(ConfigError, match="multiple"):  # 128-wide rows hold no 256-weight K-quant block
+        narrow = dataclasses.replace(TINY, n_embd=128, n_head=2)
+        synthetic.write_text_model(tmp_path / "b.gguf", narrow, weight_type="Q4_K")
+    assert not list(tmp_path.iterdir())

@@ -1,8 +1,10 @@
 """Calibrate and check the memory model: predicted vs measured peak RSS.
 
 For each quant of a ladder (``synthetic.build`` output: ``ggml-model-<QUANT>.gguf`` +
-``mmproj-model-f16.gguf``) and each ``n_ctx``, a fresh Python process loads the pair with
-:func:`gguf_mcv.load`, asks one question about a 1344x1344 image at full detail
+``mmproj-model-f16.gguf``), each ``n_ctx`` and each vision backend (``--backends``: libmtmd,
+ONNX Runtime int8 and fp32; the ONNX graphs are converted first, in this process, so a child
+only loads them), a fresh Python process loads the pair with :func:`gguf_mcv.load`, asks one
+question about a 1344x1344 image at full detail
 (10 slices: 9 + overview = 640 image tokens) and reports its peak RSS: ``VmHWM``, the
 same high-water mark as ``getrusage().ru_maxrss`` (file-backed pages included, so
 llama.cpp's memory-mapped weights count) but without the parent's own peak, which Linux
@@ -11,6 +13,7 @@ measured as Markdown::
 
     python tools/bench_memory.py                        # /tmp/bench (built if missing) + tiny
     python tools/bench_memory.py --ladder /tmp/bench --ctx 2048 8192 --quants Q4_0 Q8_0
+    python tools/bench_memory.py --no-bench --ctx 4096 --quants Q4_K_M --backends onnx-int8 onnx-fp32
     python tools/bench_memory.py --json out.json        # every measurement, for --reuse
     python tools/bench_memory.py --reuse out.json       # re-predict without re-measuring
 
@@ -82,9 +85,8 @@ def child(args: argparse.Namespace) -> None:
 
     stages = {"import": _status()}
     start = time.perf_counter()
-    # the memory model describes libmtmd's encoder (the ONNX backend: tools/bench_vision.py)
     model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, n_ctx=args.n_ctx,
-                          kv_cache_type=args.kv_type, vision_backend="llama.cpp")
+                          kv_cache_type=args.kv_type, vision_backend=args.backend)
     stages["load"] = _status()
     load_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -107,6 +109,7 @@ def child(args: argparse.Namespace) -> None:
         "prompt_tokens": reply.usage.prompt_tokens,
         "image_tokens": reply.usage.image_tokens,
         "slices": reply.timings.slices_encoded,
+        "backend": model.info.vision_backend,
         "load_s": round(load_s, 1),
         "ask_s": round(ask_s, 1),
     }))
@@ -121,6 +124,7 @@ def _child_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-type", default="f16")
     p.add_argument("--detail", default="high")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--backend", default="llama.cpp")
     return p.parse_args(argv)
 
 
@@ -153,24 +157,26 @@ def ensure_ladder(path: Path | None, preset: str, quants: list[str]) -> Path:
     return folder
 
 
-def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, timeout: float) -> dict:
+def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, timeout: float,
+            backend: str = "llama.cpp") -> dict:
     """Run one child process; its JSON report."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
-           "--mmproj", str(mmproj), "--image", str(image), "--n-ctx", str(n_ctx), "--detail", detail]
+           "--mmproj", str(mmproj), "--image", str(image), "--n-ctx", str(n_ctx), "--detail", detail,
+           "--backend", backend]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int) -> dict:
+def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int, backend: str = "llama.cpp") -> dict:
     """The memory model's prediction for one run (headers read from the files)."""
     from gguf_mcv import memory
 
     est = memory.estimate_files(model, mmproj, n_ctx=n_ctx, image_tokens=image_tokens,
-                                image_pixels=IMAGE_SIDE * IMAGE_SIDE)
+                                image_pixels=IMAGE_SIDE * IMAGE_SIDE, vision_backend=backend)
     return est.to_dict()
 
 
@@ -184,18 +190,32 @@ def run_matrix(args: argparse.Namespace, image: Path) -> list[dict]:
     for preset, folder in ladders:
         folder = ensure_ladder(folder, preset, args.quants)
         mmproj = folder / synthetic.MMPROJ_NAME
+        if any(b != "llama.cpp" for b in args.backends):
+            convert(mmproj)
         for n_ctx in args.ctx:
             for quant in args.quants:
-                model = folder / synthetic.quant_filename(quant)
-                start = time.perf_counter()
-                got = measure(model, mmproj, image, n_ctx, args.detail, args.timeout)
-                row = {"ladder": preset, "quant": quant, "model": str(model), "mmproj": str(mmproj),
-                       "file_size": model.stat().st_size,
-                       "n_ctx": n_ctx, "measured": got["peak_rss"], "run": got,
-                       "predicted": predict(model, mmproj, n_ctx, image_tokens)}
-                results.append(row)
-                print(_line(row, time.perf_counter() - start), file=sys.stderr, flush=True)
+                for backend in args.backends:
+                    model = folder / synthetic.quant_filename(quant)
+                    start = time.perf_counter()
+                    got = measure(model, mmproj, image, n_ctx, args.detail, args.timeout, backend)
+                    if got["backend"] != backend:
+                        raise RuntimeError(f"asked for {backend}, the child loaded {got['backend']}")
+                    row = {"ladder": preset, "quant": quant, "model": str(model), "mmproj": str(mmproj),
+                           "file_size": model.stat().st_size, "backend": backend,
+                           "n_ctx": n_ctx, "measured": got["peak_rss"], "run": got,
+                           "predicted": predict(model, mmproj, n_ctx, image_tokens, backend)}
+                    results.append(row)
+                    print(_line(row, time.perf_counter() - start), file=sys.stderr, flush=True)
     return results
+
+
+def convert(mmproj: Path) -> None:
+    """The mmproj's ONNX graphs in the cache (converted now when missing), so no child converts."""
+    from gguf_mcv import onnx_vision
+    from gguf_mcv.engine import file_identity
+
+    print(f"ONNX graphs of {mmproj} ...", file=sys.stderr, flush=True)
+    onnx_vision.prepare(mmproj, file_identity(mmproj))
 
 
 def _error(row: dict) -> float:
@@ -203,17 +223,19 @@ def _error(row: dict) -> float:
 
 
 def _line(row: dict, seconds: float) -> str:
-    return (f"{row['ladder']:5s} {row['quant']:7s} n_ctx {row['n_ctx']:5d}: predicted "
+    backend = row.get("backend", "llama.cpp")
+    return (f"{row['ladder']:5s} {row['quant']:7s} {backend:9s} n_ctx {row['n_ctx']:5d}: predicted "
             f"{row['predicted']['total'] / 2**20:8.1f} MiB, measured {row['measured'] / 2**20:8.1f} MiB "
             f"({_error(row):+.1f} %), {seconds:.0f} s")
 
 
 def markdown(results: list[dict]) -> str:
     """The predicted-vs-measured table, as Markdown."""
-    lines = ["| model | quant | file | n_ctx | predicted peak | measured peak | error |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | quant | vision backend | file | n_ctx | predicted peak | measured peak | error |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['ladder']} | {r['quant']} | {r['file_size'] / 1e6:.0f} MB | {r['n_ctx']} | "
+        lines.append(f"| {r['ladder']} | {r['quant']} | {r.get('backend', 'llama.cpp')} | "
+                     f"{r['file_size'] / 1e6:.0f} MB | {r['n_ctx']} | "
                      f"{r['predicted']['total'] / 2**20:.1f} MiB | {r['measured'] / 2**20:.1f} MiB | "
                      f"{_error(r):+.1f} % |")
     return "\n".join(lines)
@@ -239,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--quants", nargs="+", default=list(synthetic.LADDER))
+    p.add_argument("--backends", nargs="+", default=["llama.cpp", "onnx-int8", "onnx-fp32"],
+                   choices=("llama.cpp", "onnx-int8", "onnx-fp32"), help="vision backends to measure")
     p.add_argument("--detail", default="high", choices=("high", "low"),
                    help="high: 10 slices, 640 image tokens (the real check); low: 1 slice, to iterate")
     p.add_argument("--image", type=Path, default=None,
@@ -254,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = args.ladder if r["ladder"] == "bench" else args.tiny
             model = Path(r.get("model") or folder / synthetic.quant_filename(r["quant"]))
             mmproj = Path(r.get("mmproj") or folder / synthetic.MMPROJ_NAME)
-            r["predicted"] = predict(model, mmproj, r["n_ctx"], r["run"]["image_tokens"])
+            r["predicted"] = predict(model, mmproj, r["n_ctx"], r["run"]["image_tokens"],
+                                     r.get("backend", "llama.cpp"))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             image = args.image or make_image(Path(tmp) / "image.png")

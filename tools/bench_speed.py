@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Predicted vs measured speed on this machine, for every quant of a generated ladder.
 
-For each quant: the speed probe runs (its generated pair reused from ``--probe-dir``),
-then the quant is loaded and timed the way the probe times its own pair -- a text
-prompt's prefill, greedy decoding, one 448-pixel slice through the vision encoder --
-and the speed model's predictions from that probe are printed beside the measurements.
-Probe and measurement run back to back and both count busy time (process CPU seconds
-per thread, :func:`gguf_mcv.speed_probe.busy_seconds`), so a machine shared with other
-work gives ratios that still mean something. Then the model's predictions for boards
-from their published figures (labelled predictions: nothing was run on them).
+For each quant: the speed probe runs (:func:`gguf_mcv.speed_probe.measure`), then the
+quant is loaded and timed the way the probe times its own models -- a text prompt's
+prefill and greedy decoding -- and the speed model's predictions from that probe (with
+the file's own weight types, read from its header) are printed beside the measurements.
+Then one 448-pixel slice through the ladder's vision tower with each encoder (libmtmd,
+ONNX fp32 and int8), against the last probe's predictions. Probe and measurement run
+back to back and both count busy time (process CPU seconds per thread,
+:func:`gguf_mcv.speed_probe.busy_seconds`), so a machine shared with other work gives
+ratios that still mean something. Then the model's predictions for boards from their
+published figures (labelled predictions: nothing was run on them).
 
     python tools/make_test_model.py --preset bench --out /tmp/bench-speed
     python tools/bench_speed.py --ladder /tmp/bench-speed --threads 1
@@ -18,14 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from gguf_mcv import speed, speed_probe  # noqa: E402
-from gguf_mcv.headers import read_projector_header, read_text_header  # noqa: E402
+from gguf_mcv.headers import read_projector_header, read_tensors, read_text_header  # noqa: E402
+from gguf_mcv.memory import tensor_list  # noqa: E402
 from gguf_mcv.quants import classify_gguf, quality_rank  # noqa: E402
 
 # Published figures (peak DRAM bandwidth, cores x clock x FP32 FLOPs per cycle per core):
@@ -48,32 +54,53 @@ BOARD_BANDWIDTH_SHARE = 0.6
 
 
 def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
-    """Busy seconds for a 280-token prompt, each of 32 greedy tokens and one slice, on ``path``."""
-    import llama_cpp
+    """Busy seconds for a 280-token prompt and each of 32 greedy tokens on ``path`` (libmtmd
+    holds a stand-in of ``mmproj``: the text timings need no vision tower)."""
+    from gguf_mcv.mmproj_standin import write_standin
 
-    from gguf_mcv.engine import Engine
-
-    llama = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_ubatch=512,
-                            n_threads=threads, n_threads_batch=threads, verbose=False)
-    engine = Engine(llama, mmproj, n_threads=threads)
+    standin = write_standin(mmproj, Path(tempfile.mkdtemp(prefix="bench-speed-")) / "standin.gguf")
     try:
-        out = {"slice_s": speed_probe._time_slice(engine, threads)}
-        out.update(speed_probe._time_text(engine, threads))
-        return out
+        with speed_probe._engine(path, standin, threads) as engine:
+            return speed_probe._time_text(engine, threads)
     finally:
-        engine.close()
-        llama.close()
+        shutil.rmtree(standin.parent, ignore_errors=True)
+
+
+def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
+    """Busy seconds per 448-pixel slice of ``mmproj``'s tower: libmtmd (F16), then each ONNX
+    variant (converted once into the cache, as ``load`` does)."""
+    import numpy as np
+
+    from gguf_mcv import onnx_vision
+    from gguf_mcv.engine import file_identity
+    from gguf_mcv.mtmd_preprocess import slice_pixels
+
+    with speed_probe._engine(model, mmproj, threads) as engine:
+        out = {"llama.cpp": speed_probe._time_slice(engine, threads)}
+    converted = onnx_vision.prepare(mmproj, file_identity(mmproj), progress=onnx_vision.progress_bar())
+    rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
+    for variant in onnx_vision.VARIANTS:
+        encoder = onnx_vision.OnnxEncoder(converted.path(variant), converted.projector, n_threads=threads)
+        pixels = slice_pixels(rgb, encoder.params)[0]
+        encoder.encode_pixels(pixels)
+        start = speed_probe.busy_seconds(threads)
+        encoder.encode_pixels(pixels)
+        out[f"onnx-{variant}"] = speed_probe.busy_seconds(threads) - start
+        del encoder
+    return out
 
 
 def board_rates(here: speed.Rates, here_peak_flops: float, board: dict) -> speed.Rates:
     """A board's rates: its published bandwidth x BOARD_BANDWIDTH_SHARE; the arithmetic rates
-    scaled from this machine's measured ones by the ratio of peak FP32 FLOP/s."""
+    (every type and backend) scaled from this machine's measured ones by the ratio of peak
+    FP32 FLOP/s, the fixed per-token costs by the ratio of one core's."""
     peak = board["cores"] * board["ghz"] * 1e9 * board["flop_per_cycle"]
     ratio = peak / here_peak_flops
-    bandwidth = board["bandwidth"] * BOARD_BANDWIDTH_SHARE
-    return speed.Rates(bandwidth=bandwidth, matvec=here.matvec * ratio, prefill_flops=here.prefill_flops * ratio,
-                       vision_flops=here.vision_flops * ratio, threads=board["cores"],
-                       source="published figures")
+    core_ratio = (here_peak_flops / here.threads) / (peak / board["cores"])
+    scaled = speed.scaled(here, matvec=ratio, prefill_flops=ratio, vision_flops=ratio)
+    return replace(scaled, bandwidth=board["bandwidth"] * BOARD_BANDWIDTH_SHARE, threads=board["cores"],
+                   source="published figures", token_overhead_s=min(0.5, here.token_overhead_s * core_ratio),
+                   layer_overhead_s=min(0.5, here.layer_overhead_s * core_ratio))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", type=Path, required=True, help="folder from tools/make_test_model.py")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quants", help="comma-separated (default: every quant in the folder)")
-    ap.add_argument("--probe-dir", type=Path, default=Path("/tmp/bench-speed-probe"))
+    ap.add_argument("--no-vision", action="store_true", help="skip the per-slice encoder timings")
     ap.add_argument("--ghz", type=float, default=None,
                     help="this CPU's clock, for scaling to boards (default: from /proc/cpuinfo)")
     ap.add_argument("--flop-per-cycle", type=int, default=32, help="this CPU's FP32 FLOP/cycle/core (AVX-512: 32)")
@@ -107,32 +134,39 @@ def main(argv: list[str] | None = None) -> int:
     for quant in wanted:
         path = files[quant]
         start = time.perf_counter()
-        bandwidth = speed_probe.measure_bandwidth(args.threads)
-        rates = speed_probe.rates_from(bandwidth, speed_probe.time_llama(args.threads, args.probe_dir),
-                                       args.threads, "bench probe")
+        rates = speed_probe.measure(args.threads)
         probe_s = time.perf_counter() - start
         m = measure_quant(path, mmproj, args.threads)
         header = read_text_header(path)
         text, size = header.shape, header.size
+        weights = speed.weight_profile(size, text, quant, tensor_list(read_tensors(path)))
         pred = {
-            "decode_tok_s": 1 / speed.decode_seconds(size, text, quant, rates, n_past=int(m["n_past"])),
-            "prefill_tok_s": m["prefill_tokens"] / speed.prefill_seconds(int(m["prefill_tokens"]), text, rates),
-            "slice_s": speed.encode_seconds(vision, text.n_embd, rates),
+            "decode_tok_s": 1 / speed.decode_seconds(size, text, quant, rates, n_past=int(m["n_past"]),
+                                                     weights=weights),
+            "prefill_tok_s": m["prefill_tokens"] / speed.prefill_seconds(int(m["prefill_tokens"]), text, rates,
+                                                                         weights=weights),
         }
-        meas = {"decode_tok_s": 1 / m["token_s"], "prefill_tok_s": m["prefill_tokens"] / m["prefill_s"],
-                "slice_s": m["slice_s"]}
+        meas = {"decode_tok_s": 1 / m["token_s"], "prefill_tok_s": m["prefill_tokens"] / m["prefill_s"]}
         row = {"quant": quant, "file_bytes": size, "probe_wall_s": probe_s, "predicted": pred, "measured": meas,
                "error": {k: pred[k] / meas[k] - 1 for k in pred}, "rates": rates.to_dict()}
         rows.append(row)
         last_rates = rates
         print(f"{quant:<7} decode {pred['decode_tok_s']:6.1f} / {meas['decode_tok_s']:6.1f} tok/s "
               f"({row['error']['decode_tok_s']:+.0%})  prefill {pred['prefill_tok_s']:6.0f} / "
-              f"{meas['prefill_tok_s']:6.0f} tok/s ({row['error']['prefill_tok_s']:+.0%})  slice "
-              f"{pred['slice_s']:5.2f} / {meas['slice_s']:5.2f} s ({row['error']['slice_s']:+.0%})  "
+              f"{meas['prefill_tok_s']:6.0f} tok/s ({row['error']['prefill_tok_s']:+.0%})  "
               f"[probe {probe_s:.1f} s wall]", flush=True)
+    slices = {}
+    if last_rates is not None and not args.no_vision:
+        measured = measure_vision(files[wanted[0]], mmproj, args.threads)
+        width = read_text_header(files[wanted[0]]).shape.n_embd
+        for backend, seconds in measured.items():
+            predicted = speed.encode_seconds(vision, width, last_rates, backend=backend)
+            slices[backend] = {"predicted_s": predicted, "measured_s": seconds, "error": predicted / seconds - 1}
+            print(f"slice {backend:<10} {predicted:6.2f} / {seconds:6.2f} s ({predicted / seconds - 1:+.0%})",
+                  flush=True)
     boards = print_boards(last_rates, args.ghz or _cpu_ghz(), args.flop_per_cycle) if last_rates else {}
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "boards": boards}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "slices": slices, "boards": boards}, indent=1))
     return 0
 
 
@@ -147,7 +181,8 @@ def print_boards(rates: speed.Rates, ghz: float, flop_per_cycle: int) -> dict:
         for model in ("minicpm-v-4.6", "minicpm-v-2.6"):
             entry = load_catalog().get(model)
             q = entry.quants["Q4_K_M"]
-            p = speed.predict(model_size=q.size, text=entry.arch, quant="Q4_K_M", vision=entry.vision, rates=r)
+            p = speed.predict(model_size=q.size, text=entry.arch, quant="Q4_K_M", vision=entry.vision, rates=r,
+                              vision_backend="onnx-int8" if "onnx-int8" in r.vision_by_backend else None)
             out.setdefault(name, {})[model] = p.to_dict()
             print(f"PREDICTION {name:<38} {model} Q4_K_M: decode {p.decode_tokens_per_s:5.1f} tok/s, slice "
                   f"{p.encode_s_per_slice:5.1f} s, photo first answer {p.first_answer_s:5.0f} s "

@@ -7,11 +7,16 @@ import ipaddress
 import logging
 import os
 import socket
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..errors import ConfigError
+from ..kv_store import DEFAULT_MAX_BYTES as DEFAULT_KEEP_CHATS_BYTES
+from ..kv_store import KVStore
 from ..messages import MediaPolicy
 from ..model import Model
 from . import health, ollama_api, openai_api, page
@@ -41,6 +46,8 @@ def build_app(
     allow_local_files: bool = False,
     allow_remote_media: bool = False,
     truncate: bool = False,
+    keep_chats: str | os.PathLike | None = None,
+    keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
 ) -> FastAPI:
     """A FastAPI app serving ``model`` over the OpenAI and Ollama APIs (see the module doc).
 
@@ -50,21 +57,25 @@ def build_app(
     ``parallel=N``, while N are). With ``truncate`` a request
     whose history does not fit loses its oldest turns, whole, as :class:`~gguf_mcv.Chat` does
     (reported in ``usage.dropped_turns`` and the ``X-Gguf-Mcv-Dropped-Turns`` header);
-    without it such a request is refused with a 400.
+    without it such a request is refused with a 400. With ``keep_chats`` (a folder, capped at
+    ``keep_chats_bytes``) a conversation's KV state is kept there when another one is about to
+    overwrite it, and when the server stops, and restored when its next request comes (see
+    :meth:`gguf_mcv.Model.keep_chats`).
     """
     if max_queue < 0 or max_body_bytes < 1:
         raise ConfigError("max_queue must be >= 0 and max_body_bytes >= 1.")
+    store = model.keep_chats(keep_chats, max_bytes=keep_chats_bytes) if keep_chats is not None else None
     key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
     served, names = model_names(model, model_name)
     state = State(
         model=model, name=served, names=names, api_key=key or None, max_body_bytes=max_body_bytes,
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
         allow_remote=allow_remote_media, gate=Gate(max_queue, capacity=model.info.parallel),
-        metrics=Metrics(), truncate=truncate,
+        metrics=Metrics(), truncate=truncate, kept=store,
     )
     state.registry = registry_for(state)
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, lifespan=_keeping(model, store))
     app.state.gguf = state
     app.include_router(health.router)
     app.include_router(page.router)  # no key: the page is static; it sends the key the user types
@@ -73,6 +84,18 @@ def build_app(
     add_error_handlers(app)
     app.add_middleware(CountRequests, metrics=state.metrics)
     return app
+
+
+def _keeping(model: Model, store: KVStore | None):
+    """The app's lifespan: as the server stops, idle conversations go to ``store`` (if any)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if store is not None and not await run_in_threadpool(model.keep_idle):
+            log.warning("Not every idle conversation was kept in %s before the server stopped.", store.directory)
+
+    return lifespan
 
 
 def serve(
@@ -87,6 +110,8 @@ def serve(
     allow_local_files: bool = False,
     allow_remote_media: bool = False,
     truncate: bool = False,
+    keep_chats: str | os.PathLike | None = None,
+    keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
     log_level: str = "info",
 ) -> None:
     """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`).
@@ -98,7 +123,8 @@ def serve(
     _check_port(port)
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
-                    allow_remote_media=allow_remote_media, truncate=truncate)
+                    allow_remote_media=allow_remote_media, truncate=truncate, keep_chats=keep_chats,
+                    keep_chats_bytes=keep_chats_bytes)
     return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not _is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "

@@ -31,6 +31,9 @@ async def metrics(request: Request, format: str | None = None) -> Response:
         raise HTTPError(400, f"format must be 'prometheus' (the default) or 'json', not {format[:40]!r}.",
                         param="format")
     if format == "json" or (format is None and "application/json" in accept and "text/plain" not in accept):
-        return JSONResponse(state.metrics.snapshot(state.gate))
+        snapshot = state.metrics.snapshot(state.gate)
+        if state.kept is not None:
+            snapshot["kept_chats"] = dict(state.kept.counts)
+        return JSONResponse(snapshot)
     assert state.registry is not None
     return Response(prometheus.exposition(state.registry), media_type=prometheus.CONTENT_TYPE)

@@ -77,6 +77,21 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily("gguf_mcv_start_time_seconds", "When the server started (Unix time).",
                                 value=m.started)
         yield from self._embedding_cache()
+        yield from self._kept_chats()
+
+    def _kept_chats(self) -> Iterator[Metric]:
+        store = self.state.kept
+        if store is None:
+            return
+        events = CounterMetricFamily("gguf_mcv_kept_chats", "Idle conversations' KV states on disk: saved, "
+                                     "restored, and entries ignored (foreign: another model's; damaged: deleted; "
+                                     "refused by llama.cpp; dropped: writer behind; write_failed).",
+                                     labels=["event"])
+        for event in ("saved", "restored", "foreign", "damaged", "refused", "dropped", "write_failed"):
+            events.add_metric([event], store.counts[event])
+        yield events
+        yield GaugeMetricFamily("gguf_mcv_kept_chats_disk_bytes", "Bytes the kept conversations take on disk.",
+                                value=store.disk_usage())
 
     def _embedding_cache(self) -> Iterator[Metric]:
         try:

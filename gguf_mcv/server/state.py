@@ -10,6 +10,7 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry
 
 from ..generation import Stream
+from ..kv_store import KVStore
 from ..messages import MediaPolicy
 from ..model import Model
 from ..reply import Reply
@@ -37,6 +38,7 @@ class State:
     #: drop a request's oldest turns (whole) when it does not fit, instead of refusing it
     truncate: bool = False
     registry: CollectorRegistry | None = None  #: this app's Prometheus registry (see ``prometheus``)
+    kept: KVStore | None = None  #: where idle conversations' KV states go (``keep_chats``)
 
     def check_model(self, requested: str | None) -> str:
         """The name to echo for ``requested``; 404 if it names another model."""
