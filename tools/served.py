@@ -165,14 +165,15 @@ class RssSampler:
         return None
 
 
-def planned_peak(model: Path, mmproj: Path, *, n_ctx: int, parallel: int, kv_cache_type: str = "f16") -> dict[str, int]:
+def planned_peak(model: Path, mmproj: Path, *, n_ctx: int, parallel: int, kv_cache_type: str = "f16",
+                 vision_backend: str = "auto") -> dict[str, int]:
     """The plan's peak RSS for ``parallel`` slots of ``n_ctx`` positions: its memory row for these
     files (``plan_local``, the same options as the server) plus ``slot_bytes`` per slot beyond the
     first, as ``parallel="auto"`` counts them (``memory.slot_bytes``)."""
     sys.path.insert(0, str(REPO))
     from gguf_mcv.resolver import plan_local
 
-    plan = plan_local(model, mmproj, n_ctx=n_ctx, kv_cache_type=kv_cache_type)
+    plan = plan_local(model, mmproj, n_ctx=n_ctx, kv_cache_type=kv_cache_type, vision_backend=vision_backend)
     one = plan.estimate.total
     return {"one_slot": one, "slot_bytes": plan.slot_bytes, "predicted": one + (parallel - 1) * plan.slot_bytes,
             "auto_slots": plan.slots}

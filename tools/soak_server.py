@@ -279,6 +279,7 @@ def main() -> int:
     ap.add_argument("--max-queue", type=int, help="the server's --max-queue (default: --clients, all admitted)")
     ap.add_argument("--ctx", type=int, default=2048, help="positions per slot (default 2048)")
     ap.add_argument("--threads", type=int, help="the server's --threads")
+    ap.add_argument("--vision-backend", default="auto", help="the server's (and the plan's) vision backend")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     ap.add_argument("--image-side", type=int, default=96, help="side of the images in pixels (default 96)")
     ap.add_argument("--video-frames", type=int, default=3)
@@ -287,7 +288,7 @@ def main() -> int:
     ap.add_argument("--photo-mp", type=float, default=12, help="megapixels of the photos (default 12; 0: none)")
     ap.add_argument("--photo-detail", default="auto", choices=("auto", "low", "high"))
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                    help="one more argument for gguf-mcv serve (repeatable), e.g. --serve-arg=--kv=q8_0")
+                    help="one more argument for gguf-mcv serve (repeatable), e.g. --serve-arg=--truncate")
     ap.add_argument("--json", type=Path, help="write the summary and every request's outcome here")
     args = ap.parse_args()
     unknown = set(args.only.split(",")) - set(KINDS) if args.only else set()
@@ -297,7 +298,8 @@ def main() -> int:
     model, mmproj = model_files(args.model, args.mmproj)
     cache = tempfile.mkdtemp(prefix="gguf_mcv_soak_cache_")  # a fresh disk cache: nothing known before
     extra = ["--parallel", args.parallel, "--ctx", str(args.ctx), "--max-queue", str(args.max_queue or args.clients),
-             "--cache-dir", cache, *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
+             "--cache-dir", cache, "--vision-backend", args.vision_backend,
+             *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
     server = start_server(model, mmproj, extra)
     rss = RssSampler(server.proc.pid)
     try:
@@ -310,7 +312,7 @@ def main() -> int:
     finally:
         rss.stop()
         status = server.stop()
-    plan = planned_peak(model, mmproj, n_ctx=args.ctx, parallel=server.parallel)
+    plan = planned_peak(model, mmproj, n_ctx=args.ctx, parallel=server.parallel, vision_backend=args.vision_backend)
     summary = summarize(outcomes, wall)
     over_plan = high_water > plan["predicted"]
     report = {
