@@ -10,6 +10,7 @@ came in by.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence, Union, cast
@@ -111,6 +112,11 @@ class TurnBuilder:
         self.vision_gpu = vision_gpu
         self.allow_remote_media = allow_remote_media
         self.name = name
+        # One image decoded at a time: a camera photo's decode briefly takes several copies of
+        # its full-size pixels (memory.IMAGE_COPIES), and the plan counts that peak once. Threads
+        # sharing a model with parallel slots (a server's answers) decoded side by side: 4
+        # clients' 12 MP photos peaked at 951 MiB where one takes 339 (tools/soak_server.py).
+        self._decoding = threading.Lock()
 
     @property
     def slice_size(self) -> int:
@@ -119,9 +125,11 @@ class TurnBuilder:
     # -- parts --------------------------------------------------------------------
 
     def image(self, image: ImageInput, *, detail: str = "auto", max_slices: int | None = None) -> Image:
-        """Decode ``image`` and size it for the vision encoder (:func:`~gguf_mcv.slicing.apply_detail`)."""
-        return apply_detail(load_image(image, allow_remote=self.allow_remote_media), detail=detail,
-                            max_slices=max_slices, slice_size=self.slice_size, vision_gpu=self.vision_gpu)
+        """Decode ``image`` and size it for the vision encoder (:func:`~gguf_mcv.slicing.apply_detail`);
+        one image at a time per model, whatever the number of threads asking."""
+        with self._decoding:
+            return apply_detail(load_image(image, allow_remote=self.allow_remote_media), detail=detail,
+                                max_slices=max_slices, slice_size=self.slice_size, vision_gpu=self.vision_gpu)
 
     def user_parts(self, prompt: str, images: Images = (), videos: VideoInput | Sequence[VideoInput] = (), *,
                    detail: str = "auto", max_slices: int | None = None) -> list[Part]:

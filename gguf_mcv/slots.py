@@ -6,7 +6,8 @@ sampled token of every slot that is answering, plus at most one chunk of one new
 (:data:`PREFILL_CHUNK` tokens) — or, where that prompt has an image next, one image
 slice instead (encoded by the vision tower, or taken from the embedding cache). So
 running answers stall for at most one chunk or one slice while a new one starts, and a
-cancelled answer stops within one too.
+cancelled answer stops within one too. Between two slices the running answers decode for
+as long as the last slice took (:data:`VISION_SHARE`).
 
 Each slot remembers what its sequence holds, as the engine does for sequence 0: a
 follow-up goes to the free slot holding the longest prefix of its prompt; when a busy
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 #: Most prompt tokens evaluated in one step beside the running answers' tokens: a new
 #: prompt delays running answers by at most one such chunk (or one image slice).
 PREFILL_CHUNK = 256
+#: While answers are running, an image slice (seconds of the encoder on a CPU, during which
+#: no answer advances) waits until they have decoded for this many times as long as the last
+#: slice took: decoding keeps at least half the time instead of one token per slice.
+VISION_SHARE = 1.0
 #: How long the step loop sleeps waiting for work before it checks whether it should stop.
 IDLE_POLL_S = 0.5
 
@@ -177,6 +182,11 @@ class Scheduler:
         self._died = ""
         self.steps = 0  #: batches evaluated (for tests and benchmarks)
         self.steps_taken = 0  # prompt turns handed out
+        # seconds the last image slice took, and seconds of other steps since: while answers
+        # run, a slice waits until they have had as long (VISION_SHARE), so decoding goes on
+        # at half speed or more instead of one token per slice (seconds per slice on a CPU)
+        self._slice_s = 0.0
+        self._since_slice_s = 0.0
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
         self.restored_checkpoints = 0  #: rewinds of a recurrent slot served by a checkpoint
         self.shifted_positions = 0  #: positions removed by shifting a slot's cache (dropped turns)
@@ -473,17 +483,24 @@ class Scheduler:
         return 0, 0
 
     def _step(self) -> None:
-        """One batch: every answering slot's pending token, plus one chunk of one prompt."""
+        """One batch: every answering slot's pending token, plus one chunk of one prompt
+        (an image slice only once the running answers have had their share of time)."""
+        began = time.perf_counter()
         # prompts take turns (the least recently served first): a short question is not kept
         # waiting behind every slice of another one's big image
-        prefill = min((s for s in self._slots if s.prefilling), default=None,
-                      key=lambda s: (s.served, s.started))
+        answering = any(s.tokens is not None for s in self._slots)
+        slice_due = not answering or self._since_slice_s >= self._slice_s * VISION_SHARE
+        prefill = min((s for s in self._slots if s.prefilling and (slice_due or not self._at_image(s))),
+                      default=None, key=lambda s: (s.served, s.started))
         if prefill is not None:
             prefill.served = self.steps_taken = self.steps_taken + 1
-        if prefill is not None and isinstance(cast(Job, prefill.job).prompt.units[prefill.cursor], ImageUnit):
-            if not self._image_step(prefill):
+        if prefill is not None and self._at_image(prefill):
+            ok = self._image_step(prefill)
+            self._slice_s, self._since_slice_s = time.perf_counter() - began, 0.0
+            if not ok:
                 return
             prefill = None  # one slice per step: the running answers go on meanwhile
+            began = time.perf_counter()
         decoding = [s for s in self._slots if s.tokens is not None]
         full = [s for s in decoding if s.n_past >= s.n_ctx]  # its generator ends without evaluating
         decoding = [s for s in decoding if s.n_past < s.n_ctx]
@@ -526,6 +543,12 @@ class Scheduler:
                 self._prefilled(prefill)
         for slot in decoding + full:
             self._advance(slot)
+        self._since_slice_s += time.perf_counter() - began
+
+    @staticmethod
+    def _at_image(slot: _Slot) -> bool:
+        """Whether ``slot``'s prompt goes on with an image slice."""
+        return isinstance(cast(Job, slot.job).prompt.units[slot.cursor], ImageUnit)
 
     def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         b = self._batch

@@ -43,6 +43,11 @@ def srv(model) -> Iterator[Running]:
     running.stop()
 
 
+def test_health_says_how_many_answers_run_at_once(srv: Running, model) -> None:
+    # what a load tool needs to compare the server's memory with the plan for --parallel auto
+    assert health(srv)["parallel"] == model.info.parallel
+
+
 def test_answers_run_side_by_side_up_to_the_slot_count(srv: Running, model, monkeypatch) -> None:
     if model.info.parallel == 1:
         pytest.skip("one answer at a time is tests/test_server.py's case")

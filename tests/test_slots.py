@@ -149,6 +149,27 @@ def test_close_during_a_multi_slice_encode_stops_within_one_slice(tiny, monkeypa
             assert model.scheduler.active == 0
 
 
+def test_running_answers_keep_decoding_while_a_big_image_is_encoded(par, monkeypatch) -> None:
+    """A slice takes seconds on a CPU (0.3 s here) and no answer advances during it: the running
+    answers must get their share of time between slices, not one token per slice (a 16-client
+    soak on the bench preset: a 16-token text answer took minutes behind photos' slices)."""
+    slow_encoder(par, monkeypatch, 0.3)
+    text = par.ask(QUESTIONS[0], max_tokens=32, stream=True, **GREEDY)
+    first = next(text)  # answering now
+    before = par.engine.encoder_calls
+    with ThreadPoolExecutor(1) as pool:
+        image = pool.submit(par.ask, "What is it?", picture(31, (1344, 1344)), detail="high", max_tokens=2)
+        while par.engine.encoder_calls == before:  # the image's first slice is under way
+            time.sleep(0.01)
+        rest = "".join(text)
+        slices_meanwhile = par.engine.encoder_calls - before
+        assert image.result(timeout=60).usage.completion_tokens == 2
+    assert text.reply.usage.completion_tokens >= 24, "the answer ended early: nothing was measured"
+    assert first + rest == str(text.reply)
+    # before: one token per slice, so the answer outlived all 10 slices; now a slice or two
+    assert slices_meanwhile <= 5, slices_meanwhile
+
+
 def test_hang_ups_mid_prefill_and_mid_decode_leave_others_intact(par, alone, monkeypatch) -> None:
     lone = [str(alone.ask(q, max_tokens=16, **GREEDY)) for q in QUESTIONS[:3]]
     slow_encoder(par, monkeypatch, 0.02)

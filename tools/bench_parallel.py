@@ -11,18 +11,37 @@ of N tokens (one per sequence, each after the same prompt) against one of 1 toke
 in t(N) instead of N × t(1) is the most batching can gain, ``bound(N) = N·t(1)/t(N)``.
 
     python tools/bench_parallel.py --ladder /tmp/bench --quant Q4_K_M --threads 2
+
+With ``--images`` it measures image questions through the server instead: a fresh
+``gguf-mcv serve`` per slot count (``--parallel 1``, then each N of ``--image-clients``),
+clients asking about distinct never-seen images at once (one streamed OpenAI request each,
+``--image-side`` pixels, one slice), so every answer needs the vision encoder, which runs one
+slice at a time. Reported per client count: answers/s (answers / wall time from the first
+request to the last answer) and TTFT p50/p95 (from sending to the first streamed event) with
+``--parallel 1`` and ``--parallel N``; and per server its peak RSS (``VmHWM``, sampled every
+0.5 s too) beside the plan's prediction (``plan_local()``'s memory row plus ``slot_bytes`` per
+slot beyond the first).
+
+    python tools/bench_parallel.py --ladder /tmp/bench --quant Q4_K_M --threads 2 --images
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import requests
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the server tools' shared helpers
+
+from served import MIB, RssSampler, planned_peak, png_bytes, read_stream, start_server  # noqa: E402
 
 import gguf_mcv  # noqa: E402
 
@@ -95,6 +114,77 @@ def raw_bound(model: gguf_mcv.Model, sizes: list[int], prompt_tokens: int = 48, 
         lc.llama_batch_free(batch)
 
 
+def image_round(base: str, name: str, n: int, seed: int, side: int, max_tokens: int) -> tuple[float, list[float]]:
+    """``n`` clients at once, each asking about its own new image; (answers/s, each TTFT in ms)."""
+    images = [png_bytes(seed + i, side) for i in range(n)]
+    ttft: list[float] = [0.0] * n
+    failures: list[str] = []
+    go = threading.Barrier(n + 1)
+
+    def client(i: int) -> None:
+        url = "data:image/png;base64," + base64.b64encode(images[i]).decode()
+        body = {"model": name, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": f"Client {i}: what is it?"}]}]}
+        with requests.Session() as session:
+            go.wait()
+            status, reply = read_stream(session, f"{base}/v1/chat/completions", body, sse=True)
+        if status != 200 or reply is None or reply[2] is None:
+            failures.append(f"client {i}: status {status}")
+            return
+        ttft[i] = reply[2] * 1000.0
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    if failures:
+        raise SystemExit("image questions failed: " + "; ".join(failures))
+    return n / wall, ttft
+
+
+def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> None:
+    """Image questions against a fresh server per slot count; the tables (see the module doc)."""
+    sizes = [int(n) for n in args.image_clients.split(",")]
+    rows: dict[tuple[int, int], tuple[float, list[float]]] = {}  # (slots, clients) -> result
+    memory: list[tuple[int, int, dict[str, int]]] = []
+    seed = 1000
+    for slots in [1] + [n for n in sizes if n > 1]:
+        extra = ["--parallel", str(slots), "--ctx", str(args.n_ctx), "--threads", str(args.threads),
+                 "--max-queue", str(max(sizes)), "--cache-dir", tempfile.mkdtemp(prefix="gguf_mcv_bench_")]
+        server = start_server(model, mmproj, extra)
+        rss = RssSampler(server.proc.pid)
+        try:
+            image_round(server.base, server.name, 1, 1, args.image_side, 2)  # warm-up: first encode, buffers
+            for n in sizes if slots == 1 else [slots]:
+                rows[(slots, n)] = image_round(server.base, server.name, n, seed, args.image_side, args.max_tokens)
+                seed += n
+            peak = rss.high_water() or rss.peak
+        finally:
+            rss.stop()
+            server.stop()
+        memory.append((slots, peak, planned_peak(model, mmproj, n_ctx=args.n_ctx, parallel=slots)))
+    print(f"model {model.name}, {args.threads} threads, {args.max_tokens} tokens per answer, distinct "
+          f"{args.image_side}x{args.image_side} images (one slice each), n_ctx {args.n_ctx} per slot")
+    print("| clients | parallel=1 answers/s | parallel=N answers/s | gain | TTFT p50 / p95 (parallel=1) | "
+          "TTFT p50 / p95 (parallel=N) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        one, par = rows[(1, n)], rows[(n, n)]
+        print(f"| {n} | {one[0]:.3f} | {par[0]:.3f} | {par[0] / one[0]:.2f}× | {_pct(one[1], 50):.0f} / "
+              f"{_pct(one[1], 95):.0f} ms | {_pct(par[1], 50):.0f} / {_pct(par[1], 95):.0f} ms |")
+    print("\n| --parallel | peak RSS (VmHWM) | plan's prediction | measured / predicted |")
+    print("| ---: | ---: | ---: | ---: |")
+    for slots, peak, plan in memory:
+        print(f"| {slots} | {peak / MIB:.0f} MiB | {plan['predicted'] / MIB:.0f} MiB "
+              f"({plan['one_slot'] / MIB:.0f} + {slots - 1} × {plan['slot_bytes'] / MIB:.1f}) | "
+              f"{peak / plan['predicted']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
@@ -103,8 +193,14 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-ctx", type=int, default=1024, help="positions per slot")
+    ap.add_argument("--images", action="store_true", help="image questions through the server instead")
+    ap.add_argument("--image-clients", default="1,2,4", help="client (and slot) counts with --images")
+    ap.add_argument("--image-side", type=int, default=448, help="side of each image with --images (default 448)")
     args = ap.parse_args()
     ladder = Path(args.ladder)
+    if args.images:
+        bench_images(args, ladder / f"ggml-model-{args.quant}.gguf", ladder / "mmproj-model-f16.gguf")
+        return
     files = dict(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=ladder / "mmproj-model-f16.gguf",
                  n_ctx=args.n_ctx, n_threads=args.threads)
     sizes = [int(n) for n in args.clients.split(",")]

@@ -25,12 +25,8 @@ import base64
 import collections
 import io
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,14 +36,15 @@ import PIL.Image
 import psutil
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this file
+
+from served import model_files, png_bytes, start_server  # noqa: E402
+
 KINDS = ("openai", "ollama", "stream_hangup", "bad_base64", "corrupt_png", "oversize")
 
 
 def png_b64(seed: int, size: int = 96) -> str:
-    arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png_bytes(seed, size)).decode()
 
 
 def request(kind: str, base: str, name: str, rng: random.Random, session: requests.Session) -> str:
@@ -127,35 +124,6 @@ def flood(base: str, name: str, proc: psutil.Process, clients: int, mib: float) 
                         "10 s after": round(proc.memory_info().rss / 2**20)}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int) -> subprocess.Popen:
-    if args.model:
-        model = [args.model] + (["--mmproj", args.mmproj] if args.mmproj else [])
-    else:
-        from gguf_mcv import synthetic
-
-        built = synthetic.build(Path(tempfile.gettempdir()) / "gguf_mcv_load_model",
-                                quants=["Q4_K_M"])
-        model = [str(built.quants["Q4_K_M"])]
-    proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", *model, "--port", str(port),
-                             "--ctx", "4096", "--max-queue", str(args.max_queue)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return proc
-        except requests.RequestException:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not start")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
@@ -168,18 +136,15 @@ def main() -> int:
     parser.add_argument("--flood-mib", type=float, default=19.5, help="size of each (default 19.5)")
     args = parser.parse_args()
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
-    proc = psutil.Process(server.pid)
-    name = requests.get(f"{base}/health", timeout=10).json()["model"]
+    server = start_server(*model_files(args.model, args.mmproj),
+                          ["--ctx", "4096", "--max-queue", str(args.max_queue)])
+    base, name, proc = server.base, server.name, psutil.Process(server.proc.pid)
     if args.flood:
         try:
             report = flood(base, name, proc, args.flood, args.flood_mib)
             report["health"] = requests.get(f"{base}/health", timeout=10).json()
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.stop()
         print(json.dumps(report, indent=2))
         return 0 if report["health"].get("status") == "ok" else 1
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -206,9 +171,8 @@ def main() -> int:
     for t in threads:
         t.join()
     health = requests.get(f"{base}/health", timeout=10).json()
-    metrics = requests.get(f"{base}/metrics", timeout=10).json()
-    server.terminate()
-    server.wait(timeout=30)
+    metrics = requests.get(f"{base}/metrics", params={"format": "json"}, timeout=10).json()
+    server.stop()
 
     print(f"{args.clients} clients for {args.seconds:.0f} s against {base}")
     print("| request kind | outcome | count |\n| --- | --- | ---: |")

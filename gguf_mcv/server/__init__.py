@@ -12,8 +12,9 @@ Routes (``/health`` needs no key, every other route does when a key is set):
 * Ollama: ``POST /api/generate``, ``POST /api/chat`` (NDJSON unless ``"stream": false``),
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
-* ``GET /health`` (model name, queue length) and ``GET /metrics`` (Prometheus' text
-  format; the JSON view with ``?format=json``: counters by method, route and status —
+* ``GET /health`` (model name, queue length, answers in flight, ``parallel``: how many run
+  at once) and ``GET /metrics`` (Prometheus' text format; the JSON view with
+  ``?format=json``: counters by method, route and status —
   other methods count as ``other``, unknown paths as ``(unmatched)`` — tokens, vision
   encoding, embedding-cache hits, queue length).
 * ``GET /`` in a browser: a page to ask about an image or video and continue the

@@ -19,7 +19,7 @@ router = APIRouter()
 async def health(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {"status": "ok", "model": state.name, "queue_length": state.gate.waiting,
-            "in_flight": state.gate.active}
+            "in_flight": state.gate.active, "parallel": state.gate.capacity}
 
 
 @router.get("/metrics", dependencies=[Depends(authorize)])
