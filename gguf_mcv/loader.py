@@ -129,7 +129,8 @@ def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
     one = estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
                          vision_backend=backend)
     text = read_text_header(model_path).shape
-    return parallel_for_budget(one.needed, slot_bytes(text, options.n_ctx, options.kv_cache_type), budget)
+    per_slot = slot_bytes(text, options.n_ctx, options.kv_cache_type, vision=projector.shape, vision_backend=backend)
+    return parallel_for_budget(one.needed, per_slot, budget)
 
 
 def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,

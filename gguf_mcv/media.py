@@ -264,9 +264,17 @@ def _check_size(size: tuple[int, int], source: str) -> None:
         )
 
 
+#: EXIF tag 0x0112: how the camera was turned (1: upright)
+_EXIF_ORIENTATION = 0x0112
+
+
 def _to_rgb(pil: PIL.Image.Image, source: str) -> np.ndarray:
     _check_size(pil.size, source)
-    pil = PIL.ImageOps.exif_transpose(pil)  # also forces the pixels to load
+    # exif_transpose copies the whole image even when there is nothing to turn: only call
+    # it when the photo says it is turned (a 12 MP photo's decode peaked at 6 copies)
+    if pil.getexif().get(_EXIF_ORIENTATION, 1) != 1:
+        pil = PIL.ImageOps.exif_transpose(pil)
+    pil.load()
     mode = pil.mode
     if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
         arr = np.nan_to_num(np.asarray(pil, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
@@ -279,7 +287,9 @@ def _to_rgb(pil: PIL.Image.Image, source: str) -> np.ndarray:
         rgba = pil.convert("RGBA")
         white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         pil = PIL.Image.alpha_composite(white, rgba)
-    return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
+    if pil.mode != "RGB":
+        pil = pil.convert("RGB")
+    return np.ascontiguousarray(np.asarray(pil, dtype=np.uint8))
 
 
 def _from_array(arr: np.ndarray, source: str) -> Image:

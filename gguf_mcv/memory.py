@@ -634,12 +634,24 @@ def _quant(quant: str | None) -> str:
 AUTO_MAX_PARALLEL = 8
 
 
-def slot_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16") -> int:
+def slot_bytes(text: TextShape, n_ctx: int, kv_cache_type: str = "f16", *, vision: VisionShape | None = None,
+               vision_backend: str = "llama.cpp") -> int:
     """What one more parallel slot costs: its KV cells (``n_ctx`` of them, in llama.cpp's
-    unified cache), its row of the decode batch (one more logits row and activations), and
-    on a hybrid model its recurrent state with the slot's checkpoints of it."""
+    unified cache), its row of the decode batch (one more logits row and activations), on
+    a hybrid model its recurrent state with the slot's checkpoints of it, and -- with
+    ``vision`` -- the image a slot's prompt holds while it waits for the encoder: libmtmd's
+    f32 slices of a full-detail image (and the ONNX backend's own copy of them; measured
+    with 16 clients: ~25 MiB per waiting slot on SigLIP's 448-pixel slices)."""
     row = text.n_vocab * 4 + TEXT_EMBD_TENSORS * text.n_embd * 4
-    return kv_cache_bytes(text, n_ctx, kv_cache_type) + row + recurrent_bytes(text)
+    waiting = 0
+    if vision is not None:
+        waiting = pending_slices_bytes(vision) * (2 if vision_backend.startswith("onnx") else 1)
+    return kv_cache_bytes(text, n_ctx, kv_cache_type) + row + recurrent_bytes(text) + waiting
+
+
+def pending_slices_bytes(vision: VisionShape) -> int:
+    """The f32 pixels of a full-detail image's slices (the overview and 9 more)."""
+    return 10 * vision.image_size**2 * 3 * 4
 
 
 def parallel_for_budget(needed_one: int, per_slot: int, budget: int,

@@ -126,7 +126,7 @@ class Plan:
     model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
     #: what ``parallel="auto"`` would load: the slots (answers at once) the budget holds
     slots: int = 1
-    slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache and batch row)
+    slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache, batch row, a waiting image)
     speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
     rates: Rates | None = None  #: the machine rates the predictions used
     vision_backend: str = "llama.cpp"  #: who runs the encoder in the chosen setup
@@ -531,7 +531,8 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     if ctx.cpu_only:
         warnings = [*warnings, "no quant fits with everything offloaded to the GPU, which on "
                     "unified memory copies the weights; planned for the CPU alone"]
-    per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type)
+    per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type, vision=ctx.vision,
+                                 vision_backend=s.vision_backend)
     return Plan(
         slots=memory.parallel_for_budget(e.needed, per_slot, ctx.budget), slot_bytes=per_slot,
         quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,

@@ -290,3 +290,28 @@ def test_extreme_aspect_ratio_is_answered_in_one_slice(tiny_model, size: tuple[i
     for detail in ("auto", "high"):
         assert tiny_model.ask("?", rgb, max_tokens=1, detail=detail).usage.image_tokens == low
     assert tiny_model.ask("?", rgb, max_tokens=1, max_slices=9).usage.image_tokens == low
+
+
+def test_a_12_megapixel_photo_decodes_in_few_copies_of_itself() -> None:
+    """The memory model counts IMAGE_COPIES copies of W*H*3 while an image is decoded. An upright
+    photo must not be copied by exif_transpose and convert (it peaked at 6 copies: 205 MiB)."""
+    from gguf_mcv import memory
+
+    code = """
+import io, numpy as np
+from PIL import Image as P
+from gguf_mcv.media import load_image
+a = np.random.default_rng(0).integers(0, 255, (375, 500, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
+b = io.BytesIO(); P.fromarray(a).save(b, "JPEG"); data = b.getvalue(); del a
+def status(k): return int(open("/proc/self/status").read().split(k + ":")[1].split()[0]) * 1024
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
+rgb = load_image(data).rgb
+print((status("VmHWM") - base) / rgb.nbytes)
+"""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc to reset the peak")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    copies = float(done.stdout)
+    assert copies <= memory.IMAGE_COPIES + 0.5, copies

@@ -307,6 +307,10 @@ def test_a_slot_costs_its_kv_cache_and_a_batch_row() -> None:
     per_slot = memory.slot_bytes(QWEN2_7B, 4096)
     assert memory.kv_cache_bytes(QWEN2_7B, 4096) < per_slot < memory.kv_cache_bytes(QWEN2_7B, 4096) + 2 * MiB
     assert memory.slot_bytes(QWEN2_7B, 4096, "q8_0") < per_slot  # a quantized KV cache is smaller
+    # a slot whose prompt waits for the encoder holds that image's f32 slices (ONNX: twice)
+    waiting = memory.slot_bytes(QWEN2_7B, 4096, vision=VisionShape()) - per_slot
+    assert waiting == 10 * 448 * 448 * 12 and 20 * MiB < waiting < 30 * MiB
+    assert memory.slot_bytes(QWEN2_7B, 4096, vision=VisionShape(), vision_backend="onnx-int8") == per_slot + 2 * waiting
 
 
 @pytest.mark.parametrize(("needed", "budget", "expected"), [
