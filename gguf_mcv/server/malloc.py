@@ -9,6 +9,11 @@ import platform
 _M_MMAP_THRESHOLD = -3
 #: Allocations of this size and more (request bodies, decoded images) get their own mapping.
 LARGE_ALLOCATION_BYTES = 1 << 20
+#: glibc's ``mallopt`` parameter for the most heaps ("arenas") threads allocate from.
+_M_ARENA_MAX = -8
+#: Heaps the server's threads share: glibc's default is 8 per core, each keeping what was
+#: freed in it resident.
+ARENAS = 2
 
 
 def return_large_buffers_to_os() -> bool:
@@ -26,4 +31,5 @@ def return_large_buffers_to_os() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
+    libc.mallopt(_M_ARENA_MAX, ARENAS)
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))
