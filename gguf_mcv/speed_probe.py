@@ -23,8 +23,10 @@ What is measured (:func:`measure`):
   weights are random blocks of the type, written without llama.cpp's quantizer (which
   needs seconds per K-quant model).
 
-Every timing is busy time (:func:`busy_seconds`): CPU seconds per thread, which on an
-idle machine is the wall clock and on a shared one leaves out other processes' turns.
+Every timing is wall time (:func:`clock`): llama.cpp's worker threads sleep at their
+barriers, so CPU seconds per thread undercount a multi-threaded step (with two threads
+they gave rates 3-5x too high). A probe taken while other work holds the cores is
+therefore pessimistic: ``gguf-mcv plan --reprobe`` measures again.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def measure(threads: int) -> Rates:
 
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
     """Bytes per second ``threads`` threads read together (numpy dot products, best of
-    ``repeats``; timed in :func:`busy_seconds`)."""
+    ``repeats``; timed with :func:`clock`)."""
     import numpy as np
 
     n = max(1, nbytes // 8)
@@ -177,10 +179,10 @@ def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int 
         for w in workers:
             w.start()
         barrier.wait()
-        t0 = busy_seconds(len(arrays))
+        t0 = clock()
         for w in workers:
             w.join()
-        elapsed = busy_seconds(len(arrays)) - t0
+        elapsed = clock() - t0
         best = max(best, len(arrays) * 2 * n * 4 / max(elapsed, 1e-6))
     return best
 
@@ -206,13 +208,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def busy_seconds(threads: int) -> float:
-    """Process CPU seconds per thread: the clock every probe timing uses.
+def clock() -> float:
+    """The probe's clock: wall seconds (see the module's docstring for why not CPU time)."""
+    return time.perf_counter()
 
-    On an idle machine it runs with the wall clock (every thread busy); on a shared one
-    it leaves out the time other processes held the cores, so a probe taken while
-    something else ran still describes the machine, not that moment.
-    """
+
+def busy_seconds(threads: int) -> float:
+    """Process CPU seconds per thread: only reported in the probe's ``source`` line, beside
+    the wall time (the two far apart say the machine was busy, or the threads waited)."""
     return time.process_time() / max(1, threads)
 
 
@@ -249,7 +252,7 @@ PROMPT_WORDS = 50
 
 
 def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] = PROBED_TYPES) -> dict[str, Any]:
-    """Busy seconds (:func:`busy_seconds`) llama.cpp takes on generated models.
+    """Seconds (:func:`clock`) llama.cpp takes on generated models.
 
     Returns ``slice_s`` (one 448-pixel slice through the probe's vision block),
     ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
@@ -311,9 +314,9 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
         rng = np.random.default_rng(0)
         encoder.encode_pixels(rng.standard_normal((3, 112, 112), np.float32))  # warm-up
         pixels = rng.standard_normal((3, projector.image_size, projector.image_size), np.float32)
-        start = busy_seconds(threads)
+        start = clock()
         encoder.encode_pixels(pixels)
-        times[f"onnx-{variant}"] = busy_seconds(threads) - start
+        times[f"onnx-{variant}"] = clock() - start
     return times
 
 
@@ -353,33 +356,33 @@ def _time_slice(engine: Any, threads: int) -> float:
     for side in (56, 448):
         image = Image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), f"probe{side}")
         with engine.tokenize(f"{engine.marker}\n", [image]) as prompt:
-            start = busy_seconds(threads)
+            start = clock()
             stats = engine.prefill(prompt)
-            seconds = (busy_seconds(threads) - start) / max(1, stats.slices_encoded)
+            seconds = (clock() - start) / max(1, stats.slices_encoded)
         engine.reset()
     return seconds
 
 
 def _time_text(engine: Any, threads: int, tokens: int = TIMED_TOKENS, words: int = 100) -> dict[str, float]:
-    """A prompt of ``words`` words (100: about 280 tokens), then the median busy time of
+    """A prompt of ``words`` words (100: about 280 tokens), then the median time of
     ``tokens`` greedy tokens (the first one, which ends the prompt's evaluation, not timed)."""
     from .options import Sampling
 
     text = " ".join(f"w{i % 50}" for i in range(words))
     with engine.tokenize(text) as prompt:
-        start = busy_seconds(threads)
+        start = clock()
         engine.prefill(prompt)
-        out = {"prefill_s": busy_seconds(threads) - start, "prefill_tokens": float(prompt.n_pos)}
+        out = {"prefill_s": clock() - start, "prefill_tokens": float(prompt.n_pos)}
     steps = engine.generate(Sampling(temperature=0.0), tokens + 1)
     next(steps)
     times = []
     while True:
-        start = busy_seconds(threads)
+        start = clock()
         try:
             next(steps)
         except StopIteration:
             break
-        times.append(busy_seconds(threads) - start)
+        times.append(clock() - start)
     out["token_s"] = statistics.median(times) if times else float("nan")
     out["n_past"] = out["prefill_tokens"] + 1 + len(times) / 2
     return out

@@ -7,9 +7,8 @@ prefill and greedy decoding -- and the speed model's predictions from that probe
 the file's own weight types, read from its header) are printed beside the measurements.
 Then one 448-pixel slice through the ladder's vision tower with each encoder (libmtmd,
 ONNX fp32 and int8), against the last probe's predictions. Probe and measurement run
-back to back and both count busy time (process CPU seconds per thread,
-:func:`gguf_mcv.speed_probe.busy_seconds`), so a machine shared with other work gives
-ratios that still mean something. Then the model's predictions for boards from their
+back to back and both count wall time (:func:`gguf_mcv.speed_probe.clock`), so run it on a
+quiet machine: on a machine shared with other work both are slowed, unevenly. Then the model's predictions for boards from their
 published figures (labelled predictions: nothing was run on them).
 
     python tools/make_test_model.py --preset bench --out /tmp/bench-speed
@@ -83,9 +82,9 @@ def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
         encoder = onnx_vision.OnnxEncoder(converted.path(variant), converted.projector, n_threads=threads)
         pixels = slice_pixels(rgb, encoder.params)[0]
         encoder.encode_pixels(pixels)
-        start = speed_probe.busy_seconds(threads)
+        start = speed_probe.clock()
         encoder.encode_pixels(pixels)
-        out[f"onnx-{variant}"] = speed_probe.busy_seconds(threads) - start
+        out[f"onnx-{variant}"] = speed_probe.clock() - start
         del encoder
     return out
 
