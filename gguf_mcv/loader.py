@@ -74,11 +74,12 @@ def load(
     ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
     converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.onnx_vision.choose_backend``);
     ``model.info`` says which and why. ``mmproj_precision`` is for the ``llama.cpp`` backend:
-    ``"auto"`` encodes with a BF16 copy of an F16 mmproj (made once in the cache) when the CPU
-    has AVX512-BF16 and the encoder runs on it, ``"bf16"`` always, ``"as-is"`` never
-    (:mod:`gguf_mcv.mmproj_bf16`); ``model.info.vision_backend_reason`` says which. ``parallel=N`` answers up to N questions at once
-    (N slots of ``n_ctx`` positions each in one llama.cpp context, decoded together: see
-    :mod:`gguf_mcv.slots`); ``"auto"`` takes as many as the memory budget holds (at most 8).
+    ``"auto"`` encodes with a BF16 copy of a large F16 mmproj (made once in the cache) when the
+    CPU has AVX512-BF16 and the encoder runs on it, ``"bf16"`` always, ``"as-is"`` never
+    (:mod:`gguf_mcv.mmproj_bf16`); ``model.info.vision_backend_reason`` says which.
+    ``parallel=N`` answers up to N questions at once (N slots of ``n_ctx`` positions each in
+    one llama.cpp context, decoded together: see :mod:`gguf_mcv.slots`); ``"auto"`` takes as
+    many as the memory budget holds (at most 8).
     """
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
                           n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
@@ -204,6 +205,14 @@ def _with_sequences(llama, n_seq: int) -> None:
     except ValueError as exc:
         raise EngineError(f"llama.cpp could not make a context of {n_seq} sequences: "
                           f"{native.recent_errors() or exc}. Try a smaller parallel or n_ctx.") from exc
+
+
+def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_precision: str, vision_gpu: bool,
+                 n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
+    """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings, as
+    :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
+    options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
+    return _vision_backend(options, mmproj_path, read_projector_header(mmproj_path), vision_gpu, n_threads)
 
 
 def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,

@@ -163,7 +163,8 @@ def test_libmtmd_encodes_with_the_copy_close_to_f16(tiny) -> None:
                            vision_backend="llama.cpp", mmproj_precision=precision,
                            embed_cache=EmbeddingCache()) as model:
             engine = model._engine
-            assert model.info.vision_backend_reason.endswith(f"mmproj {'bf16 (asked for)' if precision == 'bf16' else 'as-is'}")
+            note = "bf16 (asked for)" if precision == "bf16" else "as-is"
+            assert model.info.vision_backend_reason.endswith(f"mmproj {note}")
             assert (engine.mmproj_path != str(tiny.mmproj)) == (precision == "bf16")
             with engine.tokenize(engine.marker, [image]) as prompt:
                 embeddings[precision] = [engine._encode(c, prompt.units[i]).reshape(-1, engine.n_embd)
