@@ -147,18 +147,23 @@ def write_bf16_copy(mmproj: str | os.PathLike, out: str | os.PathLike) -> int:
             main = field.types[0]
             sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(name, field.contents(), main, sub_type=sub)
+        # tensor infos first, then the data one tensor at a time: never the whole tower in memory
         for t in reader.tensors:
-            shape = [int(s) for s in reversed(t.shape.tolist())]  # numpy order
             if _converts(t, gguf):
-                data = gguf.quants.quantize(np.asarray(t.data, np.float16).astype(np.float32).reshape(shape),
-                                            gguf.GGMLQuantizationType.BF16)
-                writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
-                converted += 1
+                writer.add_tensor_info(t.name, [*t.data.shape[:-1], t.data.shape[-1] * 2], np.dtype(np.uint8),
+                                       t.data.nbytes, raw_dtype=gguf.GGMLQuantizationType.BF16)
             else:
-                writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
+            if _converts(t, gguf):
+                bf16 = gguf.quants.quantize(np.asarray(t.data, np.float32), gguf.GGMLQuantizationType.BF16)
+                writer.write_tensor_data(bf16)
+                converted += 1
+            else:
+                writer.write_tensor_data(np.asarray(t.data))
     finally:
         writer.close()
     return converted
