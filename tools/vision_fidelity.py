@@ -85,7 +85,8 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         files = synthetic.build(folder, synthetic.PRESETS[gen], ["Q4_K_M"])
         rng = np.random.default_rng(7)
-        images = [Image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "random") for w, h in ((300, 200), (1000, 700))]
+        images = [Image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "random")
+                  for w, h in ((300, 200), (1000, 700))]
         ref = libmtmd_slices(gen, files, images)
         n_slices = [1, len(ref) - 1]
         rows = {"libmtmd, flash attention off": libmtmd_slices(gen, files, images, flash_attn=False),
