@@ -206,7 +206,7 @@ class _Builder:
         self._external, self._location = external, location
         self.int8 = int8  #: the ViT blocks' MatMuls as int8 DynamicQuantizeMatMul
         self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
-        self.flash = ggml
+        self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
 
     def name(self, hint: str) -> str:
         self._n += 1

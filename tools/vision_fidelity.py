@@ -10,6 +10,12 @@ answers (``--prompts`` images, 16 tokens, alternating ``detail``) of libmtmd wit
 attention and of onnx-fp32 with either graph, counted identical to libmtmd's default.
 
     python tools/vision_fidelity.py --out /tmp/fidelity --generations 2.5,2.6,o-2.6,4.0,4.5,4.6
+
+``--time LADDER`` instead times the two fp32 graphs of a bench ladder's mmproj
+(``tools/make_test_model.py --preset bench``) on one 448-px slice, 2 threads, alternating,
+``--runs`` times each after a warm-up: what rounding as ggml does costs.
+
+    python tools/vision_fidelity.py --out /tmp/fidelity --time /tmp/bench-onnx --runs 3
 """
 
 from __future__ import annotations
@@ -71,12 +77,45 @@ def answers(gen: str, files, jobs, backend: str, ggml: bool = True, **kw) -> lis
         onnx_vision.build_model = real
 
 
+def time_graphs(ladder: Path, folder: Path, runs: int) -> None:
+    import time
+
+    import onnx
+
+    weights = Weights(ladder / "mmproj-model-f16.gguf")
+    encoders = {}
+    for ggml in (False, True):
+        path = folder / f"bench-fp32-{'ggml' if ggml else 'plain'}.onnx"
+        model, _ = build_model(weights, ggml=ggml, external=path.with_name(path.name + ".data"))
+        onnx.save_model(model, str(path))
+        del model
+        encoders[ggml] = OnnxEncoder(path, weights.projector(), n_threads=2)
+    rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for encoder in encoders.values():
+        encoder.encode_rgb(rgb, 0)
+    for _ in range(runs):
+        for ggml, encoder in encoders.items():
+            start = time.perf_counter()
+            encoder.encode_rgb(rgb, 0)
+            times[ggml].append(time.perf_counter() - start)
+    for ggml, t in times.items():
+        print(f"fp32 graph, {'ggml roundings' if ggml else 'plain'}: median {np.median(t) * 1000:.0f} ms per slice "
+              f"({', '.join(f'{x * 1000:.0f}' for x in t)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the tiny models and graphs")
     ap.add_argument("--generations", default=",".join(NAMES))
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--time", help="a bench ladder folder: time the two fp32 graphs instead")
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    if args.time:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        time_graphs(Path(args.time), Path(args.out), args.runs)
+        return
     print("| generation | vs libmtmd (flash attention auto) | max abs diff | mean abs diff | min cosine |")
     print("| --- | --- | ---: | ---: | ---: |")
     greedy = []
