@@ -250,7 +250,7 @@ def _precision(options: LoadOptions, mmproj_path: str | os.PathLike,
     if options.mmproj_precision == "as-is":
         return mmproj_path, "as-is"
     use, why = mmproj_bf16.choose(options.mmproj_precision, backend="llama.cpp", vision_gpu=vision_gpu,
-                                  cpu_flags=cpu_flags(), f16_blocks=mmproj_bf16.has_f16_blocks(mmproj_path),
+                                  cpu_flags=cpu_flags(), f16_blocks=lambda: mmproj_bf16.has_f16_blocks(mmproj_path),
                                   size=os.path.getsize(mmproj_path))
     if not use:
         return mmproj_path, why

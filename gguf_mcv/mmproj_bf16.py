@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -60,23 +61,23 @@ def has_f16_blocks(mmproj: str | os.PathLike) -> bool:
 
 
 def choose(requested: str, *, backend: str, vision_gpu: bool, cpu_flags: frozenset[str],
-           f16_blocks: bool, size: int) -> tuple[bool, str]:
+           f16_blocks: Callable[[], bool], size: int) -> tuple[bool, str]:
     """(use a BF16 copy, why) for ``mmproj_precision=requested``: ``auto`` copies only for
     libmtmd on a CPU with :data:`CPU_FLAG` and an mmproj of at least :data:`AUTO_MIN_BYTES`
-    with F16 block weights; ``bf16`` whenever there are F16 block weights."""
+    with F16 block weights; ``bf16`` whenever there are F16 block weights. ``f16_blocks``
+    is asked last (it reads the mmproj's tensor table: a few MB of RSS in the loading process)."""
     if requested == "as-is" or backend != "llama.cpp":
         return False, "as-is" if requested == "as-is" else f"as-is ({backend} encodes)"
-    if not f16_blocks:
+    if requested == "auto":
+        if vision_gpu:
+            return False, "as-is (the encoder runs on the GPU)"
+        if CPU_FLAG not in cpu_flags:
+            return False, f"as-is (the CPU has no {CPU_FLAG})"
+        if size < AUTO_MIN_BYTES:
+            return False, f"as-is (smaller than {format_size(AUTO_MIN_BYTES)}: not worth a copy)"
+    if not f16_blocks():
         return False, "as-is (no F16 block weights to convert)"
-    if requested == "bf16":
-        return True, "bf16 (asked for)"
-    if vision_gpu:
-        return False, "as-is (the encoder runs on the GPU)"
-    if CPU_FLAG not in cpu_flags:
-        return False, f"as-is (the CPU has no {CPU_FLAG})"
-    if size < AUTO_MIN_BYTES:
-        return False, f"as-is (smaller than {format_size(AUTO_MIN_BYTES)}: not worth a copy)"
-    return True, f"bf16 (auto: the CPU has {CPU_FLAG})"
+    return (True, "bf16 (asked for)") if requested == "bf16" else (True, f"bf16 (auto: the CPU has {CPU_FLAG})")
 
 
 def prepare(mmproj: str | os.PathLike, identity: str) -> Bf16Copy:

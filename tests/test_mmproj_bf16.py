@@ -36,17 +36,23 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_auto_copies_only_for_libmtmd_on_a_bf16_cpu_and_a_big_f16_mmproj() -> None:
     flags = frozenset({"avx512f", CPU_FLAG})
-    kw = dict(backend="llama.cpp", vision_gpu=False, cpu_flags=flags, f16_blocks=True, size=BIG)
+    kw = dict(backend="llama.cpp", vision_gpu=False, cpu_flags=flags, f16_blocks=lambda: True, size=BIG)
     assert choose("auto", **kw) == (True, f"bf16 (auto: the CPU has {CPU_FLAG})")
     assert choose("auto", **{**kw, "cpu_flags": frozenset({"avx512f"})})[0] is False
     assert choose("auto", **{**kw, "vision_gpu": True}) == (False, "as-is (the encoder runs on the GPU)")
     assert choose("auto", **{**kw, "size": BIG - 1})[0] is False
-    assert choose("auto", **{**kw, "f16_blocks": False})[0] is False
+    assert choose("auto", **{**kw, "f16_blocks": lambda: False})[0] is False
+
+    def unread() -> bool:
+        raise AssertionError("the mmproj's tensors were read for a decision that did not need them")
+
+    for no in ({"vision_gpu": True}, {"cpu_flags": frozenset()}, {"size": BIG - 1}, {"backend": "onnx-fp32"}):
+        assert choose("auto", **{**kw, **no, "f16_blocks": unread})[0] is False
     assert choose("auto", **{**kw, "backend": "onnx-int8"}) == (False, "as-is (onnx-int8 encodes)")
     assert choose("as-is", **kw) == (False, "as-is")
     # asked for: whatever the CPU and size, as long as there is something to convert
     assert choose("bf16", **{**kw, "cpu_flags": frozenset(), "size": 1}) == (True, "bf16 (asked for)")
-    assert choose("bf16", **{**kw, "f16_blocks": False})[0] is False
+    assert choose("bf16", **{**kw, "f16_blocks": lambda: False})[0] is False
 
 
 @pytest.mark.parametrize("value", ["BF16", "f16", "", None, 16])
