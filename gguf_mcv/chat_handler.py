@@ -13,6 +13,9 @@ optionally with a ``"schema"``, as llama-cpp-python takes it, or ``{"type": "jso
 ``tools`` and ``tool_choice`` work as in llama-cpp-python's function-calling handlers: the
 answer's ``message.tool_calls`` holds the calls, and ``role: "tool"`` messages carry results
 back (see :mod:`gguf_mcv.tools` for how tools are shown to the model).
+``vision_backend`` and ``mmproj_precision`` are :func:`gguf_mcv.load`'s; the default backend
+is libmtmd (``"llama.cpp"``), as in the handler this one replaces; ``"auto"`` takes ONNX
+Runtime int8 on a CPU.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from .embed_cache import EmbeddingCache
 from .engine import Engine
 from .errors import ConfigError, ModelNotFoundError
 from .generation import AnswerLock, Stream, respond
+from .headers import read_projector_header
+from .loader import vision_setup
 from .messages import MediaPolicy, convert
 from .openai_compat import completion, completion_chunks, tool_call_chunks
-from .options import Sampling, stop_list
+from .options import LoadOptions, Sampling, stop_list
 from .request import TurnBuilder
 from .structured import Constraint, constraint, grammar_constraint
 from .templates import choose_template
@@ -49,6 +54,8 @@ class MiniCPMVChatHandler:
         template_family: str | None = None,
         allow_remote_media: bool = False,
         verbose: bool = False,
+        vision_backend: str = "llama.cpp",
+        mmproj_precision: str = "auto",
     ) -> None:
         self.clip_model_path = os.fspath(clip_model_path)
         if not os.path.isfile(self.clip_model_path):
@@ -58,6 +65,10 @@ class MiniCPMVChatHandler:
         self.template_family = template_family
         self.policy = MediaPolicy(allow_files=True, allow_remote=allow_remote_media)
         self.verbose = verbose
+        #: as in :func:`gguf_mcv.load`; "llama.cpp" by default, as the handler this one replaces
+        self.options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision,
+                                   vision_gpu=vision_gpu)
+        self.vision_backend_reason = ""
         self._engine: Engine | None = None
         self._lock = AnswerLock()
         self._setup = threading.Lock()
@@ -69,8 +80,13 @@ class MiniCPMVChatHandler:
                 return self._engine
             if self._engine is not None:
                 self._engine.close()
-            engine = Engine(llama, self.clip_model_path, vision_on_gpu=self.vision_gpu,
-                            embed_cache=self.embed_cache)
+            backend, self.vision_backend_reason, encoder, mmproj = vision_setup(
+                self.clip_model_path, vision_backend=self.options.vision_backend,
+                mmproj_precision=self.options.mmproj_precision, vision_gpu=self.vision_gpu,
+                n_threads=llama.n_threads_batch)
+            # the slice size from the real mmproj: an ONNX backend's stand-in has no position table
+            engine = Engine(llama, mmproj, vision_on_gpu=self.vision_gpu, embed_cache=self.embed_cache,
+                            encoder=encoder, slice_size=read_projector_header(self.clip_model_path).shape.image_size)
             llama._stack.callback(engine.close)
             self._engine = engine
             return engine

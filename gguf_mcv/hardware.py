@@ -488,3 +488,13 @@ def _free_disk(folder: Path) -> int | None:
             except OSError:
                 return None
     return None
+
+
+def cpu_flags(root: str | Path | None = None) -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (x86 ``flags``, ARM ``Features``; empty if unknown)."""
+    text = _read(Path(root) if root is not None else Path("/"), "proc/cpuinfo") or ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()

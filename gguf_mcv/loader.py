@@ -44,6 +44,7 @@ def load(
     flash_attn: bool | None = None,
     kv_cache_type: str = "f16",
     vision_backend: str = "auto",
+    mmproj_precision: str = "auto",
     revision: str | None = None,
     chat_template: str | None = None,
     embed_cache: EmbeddingCache | None = None,
@@ -73,13 +74,18 @@ def load(
     (:func:`gguf_mcv.plan`). ``vision_backend`` picks who runs the vision encoder:
     ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
     converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.vision_backends.choose_backend``);
-    ``model.info`` says which and why. ``parallel=N`` answers up to N questions at once
-    (N slots of ``n_ctx`` positions each in one llama.cpp context, decoded together: see
-    :mod:`gguf_mcv.slots`); ``"auto"`` takes as many as the memory budget holds (at most 8).
+    ``model.info`` says which and why. ``mmproj_precision`` is for the ``llama.cpp`` backend:
+    ``"auto"`` encodes with a BF16 copy of a large F16 mmproj (made once in the cache) when the
+    CPU has AVX512-BF16 and the encoder runs on it, ``"bf16"`` always, ``"as-is"`` never
+    (:mod:`gguf_mcv.mmproj_bf16`); ``model.info.vision_backend_reason`` says which.
+    ``parallel=N`` answers up to N questions at once (N slots of ``n_ctx`` positions each in
+    one llama.cpp context, decoded together: see :mod:`gguf_mcv.slots`); ``"auto"`` takes as
+    many as the memory budget holds (at most 8).
     """
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
                           n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
-                          kv_cache_type=kv_cache_type, vision_backend=vision_backend, parallel=parallel)
+                          kv_cache_type=kv_cache_type, vision_backend=vision_backend,
+                          mmproj_precision=mmproj_precision, parallel=parallel)
     if options.wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
@@ -207,6 +213,14 @@ def _with_sequences(llama, n_seq: int) -> None:
                           f"{native.recent_errors() or exc}. Try a smaller parallel or n_ctx.") from exc
 
 
+def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_precision: str, vision_gpu: bool,
+                 n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
+    """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings, as
+    :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
+    options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
+    return _vision_backend(options, mmproj_path, read_projector_header(mmproj_path), vision_gpu, n_threads)
+
+
 def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
                     vision_gpu: bool, n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
     """(backend, reason, encoder, the mmproj libmtmd loads): for an ONNX backend the converted
@@ -215,7 +229,8 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
 
     backend, reason = _choose_vision_backend(options, projector, vision_gpu)
     if backend == "llama.cpp":
-        return backend, reason, None, mmproj_path
+        mmproj, note = _precision(options, mmproj_path, vision_gpu)
+        return backend, f"{reason}; mmproj {note}", None, mmproj
     identity = file_identity(mmproj_path)
     converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar())
     if options.vision_backend == "auto" and not converted.int8_ok:
@@ -236,6 +251,22 @@ def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vis
     may_use = options.vision_backend != "llama.cpp" and not vision_gpu
     return choose_backend(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
                           ort_version=onnxruntime_version() if may_use else None)
+
+
+def _precision(options: LoadOptions, mmproj_path: str | os.PathLike,
+               vision_gpu: bool) -> tuple[str | os.PathLike, str]:
+    """(the mmproj libmtmd loads, why) for ``options.mmproj_precision`` with the llama.cpp backend."""
+    from . import mmproj_bf16
+    from .hardware import cpu_flags
+
+    if options.mmproj_precision == "as-is":
+        return mmproj_path, "as-is"
+    use, why = mmproj_bf16.choose(options.mmproj_precision, backend="llama.cpp", vision_gpu=vision_gpu,
+                                  cpu_flags=cpu_flags(), f16_blocks=lambda: mmproj_bf16.has_f16_blocks(mmproj_path),
+                                  size=os.path.getsize(mmproj_path))
+    if not use:
+        return mmproj_path, why
+    return mmproj_bf16.prepare(mmproj_path, file_identity(mmproj_path)).path, why
 
 
 def _template(llama, text: TextHeader, entry: CatalogEntry | None, chat_template: str | None) -> ChatTemplate:

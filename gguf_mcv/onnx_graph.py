@@ -85,6 +85,15 @@ class Weights:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         return np.asarray(data, dtype=np.float32).reshape(shape)
 
+    def rounding(self, name: str) -> str | None:
+        """What ggml's CPU mul_mat rounds the activations to before multiplying them by the stored
+        weight ``name``: its ``vec_dot_type`` ("float16" for F16, "bfloat16" for BF16 weights),
+        None for F32 weights (and quantized ones, whose activation quantization is not emulated)."""
+        t = self._tensors.get(name)
+        kind = getattr(t, "tensor_type", None)
+        q = self._gguf.GGMLQuantizationType
+        return "float16" if kind == q.F16 else "bfloat16" if kind == q.BF16 else None
+
     def projector(self) -> Projector:
         f = self.fields
         kind = str(f.get("clip.projector_type", ""))
@@ -186,7 +195,8 @@ class _Builder:
     tensors over a few KB are written to that file as they come (ONNX external data), so a
     conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
-    def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False) -> None:
+    def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False,
+                 ggml: bool = False) -> None:
         from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
         self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
@@ -195,6 +205,8 @@ class _Builder:
         self._n = 0
         self._external, self._location = external, location
         self.int8 = int8  #: the ViT blocks' MatMuls as int8 DynamicQuantizeMatMul
+        self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
+        self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -226,14 +238,22 @@ class _Builder:
         self.nodes.append(self.h.make_node(op, inputs, [out], name=out, domain=domain, **attrs))
         return out
 
-    def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
-        """x @ w.T (+ b): ggml's mul_mat with a (out, in) weight."""
-        return self.matmul_in_out(x, w.T, b, hint)
+    def rounded(self, x: str, dtype: str | None) -> str:
+        """``x`` rounded to ``dtype`` ("float16"/"bfloat16") and back to float32, when emulating ggml."""
+        if not self.ggml or dtype is None:
+            return x
+        to = self.tp.FLOAT16 if dtype == "float16" else self.tp.BFLOAT16
+        return self.op("Cast", [self.op("Cast", [x], "round", to=to)], "round", to=self.tp.FLOAT)
 
-    def matmul_in_out(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
+    def linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str, rnd: str | None = None) -> str:
+        """x @ w.T (+ b): ggml's mul_mat with a (out, in) weight; ``rnd`` is :meth:`Weights.rounding`'s."""
+        return self.matmul_in_out(x, w.T, b, hint, rnd)
+
+    def matmul_in_out(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str,
+                      rnd: str | None = None) -> str:
         if self.int8 and hint.startswith("v.blk."):
             return self._int8_matmul(x, w_in_out, b, hint)
-        y = self.op("MatMul", [x, self.const(hint + ".w", w_in_out)], hint + ".matmul")
+        y = self.op("MatMul", [self.rounded(x, rnd), self.const(hint + ".w", w_in_out)], hint + ".matmul")
         return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
 
     def _int8_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
@@ -251,14 +271,32 @@ class _Builder:
                        hint, axis=-1, epsilon=eps)
 
     def attention(self, q: str, k: str, v: str, heads: int, hint: str) -> str:
+        # ggml's flash attention (libmtmd's default on the CPU) casts K and V to F16 and rounds
+        # Q to F16 for the K·Q dot products
+        if self.flash:
+            q, k, v = (self.rounded(t, "float16") for t in (q, k, v))
         return self.op("MultiHeadAttention", [q, k, v], hint, domain="com.microsoft", num_heads=heads)
 
     def act(self, x: str, kind: str, hint: str) -> str:
         if kind == "gelu":  # ggml_gelu: the tanh approximation
+            if self.ggml:
+                return self._gelu_table(x, hint)
             return self.op("Gelu", [x], hint, approximate="tanh")
         alpha = 1.702 if kind == "gelu_quick" else 1.0
+        if kind == "gelu_quick" and self.ggml:  # GGML_GELU_QUICK_FP16: a table over F16 inputs
+            x = self.rounded(x, "float16")
         scaled = self.op("Mul", [x, self.const(hint + ".a", np.asarray(alpha, np.float32))]) if alpha != 1 else x
-        return self.op("Mul", [x, self.op("Sigmoid", [scaled])], hint)
+        y = self.op("Mul", [x, self.op("Sigmoid", [scaled])], hint)
+        return self.rounded(y, "float16") if kind == "gelu_quick" else y
+
+    def _gelu_table(self, x: str, hint: str) -> str:
+        """ggml's CPU GELU (GGML_GELU_FP16 in ggml-cpu/vec.h): 0 at or below -10, x at or above 10,
+        else the F16 table entry: gelu of the input rounded to F16, rounded to F16."""
+        y = self.rounded(self.op("Gelu", [self.rounded(x, "float16")], approximate="tanh"), "float16")
+        low = self.op("LessOrEqual", [x, self.const("gelu_lo", np.asarray(-10.0, np.float32))])
+        high = self.op("GreaterOrEqual", [x, self.const("gelu_hi", np.asarray(10.0, np.float32))])
+        y = self.op("Where", [high, x, y])
+        return self.op("Where", [low, self.const("zero", np.asarray(0.0, np.float32)), y], hint)
 
 
 def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -268,16 +306,20 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
 
 
-def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, external: Path | None = None,
+def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggml: bool = False,
+                external: Path | None = None,
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
     """The ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
     nodes. ``fold`` applies :func:`fold_outliers` to each block; ``int8`` makes the tower's
     MatMuls int8 (:func:`quantize_columns`; patch embedding and projector stay fp32);
+    ``ggml`` rounds where ggml's CPU kernels round (activations to F16/BF16 before a MatMul
+    with an F16/BF16 weight and before the patch convolution, Q/K/V to F16 for flash
+    attention, GELU through its F16 table), so fp32 embeddings follow libmtmd's closely;
     ``external`` is the data file for the weights (the model must be saved beside it)."""
     if external is None:
-        return _build(weights, _Builder(int8=int8), fold, progress)
+        return _build(weights, _Builder(int8=int8, ggml=ggml), fold, progress)
     with open(external, "wb") as f:
-        return _build(weights, _Builder(f, external.name, int8=int8), fold, progress)
+        return _build(weights, _Builder(f, external.name, int8=int8, ggml=ggml), fold, progress)
 
 
 def _build(weights: Weights, g: _Builder, fold: bool,
@@ -325,7 +367,8 @@ def _build(weights: Weights, g: _Builder, fold: bool,
 
 
 def _patch_embedding(g: _Builder, w: Weights, p: Projector) -> str:
-    conv_inputs = ["pixels", g.const("patch.w", w["v.patch_embd.weight"])]
+    # ggml_conv_2d's im2col writes the pixels in the kernel's type (F16 in every converter's mmproj)
+    conv_inputs = [g.rounded("pixels", w.rounding("v.patch_embd.weight")), g.const("patch.w", w["v.patch_embd.weight"])]
     if "v.patch_embd.bias" in w:
         conv_inputs.append(g.const("patch.b", w["v.patch_embd.bias"]))
     y = g.op("Conv", conv_inputs, "patch", kernel_shape=[p.patch_size] * 2, strides=[p.patch_size] * 2)
@@ -338,34 +381,33 @@ def _patch_embedding(g: _Builder, w: Weights, p: Projector) -> str:
     return x
 
 
-def _ffn_weights(w: Weights, b: str, width: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """(up, up bias, down, down bias), swapped back as libmtmd does when a converter named
-    fc1 "ffn_down" (ggml ne[0] of ffn_down == tower width)."""
-    up, down = w[f"{b}.ffn_up.weight"], w[f"{b}.ffn_down.weight"]
-    up_b = w[f"{b}.ffn_up.bias"] if f"{b}.ffn_up.bias" in w else None
-    down_b = w[f"{b}.ffn_down.bias"] if f"{b}.ffn_down.bias" in w else None
-    if down.shape[-1] == width:
-        return down, down_b, up, up_b
-    return up, up_b, down, down_b
+def _ffn_weights(w: Weights, b: str, width: int) -> tuple[tuple[np.ndarray, np.ndarray | None, str | None],
+                                                         tuple[np.ndarray, np.ndarray | None, str | None]]:
+    """((up, up bias, rounding), (down, down bias, rounding)), swapped back as libmtmd does when
+    a converter named fc1 "ffn_down" (ggml ne[0] of ffn_down == tower width)."""
+    up = (w[f"{b}.ffn_up.weight"], _optional(w, f"{b}.ffn_up.bias"), w.rounding(f"{b}.ffn_up.weight"))
+    down = (w[f"{b}.ffn_down.weight"], _optional(w, f"{b}.ffn_down.bias"), w.rounding(f"{b}.ffn_down.weight"))
+    return (down, up) if down[0].shape[-1] == width else (up, down)
 
 
 def _block(g: _Builder, w: Weights, p: Projector, i: int, x: str, fold: bool) -> str:
     b = f"v.blk.{i}"
     qkv = [w[f"{b}.attn_{n}.weight"].T.copy() for n in ("q", "k", "v")]  # in × out
-    up, up_b, down, down_b = _ffn_weights(w, b, p.width)
+    (up, up_b, up_r), (down, down_b, down_r) = _ffn_weights(w, b, p.width)
     up_io = up.T.copy()
     g1, b1, g2, b2 = w[f"{b}.ln1.weight"], w[f"{b}.ln1.bias"], w[f"{b}.ln2.weight"], w[f"{b}.ln2.bias"]
     if fold:
         g1, b1 = fold_outliers(g1, b1, qkv)
         g2, b2 = fold_outliers(g2, b2, [up_io])
     h = g.norm(x, g1, b1, p.eps, f"{b}.ln1")
-    q, k, v = (g.matmul_in_out(h, m, w[f"{b}.attn_{n}.bias"], f"{b}.{n}") for m, n in zip(qkv, "qkv", strict=True))
+    q, k, v = (g.matmul_in_out(h, m, w[f"{b}.attn_{n}.bias"], f"{b}.{n}", w.rounding(f"{b}.attn_{n}.weight"))
+               for m, n in zip(qkv, "qkv", strict=True))
     a = g.attention(q, k, v, p.heads, f"{b}.attn")
-    o = g.linear(a, w[f"{b}.attn_out.weight"], w[f"{b}.attn_out.bias"], f"{b}.out")
+    o = g.linear(a, w[f"{b}.attn_out.weight"], w[f"{b}.attn_out.bias"], f"{b}.out", w.rounding(f"{b}.attn_out.weight"))
     x = g.op("Add", [x, o], f"{b}.res1")
     h = g.norm(x, g2, b2, p.eps, f"{b}.ln2")
-    f = g.act(g.matmul_in_out(h, up_io, up_b, f"{b}.up"), p.ffn_op, f"{b}.act")
-    f = g.linear(f, down, down_b, f"{b}.down")
+    f = g.act(g.matmul_in_out(h, up_io, up_b, f"{b}.up", up_r), p.ffn_op, f"{b}.act")
+    f = g.linear(f, down, down_b, f"{b}.down", down_r)
     return g.op("Add", [x, f], f"{b}.res2")
 
 
@@ -373,17 +415,18 @@ def _resampler(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     if p.n_out % RESAMPLER_HEAD:
         raise IncompatibleProjectorError(f"The resampler width {p.n_out} is not a multiple of {RESAMPLER_HEAD}.")
     r = "resampler"
-    v = g.linear(x, w[f"{r}.kv.weight"], None, "rs.kv")
+    v = g.linear(x, w[f"{r}.kv.weight"], None, "rs.kv", w.rounding(f"{r}.kv.weight"))
     v = g.norm(v, w[f"{r}.ln_kv.weight"], w[f"{r}.ln_kv.bias"], p.eps, "rs.ln_kv")
     q = g.norm(g.const("rs.query", w[f"{r}.query"][None]), w[f"{r}.ln_q.weight"], w[f"{r}.ln_q.bias"],
                p.eps, "rs.ln_q")
     k = g.op("Add", [v, "rpos"], "rs.k_in")
-    proj = {n: g.linear(src, w[f"{r}.attn.{n}.weight"], w[f"{r}.attn.{n}.bias"], f"rs.{n}")
+    proj = {n: g.linear(src, w[f"{r}.attn.{n}.weight"], w[f"{r}.attn.{n}.bias"], f"rs.{n}",
+                        w.rounding(f"{r}.attn.{n}.weight"))
             for n, src in (("q", q), ("k", k), ("v", v))}
     a = g.attention(proj["q"], proj["k"], proj["v"], p.n_out // RESAMPLER_HEAD, "rs.attn")
-    o = g.linear(a, w[f"{r}.attn.out.weight"], w[f"{r}.attn.out.bias"], "rs.out")
+    o = g.linear(a, w[f"{r}.attn.out.weight"], w[f"{r}.attn.out.bias"], "rs.out", w.rounding(f"{r}.attn.out.weight"))
     o = g.norm(o, w[f"{r}.ln_post.weight"], w[f"{r}.ln_post.bias"], p.eps, "rs.ln_post")
-    return g.linear(o, w[f"{r}.proj.weight"], None, "rs.proj")
+    return g.linear(o, w[f"{r}.proj.weight"], None, "rs.proj", w.rounding(f"{r}.proj.weight"))
 
 
 def _gather_merge(g: _Builder, x: str, idx: str) -> tuple[list[str], str]:
@@ -400,10 +443,15 @@ def _optional(w: Weights, name: str) -> np.ndarray | None:
     return w[name] if name in w else None
 
 
+def _lin(g: _Builder, w: Weights, x: str, name: str, hint: str) -> str:
+    """The linear layer ``name`` (``.weight``, optional ``.bias``) applied to ``x``."""
+    return g.linear(x, w[f"{name}.weight"], _optional(w, f"{name}.bias"), hint, w.rounding(f"{name}.weight"))
+
+
 def _mlp(g: _Builder, w: Weights, x: str, up: str, down: str, act: str, hint: str) -> str:
-    y = g.linear(x, w[f"{up}.weight"], _optional(w, f"{up}.bias"), hint + ".up")
-    y = g.op("Gelu", [y], hint + ".act", approximate="tanh") if act == "gelu" else g.op("Gelu", [y], hint + ".act")
-    return g.linear(y, w[f"{down}.weight"], _optional(w, f"{down}.bias"), hint + ".down")
+    y = _lin(g, w, x, up, hint + ".up")
+    y = g.act(y, "gelu", hint + ".act") if act == "gelu" else g.op("Gelu", [y], hint + ".act")
+    return _lin(g, w, y, down, hint + ".down")
 
 
 def _window_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
@@ -412,12 +460,12 @@ def _window_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     m = "v.vit_merger"
     h = g.norm(x, w[f"{m}.ln1.weight"], w[f"{m}.ln1.bias"], p.eps, "wm.ln1")
     h = g.op("Gather", [h, "win_idx"], axis=1)
-    qkv = {n: g.linear(h, w[f"{m}.attn_{n}.weight"], _optional(w, f"{m}.attn_{n}.bias"), f"wm.{n}") for n in "qkv"}
+    qkv = {n: _lin(g, w, h, f"{m}.attn_{n}", f"wm.{n}") for n in "qkv"}
     windows = g.const("wshape", np.asarray([-1, 4, p.width], np.int64))  # one batch entry per window
     q, k, v = (g.op("Reshape", [qkv[n], windows]) for n in "qkv")
     a = g.op("Reshape", [g.attention(q, k, v, p.heads, "wm.attn"), g.const("shape", np.asarray([1, -1, p.width],
                                                                                                     np.int64))])
-    a = g.linear(a, w[f"{m}.attn_out.weight"], _optional(w, f"{m}.attn_out.bias"), "wm.out")
+    a = _lin(g, w, a, f"{m}.attn_out", "wm.out")
     x = g.op("Add", [g.op("Gather", [a, "inv_win_idx"], axis=1), x], "wm.res")
     parts, cat = _gather_merge(g, x, "ds_idx")
     mean = g.op("Mul", [g.op("Sum", parts), g.const("quarter", np.asarray(0.25, np.float32))])

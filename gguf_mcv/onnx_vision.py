@@ -1,7 +1,8 @@
 """The vision encoder on ONNX Runtime: converted once from the mmproj, cached, self-validated.
 
 :func:`prepare` converts an mmproj (``gguf_mcv.onnx_graph``) into ``<cache>/onnx/`` —
-fp32, and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
+fp32 (rounding where ggml's CPU kernels round, so its embeddings follow libmtmd's closely),
+and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
 blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded into the
 weights first;
 the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
@@ -40,7 +41,7 @@ from .vision_backends import choose_backend  # noqa: F401  (the rule lives there
 #: (mean over tokens of the per-token cosine, on the validation images)
 INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  #: 2: the fp32 graph rounds as ggml does (older conversions are rebuilt)
 #: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
 #: 0.6x, with room to spare
 DISK_FACTOR = 3
@@ -103,7 +104,8 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
         return _convert(Path(mmproj_path), folder, stem, progress)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -120,7 +122,7 @@ def _load_manifest(folder: Path, stem: str) -> Converted | None:
             return None
         for name, (size, digest) in m["files"].items():
             f = folder / name
-            if not f.is_file() or f.stat().st_size != size or _sha256(f) != digest:
+            if not f.is_file() or f.stat().st_size != size or sha256_file(f) != digest:
                 return None
         return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=Projector(**{
             **m["projector"], "mean": tuple(m["projector"]["mean"]), "std": tuple(m["projector"]["std"])}),
@@ -156,7 +158,10 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
         for variant in VARIANTS:
             path = tmp / names[variant]
-            model, _ = build_model(weights, fold=True, int8=variant == "int8",
+            # fp32 follows libmtmd's roundings (ggml=True) and is not folded (folding is exact
+            # only in exact arithmetic); int8 folds the outliers its activation quantization hates
+            int8 = variant == "int8"
+            model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8,
                                    external=path.with_name(path.name + ".data"), progress=step(f"{variant} graph"))
             onnx.save_model(model, str(path))
             del model
@@ -164,7 +169,7 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))
         files = {}
         for f in sorted(tmp.iterdir()):
-            files[f.name] = [f.stat().st_size, _sha256(f)]
+            files[f.name] = [f.stat().st_size, sha256_file(f)]
         for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
             os.replace(f, folder / f.name)
         _forget_other_versions(folder, stem)

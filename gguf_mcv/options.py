@@ -17,6 +17,9 @@ from .errors import ConfigError
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 #: who runs the vision encoder: libmtmd, or ONNX Runtime on a graph converted from the mmproj
 VISION_BACKENDS = ("auto", "llama.cpp", "onnx-int8", "onnx-fp32")
+#: the weights libmtmd encodes with: "auto" (a BF16 copy where the CPU has AVX512-BF16), the
+#: mmproj "as-is", or always a "bf16" copy (gguf_mcv.mmproj_bf16)
+MMPROJ_PRECISIONS = ("auto", "as-is", "bf16")
 #: Smallest context: one image alone takes 64 to 660 positions.
 MIN_N_CTX = 256
 #: Largest context accepted (llama.cpp allocates the KV cache for all of it up front).
@@ -161,6 +164,7 @@ class LoadOptions:
     flash_attn: bool | None = None
     kv_cache_type: str = "f16"
     vision_backend: str = "auto"
+    mmproj_precision: str = "auto"
     parallel: int | str = 1  #: answers at once (slots, each with n_ctx positions); "auto" from memory
 
     def __post_init__(self) -> None:
@@ -183,6 +187,12 @@ class LoadOptions:
         if self.vision_backend not in VISION_BACKENDS:
             raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)}, "
                               f"not {self.vision_backend!r}.")
+        if self.mmproj_precision not in MMPROJ_PRECISIONS:
+            raise ConfigError(f"mmproj_precision must be one of {', '.join(MMPROJ_PRECISIONS)}, "
+                              f"not {self.mmproj_precision!r}.")
+        if self.mmproj_precision == "bf16" and self.vision_backend.startswith("onnx"):
+            raise ConfigError(f"mmproj_precision='bf16' is for the llama.cpp vision backend, not "
+                              f"{self.vision_backend!r}: drop it or use vision_backend='llama.cpp'.")
         if self.vision_backend.startswith("onnx") and self.vision_gpu:
             raise ConfigError(f"vision_backend={self.vision_backend!r} runs on the CPU: drop vision_gpu=True "
                               "or use vision_backend='llama.cpp'.")

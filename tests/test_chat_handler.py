@@ -122,3 +122,25 @@ def test_missing_mmproj_is_model_not_found(tmp_path) -> None:
 
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         MiniCPMVChatHandler(tmp_path / "nope.gguf")
+
+
+def test_the_onnx_vision_backend_encodes_instead_of_libmtmd(tiny) -> None:
+    pytest.importorskip("onnxruntime")
+    handler = MiniCPMVChatHandler(str(tiny.mmproj), vision_backend="onnx-int8")
+    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=4096, chat_handler=handler, verbose=False)
+    try:
+        out = llama.create_chat_completion(messages=[user("What is it?", data_uri(9, (900, 700)))], max_tokens=2)
+        engine = handler.engine_for(llama)
+        assert engine.vision_backend == "onnx-int8" and engine.encoder.encoder.calls == 5  # overview + 2x2
+        assert engine.mmproj_path != str(tiny.mmproj)  # libmtmd holds the stand-in, not the tower
+        assert out["usage"]["prompt_tokens_details"]["image_tokens"] == 5 * 64
+        assert "int8 vs fp32 cosine" in handler.vision_backend_reason
+    finally:
+        llama.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"vision_backend": "onnx"}, {"mmproj_precision": "fp8"},
+                                    {"vision_backend": "onnx-fp32", "mmproj_precision": "bf16"}])
+def test_bad_vision_settings_are_refused_at_once(tiny, kwargs) -> None:
+    with pytest.raises(ConfigError):
+        MiniCPMVChatHandler(str(tiny.mmproj), **kwargs)

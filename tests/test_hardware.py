@@ -504,3 +504,15 @@ def test_real_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert isinstance(hw.gpu_offload, bool)
     assert hw.free_disk is not None and hw.free_disk > 0
     assert hw.describe()
+
+
+def test_cpu_flags_read_x86_flags_and_arm_features(tmp_path: Path) -> None:
+    from gguf_mcv.hardware import cpu_flags
+
+    x86 = make_tree(tmp_path / "x86", {"proc/cpuinfo": "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n\n"
+                                                         "processor\t: 1\nflags\t\t: fpu avx512f avx512_bf16\n"})
+    assert cpu_flags(x86) == {"fpu", "avx512f", "avx512_bf16"}
+    arm = make_tree(tmp_path / "arm", {"proc/cpuinfo": "processor\t: 0\nFeatures\t: fp asimd bf16\n"})
+    assert "bf16" in cpu_flags(arm) and "avx512_bf16" not in cpu_flags(arm)
+    assert cpu_flags(make_tree(tmp_path / "none", {"proc/cpuinfo": "garbage\x00\n"})) == frozenset()
+    assert cpu_flags(tmp_path / "missing") == frozenset()

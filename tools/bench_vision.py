@@ -6,7 +6,9 @@ tower, 1152 wide, 27 blocks), each backend in a fresh process of its own:
 
 * ``convert``: the ONNX conversion (fp32 graph, int8 quantization, self-validation) into an
   empty cache folder, timed;
-* ``llama.cpp`` (libmtmd, the mmproj as it is), ``onnx-fp32`` and ``onnx-int8``: one
+* ``llama.cpp`` (libmtmd, the F16 mmproj as it is), ``llama.cpp-bf16`` (libmtmd with the
+  BF16 copy of ``gguf_mcv.mmproj_bf16``, made during its load: ``load_s`` includes it),
+  ``onnx-fp32`` and ``onnx-int8``: one
   ``detail="low"`` question per fresh random image (one 448-px slice each), ``--runs`` times
   after one warm-up image; the median ``reply.timings.encode_ms``; the embeddings of a fixed
   image for the cosine against libmtmd's; peak RSS (``VmHWM``) of the process.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-BACKENDS = ("llama.cpp", "onnx-fp32", "onnx-int8")
+BACKENDS = ("llama.cpp", "llama.cpp-bf16", "onnx-fp32", "onnx-int8")
 
 
 def _vmhwm() -> int:
@@ -56,8 +58,11 @@ def worker(args: argparse.Namespace) -> dict:
 
     cache = EmbeddingCache()
     start = time.perf_counter()
+    backend = args.worker.removesuffix("-bf16")
+    precision = "bf16" if args.worker.endswith("-bf16") else "as-is" if backend == "llama.cpp" else "auto"
     model = gguf_mcv.load(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=mmproj, n_ctx=2048,
-                          n_threads=args.threads, vision_backend=args.worker, embed_cache=cache)
+                          n_threads=args.threads, vision_backend=backend, mmproj_precision=precision,
+                          embed_cache=cache)
     load_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     fixed = rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)
@@ -89,6 +94,8 @@ def main() -> None:
     ap.add_argument("--quant", default="Q4_K_M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of "
+                    f"{', '.join(BACKENDS)} (llama.cpp is always run: the reference)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--embeddings", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -97,14 +104,17 @@ def main() -> None:
         return
     from gguf_mcv.onnx_vision import token_cosines
 
+    backends = ["llama.cpp"] + [b for b in BACKENDS[1:] if b in args.backends.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GGUF_MCV_CACHE": tmp}
-        results = {"convert": run("convert", args, env, Path(tmp) / "none.npy")}
-        print(f"conversion: {results['convert']['convert_s']:.1f} s, int8 vs fp32 cosine "
-              f"{results['convert']['int8_cosine']:.5f}, peak RSS {results['convert']['peak_rss'] / 2**20:.0f} MiB",
-              flush=True)
+        results = {}
+        if any(b.startswith("onnx") for b in backends):
+            results["convert"] = run("convert", args, env, Path(tmp) / "none.npy")
+            print(f"conversion: {results['convert']['convert_s']:.1f} s, int8 vs fp32 cosine "
+                  f"{results['convert']['int8_cosine']:.5f}, peak RSS "
+                  f"{results['convert']['peak_rss'] / 2**20:.0f} MiB", flush=True)
         embeddings = {}
-        for name in BACKENDS:
+        for name in backends:
             path = Path(tmp) / f"{name}.npy"
             results[name] = run(name, args, env, path)
             embeddings[name] = np.load(path)
@@ -115,7 +125,7 @@ def main() -> None:
     base = results["llama.cpp"]["median_ms"]
     print("\n| backend | ms per 448-px slice | vs llama.cpp | per-token cosine vs libmtmd (min / mean) | peak RSS |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for name in BACKENDS:
+    for name in backends:
         cos = token_cosines(ref, embeddings[name].reshape(64, -1))
         r = results[name]
         print(f"| {name} | {r['median_ms']:.0f} | {r['median_ms'] / base:.2f}x | {cos.min():.5f} / {cos.mean():.5f} "

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""How close the onnx-fp32 vision encoder is to libmtmd, next to libmtmd's own variation.
+
+For each tiny generation (``gguf_mcv.synthetic`` presets, built into ``--out``), on a few
+random images (every slice): the embeddings of libmtmd with flash attention off and with one
+thread, of the plain fp32 ONNX graph and of the graph that rounds as ggml does (what
+``vision_backend="onnx-fp32"`` converts), each against libmtmd's default (flash attention
+auto, 2 threads): max and mean absolute difference, worst per-token cosine. Then greedy
+answers (``--prompts`` images, 16 tokens, alternating ``detail``) of libmtmd without flash
+attention and of onnx-fp32 with either graph, counted identical to libmtmd's default.
+
+    python tools/vision_fidelity.py --out /tmp/fidelity --generations 2.5,2.6,o-2.6,4.0,4.5,4.6
+
+``--time LADDER`` instead times the two fp32 graphs of a bench ladder's mmproj
+(``tools/make_test_model.py --preset bench``) on one 448-px slice, 2 threads, alternating,
+``--runs`` times each after a warm-up: what rounding as ggml does costs.
+
+    python tools/vision_fidelity.py --out /tmp/fidelity --time /tmp/bench-onnx --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import gguf_mcv
+from gguf_mcv import onnx_vision, synthetic
+from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.media import Image
+from gguf_mcv.onnx_graph import Weights, build_model
+from gguf_mcv.onnx_vision import OnnxEncoder, _save, token_cosines
+
+NAMES = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
+         "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}
+
+
+def _load(gen: str, files, backend: str = "llama.cpp", **kw):
+    return gguf_mcv.load(NAMES[gen], model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=4096,
+                         vision_backend=backend, embed_cache=EmbeddingCache(), **{"n_threads": 2, **kw})
+
+
+def libmtmd_slices(gen: str, files, images: list[Image], **kw) -> list[np.ndarray]:
+    with _load(gen, files, mmproj_precision="as-is", **kw) as model:
+        engine, out = model._engine, []
+        for image in images:
+            with engine.tokenize(engine.marker, [image]) as prompt:
+                out += [engine._encode(c, prompt.units[i]).reshape(-1, engine.n_embd)
+                        for i, c in sorted(prompt._image_chunks.items())]
+        return out
+
+
+def onnx_slices(files, folder: Path, images: list[Image], ggml: bool, n_slices: list[int]) -> list[np.ndarray]:
+    import onnx
+
+    weights = Weights(files.mmproj)
+    model, _ = build_model(weights, ggml=ggml)
+    path = folder / f"fp32-{'ggml' if ggml else 'plain'}.onnx"
+    _save(onnx, model, path)
+    encoder = OnnxEncoder(path, weights.projector(), n_threads=2)
+    return [encoder.encode_rgb(im.rgb, i, im.digest) for im, n in zip(images, n_slices, strict=True) for i in range(n)]
+
+
+def answers(gen: str, files, jobs, backend: str, ggml: bool = True, **kw) -> list[str]:
+    real = onnx_vision.build_model
+    # the plain graph for the "plain" row: the backend converts with ggml=True
+    onnx_vision.build_model = lambda w, **k: real(w, **{**k, "ggml": ggml and k.get("ggml", False)})
+    try:
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["GGUF_MCV_CACHE"] = cache
+            with _load(gen, files, backend, **kw) as model:
+                return [str(model.ask("Describe.", rgb, max_tokens=16, temperature=0, detail=d)) for rgb, d in jobs]
+    finally:
+        onnx_vision.build_model = real
+
+
+def time_graphs(ladder: Path, folder: Path, runs: int) -> None:
+    import time
+
+    import onnx
+
+    weights = Weights(ladder / "mmproj-model-f16.gguf")
+    encoders = {}
+    for ggml in (False, True):
+        path = folder / f"bench-fp32-{'ggml' if ggml else 'plain'}.onnx"
+        model, _ = build_model(weights, ggml=ggml, external=path.with_name(path.name + ".data"))
+        onnx.save_model(model, str(path))
+        del model
+        encoders[ggml] = OnnxEncoder(path, weights.projector(), n_threads=2)
+    rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for encoder in encoders.values():
+        encoder.encode_rgb(rgb, 0)
+    for _ in range(runs):
+        for ggml, encoder in encoders.items():
+            start = time.perf_counter()
+            encoder.encode_rgb(rgb, 0)
+            times[ggml].append(time.perf_counter() - start)
+    for ggml, t in times.items():
+        print(f"fp32 graph, {'ggml roundings' if ggml else 'plain'}: median {np.median(t) * 1000:.0f} ms per slice "
+              f"({', '.join(f'{x * 1000:.0f}' for x in t)})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for the tiny models and graphs")
+    ap.add_argument("--generations", default=",".join(NAMES))
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--time", help="a bench ladder folder: time the two fp32 graphs instead")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    if args.time:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        time_graphs(Path(args.time), Path(args.out), args.runs)
+        return
+    print("| generation | vs libmtmd (flash attention auto) | max abs diff | mean abs diff | min cosine |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    greedy = []
+    for gen in args.generations.split(","):
+        folder = Path(args.out) / gen
+        folder.mkdir(parents=True, exist_ok=True)
+        files = synthetic.build(folder, synthetic.PRESETS[gen], ["Q4_K_M"])
+        rng = np.random.default_rng(7)
+        images = [Image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "random")
+                  for w, h in ((300, 200), (1000, 700))]
+        ref = libmtmd_slices(gen, files, images)
+        n_slices = [1, len(ref) - 1]
+        rows = {"libmtmd, flash attention off": libmtmd_slices(gen, files, images, flash_attn=False),
+                "libmtmd, 1 thread": libmtmd_slices(gen, files, images, n_threads=1),
+                "ONNX fp32, plain": onnx_slices(files, folder, images, False, n_slices),
+                "ONNX fp32, ggml's roundings": onnx_slices(files, folder, images, True, n_slices)}
+        for name, got in rows.items():
+            d = np.concatenate([np.abs(a - b).ravel() for a, b in zip(ref, got, strict=True)])
+            cos = min(float(token_cosines(a, b).min()) for a, b in zip(ref, got, strict=True))
+            print(f"| {gen} | {name} | {d.max():.1e} | {d.mean():.1e} | {cos:.8f} |", flush=True)
+        rng = np.random.default_rng(11)
+        sizes = [(int(rng.integers(200, 1100)), int(rng.integers(200, 1100))) for _ in range(args.prompts)]
+        jobs = [(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "high" if i % 2 else "low")
+                for i, (w, h) in enumerate(sizes)]
+        want = answers(gen, files, jobs, "llama.cpp", mmproj_precision="as-is")
+        counts = [sum(a == b for a, b in zip(want, got, strict=True)) for got in (
+            answers(gen, files, jobs, "llama.cpp", flash_attn=False, mmproj_precision="as-is"),
+            answers(gen, files, jobs, "onnx-fp32", ggml=False),
+            answers(gen, files, jobs, "onnx-fp32"))]
+        greedy.append((gen, counts))
+    print(f"\n| generation | greedy answers identical to libmtmd's default, of {args.prompts}: libmtmd without "
+          "flash attention | onnx-fp32, plain graph | onnx-fp32, ggml's roundings |")
+    print("| --- | ---: | ---: | ---: |")
+    for gen, (fa_off, plain, ggml) in greedy:
+        print(f"| {gen} | {fa_off} | {plain} | {ggml} |")
+
+
+if __name__ == "__main__":
+    main()
