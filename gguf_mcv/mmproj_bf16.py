@@ -25,6 +25,7 @@ import numpy as np
 
 from . import constants
 from .errors import CorruptModelError, NotEnoughDiskError
+from .mmproj_standin import copy_metadata
 from .onnx_vision import sha256_file
 from .units import format_size
 
@@ -142,12 +143,7 @@ def write_bf16_copy(mmproj: str | os.PathLike, out: str | os.PathLike) -> int:
     writer = gguf.GGUFWriter(os.fspath(out), arch)
     converted = 0
     try:
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture":
-                continue
-            main = field.types[0]
-            sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), main, sub_type=sub)
+        copy_metadata(reader, writer)
         # tensor infos first, then the data one tensor at a time: never the whole tower in memory
         for t in reader.tensors:
             if _converts(t, gguf):

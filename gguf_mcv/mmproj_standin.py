@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,12 +37,7 @@ def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture":
-                continue
-            main = field.types[0]
-            sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), main, sub_type=sub)
+        copy_metadata(reader, writer)
         for t in reader.tensors:
             ne = [1, 1]
             if t.name in KEEP:
@@ -56,3 +52,16 @@ def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def copy_metadata(reader: Any, writer: Any) -> None:
+    """Every metadata key of a ``gguf.GGUFReader`` into a ``gguf.GGUFWriter`` (the
+    architecture, which the writer was made with, and the reader's own keys excepted)."""
+    import gguf
+
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        main = field.types[0]
+        sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), main, sub_type=sub)
