@@ -34,6 +34,13 @@ from .quants import BITS_PER_WEIGHT
 from .shapes import TextShape, VisionShape
 from .slicing import AUTO_MAX_SLICES_CPU, AUTO_MAX_SLICES_GPU, DETAILS, MAX_SLICES, count_slices, fit_slices
 
+#: The share of the streaming bandwidth (:attr:`Rates.bandwidth`, numpy's reads) llama.cpp's
+#: decode reaches when memory is the limit: its threads split each matrix and meet at a
+#: barrier after every operation. Measured on the development machine with two threads: a
+#: 673 MB Q8_0 file decoded at 39.7 tok/s (~0.7 x 28.4 GB/s); 0.7 puts every quant of the
+#: bench ladder within -8 ... +17 % there (README). On a Raspberry Pi 5 it gives ~0.42 of
+#: the board's peak, in line with what llama.cpp is reported to reach on such boards.
+DECODE_BANDWIDTH_SHARE = 0.7
 #: The photo a first-answer prediction assumes: 12 megapixels, 4:3 (a phone camera).
 PHOTO_SIZE = (4000, 3000)
 #: Frames of the video a first-answer prediction assumes (one slice each).
@@ -302,8 +309,8 @@ def decode_seconds(model_size: int, text: TextShape, quant: str | None, rates: R
                    gpu: GpuRates | None = None, weights: WeightProfile | None = None) -> float:
     """Seconds for one decoded token at ``n_past`` cached positions.
 
-    Each weight type's bytes at the slower of the memory bandwidth and that type's
-    measured kernel rate, the KV cache (and a hybrid model's recurrent state, read and
+    Each weight type's bytes at the slower of llama.cpp's share of the memory bandwidth
+    (:data:`DECODE_BANDWIDTH_SHARE`) and that type's measured kernel rate, the KV cache (and a hybrid model's recurrent state, read and
     written) at the bandwidth, plus llama.cpp's fixed cost per token and per layer.
     ``weights`` defaults to :func:`weight_profile` from the size and quant. ``gpu_share``
     (0..1) of the layer weights and KV cache run on ``gpu``.
@@ -312,8 +319,9 @@ def decode_seconds(model_size: int, text: TextShape, quant: str | None, rates: R
     kv = text.kv_bytes_per_token(memory.KV_BYTES_PER_ELEMENT[kv_cache_type]) * max(0, n_past)
     state = 2 * 4 * text.recurrent_values  # f32, read and written back
     share = _share(gpu_share, gpu)
-    cpu = sum(n * (1 - share) / min(rates.bandwidth, rates.matvec_for(t)) for t, n in profile.per_token().items())
-    cpu += (kv + state) * (1 - share) / rates.bandwidth
+    memory_rate = rates.bandwidth * DECODE_BANDWIDTH_SHARE
+    cpu = sum(n * (1 - share) / min(memory_rate, rates.matvec_for(t)) for t, n in profile.per_token().items())
+    cpu += (kv + state) * (1 - share) / memory_rate
     cpu += rates.token_overhead_s + rates.layer_overhead_s * text.n_layers
     on_gpu = 0.0
     if share and gpu is not None:

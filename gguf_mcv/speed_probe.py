@@ -254,7 +254,8 @@ PROMPT_WORDS = 50
 def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] = PROBED_TYPES) -> dict[str, Any]:
     """Seconds (:func:`clock`) llama.cpp takes on generated models.
 
-    Returns ``slice_s`` (one 448-pixel slice through the probe's vision block),
+    Returns ``slice_s`` (one 448-pixel slice through the probe's vision block), ``slice2_s``
+    (the same through two blocks),
     ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
     the overhead models) and ``types``: per ggml type, a ~140-token prompt's ``prefill_s``, the median ``token_s`` of
     :data:`TIMED_TOKENS` greedy tokens, ``prefill_tokens``, ``n_past`` and the model's
@@ -279,6 +280,11 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
             if t == "Q4_K":
                 out["slice_s"] = _time_slice(engine, threads)
             out["types"][t] = {**_time_text(engine, threads, words=PROMPT_WORDS), "tensors": _tensors(path)}
+    # a second tower one block longer: the difference is one block's time, so the rest
+    # (patch embedding, resampler) is not charged at the blocks' rate
+    mmproj2 = write_mmproj(folder / "probe-mmproj-2.gguf", replace(spec, v_layer=2))
+    with _engine(folder / "probe-Q4_K.gguf", mmproj2, threads) as engine:
+        out["slice2_s"] = _time_slice(engine, threads)
     out["onnx_slice_s"] = time_onnx(mmproj, threads, folder)
     tiny = overhead_spec(1)
     tiny_standin = write_standin(write_mmproj(folder / "overhead-mmproj.gguf", tiny), folder / "overhead-standin.gguf")
@@ -423,11 +429,29 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
     generic = "Q4_K" if "Q4_K" in matvec else next(iter(matvec))
     return Rates(
         bandwidth=bandwidth, matvec=matvec[generic], prefill_flops=prefill[generic],
-        vision_flops=vision_flops_per_slice(vision, spec.n_embd) / timed["slice_s"],
+        vision_flops=_tower_rate(timed["slice_s"], timed.get("slice2_s"), vision, spec.n_embd),
         threads=threads, source=source, matvec_by_type=matvec, prefill_by_type=prefill,
         vision_by_backend=_onnx_rates(timed.get("onnx_slice_s") or {}, vision, spec.n_embd),
         token_overhead_s=min(token_s, 0.5), layer_overhead_s=min(layer_s, 0.5),
     )
+
+
+def _tower_rate(one_block_s: float, two_blocks_s: float | None, vision: Any, text_width: int) -> float:
+    """libmtmd's FLOP/s for a whole SigLIP-400M tower (27 blocks): its blocks at the rate one
+    block took (the two probe towers' difference), the rest at what is left of the one-block
+    slice. Without the second tower, the one-block slice's rate."""
+    from .shapes import VisionShape
+    from .speed import vision_flops_parts, vision_flops_per_slice
+
+    if two_blocks_s is None:
+        return vision_flops_per_slice(vision, text_width) / one_block_s
+    block_s = min(max(two_blocks_s - one_block_s, 0.25 * one_block_s), 0.95 * one_block_s)
+    rest_s = one_block_s - block_s
+    block, rest = vision_flops_parts(vision, text_width)
+    tower = VisionShape(width=vision.width, heads=vision.heads, ff=vision.ff)  # SigLIP-400M's 27 blocks
+    tower_block, tower_rest = vision_flops_parts(tower, text_width)
+    seconds = tower_block / (block / block_s) + tower_rest / (rest / rest_s)
+    return (tower_block + tower_rest) / seconds
 
 
 def _onnx_rates(seconds: dict[str, float], vision: Any, text_width: int) -> dict[str, float]:
