@@ -310,8 +310,9 @@ def decode_seconds(model_size: int, text: TextShape, quant: str | None, rates: R
     """Seconds for one decoded token at ``n_past`` cached positions.
 
     Each weight type's bytes at the slower of llama.cpp's share of the memory bandwidth
-    (:data:`DECODE_BANDWIDTH_SHARE`) and that type's measured kernel rate, the KV cache (and a hybrid model's recurrent state, read and
-    written) at the bandwidth, plus llama.cpp's fixed cost per token and per layer.
+    (:data:`DECODE_BANDWIDTH_SHARE`) and that type's measured kernel rate, the KV cache (and
+    a hybrid model's recurrent state, read and written) at that share of the bandwidth, plus
+    llama.cpp's fixed cost per token and per layer.
     ``weights`` defaults to :func:`weight_profile` from the size and quant. ``gpu_share``
     (0..1) of the layer weights and KV cache run on ``gpu``.
     """

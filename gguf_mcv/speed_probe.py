@@ -402,7 +402,7 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
     prompt gives the type's prompt rate. Q4_K's rates stand in for types not timed.
     """
     from .shapes import TextShape, VisionShape
-    from .speed import attention_flops, type_bits, vision_flops_per_slice, weight_profile
+    from .speed import attention_flops, type_bits, weight_profile
 
     spec = probe_spec()
     text = TextShape(n_layers=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
