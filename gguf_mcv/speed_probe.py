@@ -161,30 +161,33 @@ def measure(threads: int) -> Rates:
 
 
 def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
-    """Bytes per second ``threads`` threads read together (numpy dot products, best of
-    ``repeats``; timed with :func:`clock`)."""
+    """Bytes per second ``threads`` threads read together (numpy dot products, the median of
+    ``repeats``; timed with :func:`clock` from the first thread's start to the last one's end,
+    as the threads themselves see it: the main thread, one more than the cores, may be
+    scheduled late)."""
     import numpy as np
 
     n = max(1, nbytes // 8)
     arrays = [(np.ones(n, np.float32), np.ones(n, np.float32)) for _ in range(max(1, threads))]
-    best = 0.0
+    rates = []
     for _ in range(repeats):
-        barrier = threading.Barrier(len(arrays) + 1)
+        barrier = threading.Barrier(len(arrays))
+        spans: list[tuple[float, float]] = []
 
-        def work(pair: tuple[Any, Any], start: threading.Barrier) -> None:
+        def work(pair: tuple[Any, Any], start: threading.Barrier, spans: list[tuple[float, float]]) -> None:
             start.wait()
+            began = clock()
             np.dot(pair[0], pair[1])
+            spans.append((began, clock()))
 
-        workers = [threading.Thread(target=work, args=(pair, barrier)) for pair in arrays]
+        workers = [threading.Thread(target=work, args=(pair, barrier, spans)) for pair in arrays]
         for w in workers:
             w.start()
-        barrier.wait()
-        t0 = clock()
         for w in workers:
             w.join()
-        elapsed = clock() - t0
-        best = max(best, len(arrays) * 2 * n * 4 / max(elapsed, 1e-6))
-    return best
+        elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+        rates.append(len(arrays) * 2 * n * 4 / max(elapsed, 1e-6))
+    return statistics.median(rates)
 
 
 def _cpu_identity() -> str:
