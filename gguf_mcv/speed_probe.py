@@ -17,8 +17,8 @@ What is measured (:func:`measure`):
   type in :data:`PROBED_TYPES` a 2-layer, 1024-wide text model whose matrices are all of
   that type, timed on a ~140-token prompt and 32 greedy tokens (ggml's kernels differ by
   up to 3x per byte between types, and a file mixes several); two narrow models that
-  time the fixed cost of a token and of a layer; and one 448-pixel slice through one
-  SigLIP-400M-sized vision block (libmtmd's F16 matrices). Those kernels run at rates
+  time the fixed cost of a token and of a layer; and one 448-pixel slice through two
+  SigLIP-400M-sized vision blocks (libmtmd's F16 matrices) and through one (ONNX Runtime). Those kernels run at rates
   numpy's BLAS says nothing about, so they are timed where they run. The text models'
   weights are random blocks of the type, written without llama.cpp's quantizer (which
   needs seconds per K-quant model).
@@ -250,6 +250,8 @@ PROBED_TYPES = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", 
 OVERHEAD_LAYERS = (1, 9)
 #: Greedy tokens timed per model (the first, which finishes the prompt, is not).
 TIMED_TOKENS = 32
+#: Vision blocks of the tower libmtmd is timed on.
+LIBMTMD_BLOCKS = 2
 #: Words of each type's prompt: about 140 tokens, one batch through the GEMM path.
 PROMPT_WORDS = 50
 
@@ -257,8 +259,7 @@ PROMPT_WORDS = 50
 def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] = PROBED_TYPES) -> dict[str, Any]:
     """Seconds (:func:`clock`) llama.cpp takes on generated models.
 
-    Returns ``slice_s`` (one 448-pixel slice through the probe's vision block), ``slice2_s``
-    (the same through two blocks),
+    Returns ``slice_s`` (one 448-pixel slice through a :data:`LIBMTMD_BLOCKS`-block tower),
     ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
     the overhead models) and ``types``: per ggml type, a ~140-token prompt's ``prefill_s``, the median ``token_s`` of
     :data:`TIMED_TOKENS` greedy tokens, ``prefill_tokens``, ``n_past`` and the model's
@@ -275,19 +276,17 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
     folder.mkdir(parents=True, exist_ok=True)
     spec = probe_spec()
     mmproj = write_mmproj(folder / "probe-mmproj.gguf", spec)
+    # libmtmd is timed on two blocks: with one, the patch embedding and the resampler are a
+    # third of the slice, and would be charged at the blocks' rate (+37 % on a 27-block tower)
+    tower = write_mmproj(folder / "probe-tower.gguf", replace(spec, v_layer=LIBMTMD_BLOCKS))
     standin = write_standin(mmproj, folder / "probe-standin.gguf")
     out: dict[str, Any] = {"types": {}, "overhead": {}}
     for t in types:
         path = write_text_model(folder / f"probe-{t}.gguf", spec, weight_type=t)
-        with _engine(path, mmproj if t == "Q4_K" else standin, threads) as engine:
+        with _engine(path, tower if t == "Q4_K" else standin, threads) as engine:
             if t == "Q4_K":
                 out["slice_s"] = _time_slice(engine, threads)
             out["types"][t] = {**_time_text(engine, threads, words=PROMPT_WORDS), "tensors": _tensors(path)}
-    # a second tower one block longer: the difference is one block's time, so the rest
-    # (patch embedding, resampler) is not charged at the blocks' rate
-    mmproj2 = write_mmproj(folder / "probe-mmproj-2.gguf", replace(spec, v_layer=2))
-    with _engine(folder / "probe-Q4_K.gguf", mmproj2, threads) as engine:
-        out["slice2_s"] = _time_slice(engine, threads)
     out["onnx_slice_s"] = time_onnx(mmproj, threads, folder)
     tiny = overhead_spec(1)
     tiny_standin = write_standin(write_mmproj(folder / "overhead-mmproj.gguf", tiny), folder / "overhead-standin.gguf")
@@ -406,7 +405,7 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
     prompt gives the type's prompt rate. Q4_K's rates stand in for types not timed.
     """
     from .shapes import TextShape, VisionShape
-    from .speed import attention_flops, type_bits, weight_profile
+    from .speed import attention_flops, type_bits, vision_flops_per_slice, weight_profile
 
     spec = probe_spec()
     text = TextShape(n_layers=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
@@ -433,29 +432,11 @@ def rates_from(bandwidth: float, timed: dict[str, Any], threads: int, source: st
     generic = "Q4_K" if "Q4_K" in matvec else next(iter(matvec))
     return Rates(
         bandwidth=bandwidth, matvec=matvec[generic], prefill_flops=prefill[generic],
-        vision_flops=_tower_rate(timed["slice_s"], timed.get("slice2_s"), vision, spec.n_embd),
+        vision_flops=vision_flops_per_slice(replace(vision, blocks=LIBMTMD_BLOCKS), spec.n_embd) / timed["slice_s"],
         threads=threads, source=source, matvec_by_type=matvec, prefill_by_type=prefill,
         vision_by_backend=_onnx_rates(timed.get("onnx_slice_s") or {}, vision, spec.n_embd),
         token_overhead_s=min(token_s, 0.5), layer_overhead_s=min(layer_s, 0.5),
     )
-
-
-def _tower_rate(one_block_s: float, two_blocks_s: float | None, vision: Any, text_width: int) -> float:
-    """libmtmd's FLOP/s for a whole SigLIP-400M tower (27 blocks): its blocks at the rate one
-    block took (the two probe towers' difference), the rest at what is left of the one-block
-    slice. Without the second tower, the one-block slice's rate."""
-    from .shapes import VisionShape
-    from .speed import vision_flops_parts, vision_flops_per_slice
-
-    if two_blocks_s is None:
-        return vision_flops_per_slice(vision, text_width) / one_block_s
-    block_s = min(max(two_blocks_s - one_block_s, 0.25 * one_block_s), 0.95 * one_block_s)
-    rest_s = one_block_s - block_s
-    block, rest = vision_flops_parts(vision, text_width)
-    tower = VisionShape(width=vision.width, heads=vision.heads, ff=vision.ff)  # SigLIP-400M's 27 blocks
-    tower_block, tower_rest = vision_flops_parts(tower, text_width)
-    seconds = tower_block / (block / block_s) + tower_rest / (rest / rest_s)
-    return (tower_block + tower_rest) / seconds
 
 
 def _onnx_rates(seconds: dict[str, float], vision: Any, text_width: int) -> dict[str, float]:
