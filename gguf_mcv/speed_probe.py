@@ -18,10 +18,10 @@ What is measured (:func:`measure`):
   that type, timed on a ~140-token prompt and 32 greedy tokens (ggml's kernels differ by
   up to 3x per byte between types, and a file mixes several); two narrow models that
   time the fixed cost of a token and of a layer; and one 448-pixel slice through two
-  SigLIP-400M-sized vision blocks (libmtmd's F16 matrices) and through one (ONNX Runtime). Those kernels run at rates
-  numpy's BLAS says nothing about, so they are timed where they run. The text models'
-  weights are random blocks of the type, written without llama.cpp's quantizer (which
-  needs seconds per K-quant model).
+  SigLIP-400M-sized vision blocks (libmtmd's F16 matrices) and through one (ONNX Runtime
+  fp32 and int8). Those kernels run at rates numpy's BLAS says nothing about, so they are
+  timed where they run. The text models' weights are random blocks of the type, written
+  without llama.cpp's quantizer (which needs seconds per K-quant model).
 
 Every timing is wall time (:func:`clock`): llama.cpp's worker threads sleep at their
 barriers, so CPU seconds per thread undercount a multi-threaded step (with two threads
