@@ -125,21 +125,19 @@ class Rates:
 
 
 #: Used when probing is switched off (``probe=False`` / ``GGUF_MCV_NO_PROBE=1``): this
-#: project's 2-core AVX-512 development machine. The median of seven 1-thread probes
-#: (tools/bench_speed.py, README "Speed: predicted vs measured"; IQ3_S and IQ4_XS from one
-#: probe scaled by its Q4_K to the median's), the arithmetic rates
-#: x 1.6 for the second core (a SigLIP slice took ~14 s on one thread there and ~9 s on
-#: two), rounded to two digits.
+#: project's 2-core AVX-512 development machine, the median of seven 2-thread probes on it
+#: while nothing else ran (tools/bench_speed.py, README "Speed: predicted vs measured"),
+#: rounded to two digits.
 DEFAULT_RATES = Rates(
-    bandwidth=28e9, matvec=25e9, prefill_flops=230e9, vision_flops=110e9, threads=2, source="defaults",
-    matvec_by_type={"Q2_K": 16e9, "Q3_K": 13e9, "Q4_0": 23e9, "Q4_1": 16e9, "Q4_K": 25e9, "Q5_0": 17e9,
-                    "Q5_1": 17e9, "Q5_K": 18e9, "Q6_K": 27e9, "Q8_0": 28e9, "F16": 36e9, "IQ3_S": 5.7e9,
-                    "IQ4_XS": 16e9},
-    prefill_by_type={"Q2_K": 160e9, "Q3_K": 250e9, "Q4_0": 220e9, "Q4_1": 91e9, "Q4_K": 230e9, "Q5_0": 160e9,
-                     "Q5_1": 86e9, "Q5_K": 270e9, "Q6_K": 240e9, "Q8_0": 190e9, "F16": 160e9, "IQ3_S": 260e9,
-                     "IQ4_XS": 280e9},
-    vision_by_backend={"onnx-fp32": 150e9, "onnx-int8": 400e9},
-    token_overhead_s=45e-6, layer_overhead_s=28e-6,
+    bandwidth=28e9, matvec=28e9, prefill_flops=240e9, vision_flops=140e9, threads=2, source="defaults",
+    matvec_by_type={"Q2_K": 16e9, "Q3_K": 14e9, "Q4_0": 21e9, "Q4_1": 16e9, "Q4_K": 28e9, "Q5_0": 17e9,
+                    "Q5_1": 20e9, "Q5_K": 20e9, "Q6_K": 31e9, "Q8_0": 30e9, "F16": 35e9, "IQ3_S": 7e9,
+                    "IQ4_XS": 21e9},
+    prefill_by_type={"Q2_K": 160e9, "Q3_K": 220e9, "Q4_0": 220e9, "Q4_1": 86e9, "Q4_K": 240e9, "Q5_0": 140e9,
+                     "Q5_1": 77e9, "Q5_K": 260e9, "Q6_K": 220e9, "Q8_0": 180e9, "F16": 170e9, "IQ3_S": 290e9,
+                     "IQ4_XS": 300e9},
+    vision_by_backend={"onnx-fp32": 180e9, "onnx-int8": 390e9},
+    token_overhead_s=47e-6, layer_overhead_s=27e-6,
 )
 
 
