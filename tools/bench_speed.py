@@ -82,9 +82,12 @@ def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
         encoder = onnx_vision.OnnxEncoder(converted.path(variant), converted.projector, n_threads=threads)
         pixels = slice_pixels(rgb, encoder.params)[0]
         encoder.encode_pixels(pixels)
-        start = speed_probe.clock()
-        encoder.encode_pixels(pixels)
-        out[f"onnx-{variant}"] = speed_probe.clock() - start
+        runs = []
+        for _ in range(2):
+            start = speed_probe.clock()
+            encoder.encode_pixels(pixels)
+            runs.append(speed_probe.clock() - start)
+        out[f"onnx-{variant}"] = min(runs)
         del encoder
     return out
 
