@@ -53,7 +53,7 @@ BOARD_BANDWIDTH_SHARE = 0.6
 
 
 def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
-    """Busy seconds for a 280-token prompt and each of 32 greedy tokens on ``path`` (libmtmd
+    """Seconds for a 280-token prompt and each of 32 greedy tokens on ``path`` (libmtmd
     holds a stand-in of ``mmproj``: the text timings need no vision tower)."""
     from gguf_mcv.mmproj_standin import write_standin
 
@@ -66,7 +66,7 @@ def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
 
 
 def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
-    """Busy seconds per 448-pixel slice of ``mmproj``'s tower: libmtmd (F16), then each ONNX
+    """Seconds (the faster of two) per 448-pixel slice of ``mmproj``'s tower: libmtmd (F16), then each ONNX
     variant (converted once into the cache, as ``load`` does)."""
     import numpy as np
 
