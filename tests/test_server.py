@@ -46,13 +46,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 class Running:
-    """A uvicorn server for ``app`` on a free localhost port, in a background thread."""
+    """A uvicorn server for ``app`` on a free localhost port, in a background thread
+    (``lifespan="on"`` runs the app's startup and shutdown too)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, lifespan: str = "off") -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -62,7 +63,7 @@ class Running:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,6 @@ those idle when the server stops, come back from disk â€” after a restart too â€
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,32 +12,24 @@ pytest.importorskip("fastapi")
 requests = pytest.importorskip("requests")
 uvicorn = pytest.importorskip("uvicorn")
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from test_kv_store import first_turn, follow_up  # noqa: E402
+from test_server import Running as _Running  # noqa: E402
+
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
 from gguf_mcv.embed_cache import EmbeddingCache  # noqa: E402
 from gguf_mcv.errors import ConfigError  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_kv_store import first_turn, follow_up  # noqa: E402
 
 
-class Running:
-    """A uvicorn server for ``app`` with its lifespan on (so stopping it runs the shutdown)."""
+class Running(_Running):
+    """test_server's server with its lifespan on (so stopping it runs the shutdown)."""
 
     def __init__(self, app: Any) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        super().__init__(app, lifespan="on")
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().stop()
         assert not self.thread.is_alive()
 
     def chat(self, messages: list[dict], max_tokens: int = 6) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -101,6 +102,12 @@ class _Job:
         except Exception as exc:
             self._emit("error", exc)
         finally:
+            # a stream cancelled or failed while its prompt was evaluated is closed here, on
+            # its own thread: left open, the model kept this thread as the one streaming, and
+            # a later answer on a thread that reused its id was refused (ModelBusyError, a 500)
+            if self._stream is not None:
+                with contextlib.suppress(Exception):
+                    self._stream.close()
             self._call(self._done, outcome, reply, time.perf_counter() - began)
 
     def _emit(self, kind: str, value: Any) -> None:
