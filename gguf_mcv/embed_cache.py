@@ -184,12 +184,8 @@ class EmbeddingCache:
             return None
         with self._lock:
             if self._disk is None:
-                import diskcache  # lazy: only caches with a disk tier need it
-
                 try:
-                    self._disk = diskcache.Cache(
-                        os.fspath(self.disk_dir), timeout=DISK_TIMEOUT_S, size_limit=self.max_disk_bytes,
-                        eviction_policy="least-recently-used", cull_limit=16, disk=bytes_only_disk())
+                    self._disk = open_bytes_cache(self.disk_dir, self.max_disk_bytes, cull_limit=16)
                 except Exception as exc:  # noqa: BLE001 - see _disk_error
                     self._disk_failed = True
                     logger.warning("not using the embedding disk cache in %s: %s (%s). Delete that "
@@ -232,6 +228,16 @@ class EmbeddingCache:
             disk.set(key, _encode(key, value))
         except Exception as exc:  # noqa: BLE001 - see _disk_error
             self._disk_error("write", exc)
+
+
+def open_bytes_cache(directory: str | os.PathLike, max_bytes: int, *, cull_limit: int) -> Any:
+    """A diskcache folder of bytes values (:func:`bytes_only_disk`), bounded to ``max_bytes``
+    with least-recently-used eviction, safe for several processes and threads; diskcache's
+    own errors (sqlite3, OSError, its Timeout) are the caller's to handle."""
+    import diskcache  # lazy: only caches with a disk tier need it
+
+    return diskcache.Cache(os.fspath(directory), timeout=DISK_TIMEOUT_S, size_limit=max_bytes,
+                           eviction_policy="least-recently-used", cull_limit=cull_limit, disk=bytes_only_disk())
 
 
 def bytes_only_disk() -> type:

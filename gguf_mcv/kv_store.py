@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import saved_chat
-from .embed_cache import DISK_TIMEOUT_S, bytes_only_disk
+from .embed_cache import open_bytes_cache
 from .engine import KVState, Unit, _n_pos, usable_prefix
 from .errors import ConfigError, SavedChatError
 
@@ -99,12 +99,9 @@ class KVStore:
         self._writer.start()
 
     def _open(self) -> Any:
-        import diskcache  # lazy: only a server with kept chats needs it
-
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            return diskcache.Cache(os.fspath(self.directory), timeout=DISK_TIMEOUT_S, size_limit=self.max_bytes,
-                                   eviction_policy="least-recently-used", cull_limit=4, disk=bytes_only_disk())
+            return open_bytes_cache(self.directory, self.max_bytes, cull_limit=4)
         except Exception as exc:  # noqa: BLE001 - sqlite3 / OSError / diskcache's Timeout
             raise ConfigError(f"Cannot keep conversations in {self.directory}: {exc} ({type(exc).__name__}). "
                               "Use a writable folder, or delete this one to start it afresh.") from exc
