@@ -176,6 +176,28 @@ def checkpoints_of(state: KVState) -> list[_Checkpoint]:
     return checkpoints[-MAX_CHECKPOINTS:]
 
 
+def copy_seq_state(lc: Any, ctx: Any, seq: int, *, partial: bool = False) -> Any:
+    """llama.cpp's state of sequence ``seq`` as a ctypes buffer (``partial``: only its
+    recurrent part, ``PARTIAL_ONLY``, as a checkpoint keeps it); None when llama.cpp cannot
+    copy it."""
+    flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+    size = int(lc.llama_state_seq_get_size_ext(ctx, seq, flags))
+    data = (ctypes.c_uint8 * size)()
+    if int(lc.llama_state_seq_get_data_ext(ctx, data, size, seq, flags)) != size:
+        return None
+    return data
+
+
+def set_seq_state(lc: Any, ctx: Any, seq: int, data: Any, *, partial: bool = False) -> bool:
+    """Load ``data`` (:func:`copy_seq_state`'s buffer, or bytes) into sequence ``seq``;
+    whether llama.cpp took all of it."""
+    flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+    if isinstance(data, bytes):
+        data = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    n = len(data)
+    return n > 0 and int(lc.llama_state_seq_set_data_ext(ctx, data, n, seq, flags)) == n
+
+
 def shift_match(kv: Sequence[Unit], new: Sequence[Unit], common: int) -> tuple[int, int] | None:
     """Where ``new`` goes on after a stretch of ``kv`` it dropped: ``(k, n)`` when ``kv[k:k+n]``
     equals ``new[common:common+n]`` for the longest such ``n`` (k > common), and ``n`` is at least
@@ -313,10 +335,8 @@ class Engine:
         recurrent-state checkpoints (to save it)."""
         self._check_open()
         self._sync_with_llama()
-        lc, ctx = self._lc, self.llama.ctx
-        size = int(lc.llama_state_seq_get_size(ctx, 0))
-        buf = (ctypes.c_uint8 * size)()
-        if int(lc.llama_state_seq_get_data(ctx, buf, size, 0)) != size:
+        buf = copy_seq_state(self._lc, self.llama.ctx, 0)
+        if buf is None:
             raise EngineError("llama.cpp could not copy the KV cache's state.")
         return KVState(list(self._units), bytes(buf),
                        [(c.n_units, c.n_pos, bytes(c.data)) for c in self._checkpoints])
@@ -339,9 +359,8 @@ class Engine:
         mem = lc.llama_get_memory(ctx)
         self._truncate(0)
         self._checkpoints = []
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         native.clear_recent()
-        restored = int(lc.llama_state_seq_set_data(ctx, buf, len(data), 0)) == len(data) and len(data) > 0
+        restored = set_seq_state(lc, ctx, 0, data)
         if not restored or int(lc.llama_memory_seq_pos_max(mem, 0)) != n_pos - 1:
             lc.llama_memory_clear(mem, True)
             raise EngineError("llama.cpp did not accept the saved KV state "
@@ -769,12 +788,9 @@ class Engine:
         one kept, so checkpoints never hold more than MAX_CHECKPOINTS states (the memory
         model counts exactly that).
         """
-        lc = self._lc
-        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(lc.llama_state_seq_get_size_ext(self.llama.ctx, 0, flags))
         del self._checkpoints[:-(MAX_CHECKPOINTS - 1) or None]
-        data = (ctypes.c_uint8 * size)()
-        if int(lc.llama_state_seq_get_data_ext(self.llama.ctx, data, size, 0, flags)) != size:
+        data = copy_seq_state(self._lc, self.llama.ctx, 0, partial=True)
+        if data is None:
             return  # no checkpoint: a rewind re-evaluates from the start, as before
         self._checkpoints.append(_Checkpoint(len(self._units), self.n_past, data))
 
@@ -783,8 +799,7 @@ class Engine:
         lc = self._lc
         while self._checkpoints:
             c = self._checkpoints.pop()
-            restored = lc.llama_state_seq_set_data_ext(self.llama.ctx, c.data, len(c.data), 0,
-                                                       lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            restored = set_seq_state(lc, self.llama.ctx, 0, c.data, partial=True)
             # the recurrent state now ends at the checkpoint: attention cells after it can go
             if restored and lc.llama_memory_seq_rm(mem, 0, c.n_pos, -1):
                 self._checkpoints.append(c)

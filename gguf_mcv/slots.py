@@ -49,6 +49,8 @@ from .engine import (
     _common_prefix,
     _n_pos,
     checkpoints_of,
+    copy_seq_state,
+    set_seq_state,
     shift_match,
     usable_prefix,
 )
@@ -427,10 +429,8 @@ class Scheduler:
         store = self.store
         if store is None or not slot.dirty or slot.n_past - reused < store.min_positions:
             return
-        lc, ctx = self._lc, self.engine.llama.ctx
-        size = int(lc.llama_state_seq_get_size(ctx, slot.seq))
-        data = (ctypes.c_uint8 * size)()
-        if size and int(lc.llama_state_seq_get_data(ctx, data, size, slot.seq)) == size:
+        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq)
+        if data:
             store.keep(KVState(list(slot.units), bytes(data),
                                [(c.n_units, c.n_pos, bytes(c.data)) for c in slot.checkpoints]))
             slot.dirty = False
@@ -446,8 +446,7 @@ class Scheduler:
             checkpoints = checkpoints_of(state)
             if n_pos > slot.n_ctx:
                 raise EngineError(f"it holds {n_pos} positions, more than a slot's {slot.n_ctx}")
-            data = (ctypes.c_uint8 * len(state.data)).from_buffer_copy(state.data)
-            if (int(lc.llama_state_seq_set_data(ctx, data, len(state.data), slot.seq)) != len(state.data)
+            if (not set_seq_state(lc, ctx, slot.seq, state.data)
                     or int(lc.llama_memory_seq_pos_max(self._mem, slot.seq)) != n_pos - 1):
                 raise EngineError("llama.cpp did not accept it")
         except EngineError as exc:
@@ -462,19 +461,17 @@ class Scheduler:
 
     def _save_checkpoint(self, slot: _Slot) -> None:
         """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
-        lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(lc.llama_state_seq_get_size_ext(ctx, slot.seq, flags))
         del slot.checkpoints[:-(MAX_CHECKPOINTS - 1) or None]  # the oldest goes first (memory.recurrent_bytes)
-        data = (ctypes.c_uint8 * size)()
-        if int(lc.llama_state_seq_get_data_ext(ctx, data, size, slot.seq, flags)) == size:
+        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq, partial=True)
+        if data is not None:
             slot.checkpoints.append(_Checkpoint(len(slot.units), slot.n_past, data))
 
     def _restore_checkpoint(self, slot: _Slot) -> tuple[int, int]:
         """Go back to ``slot``'s latest usable checkpoint: (units kept, positions kept)."""
-        lc, ctx, flags = self._lc, self.engine.llama.ctx, self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        lc, ctx = self._lc, self.engine.llama.ctx
         while slot.checkpoints:
             c = slot.checkpoints.pop()
-            if (lc.llama_state_seq_set_data_ext(ctx, c.data, len(c.data), slot.seq, flags)
+            if (set_seq_state(lc, ctx, slot.seq, c.data, partial=True)
                     and lc.llama_memory_seq_rm(self._mem, slot.seq, c.n_pos, -1)):
                 slot.checkpoints.append(c)
                 self.restored_checkpoints += 1
