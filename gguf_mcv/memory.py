@@ -42,6 +42,7 @@ from typing import Any, Iterable
 
 from .errors import ConfigError
 from .headers import parse_header
+from .options import VISION_BACKENDS as ASKABLE_BACKENDS
 from .quants import normalize_quant
 from .shapes import TextShape, VisionShape
 
@@ -118,7 +119,7 @@ CUDA_HOST_OVERHEAD = 300 * _MiB
 METAL_OVERHEAD = 150 * _MiB
 
 #: Who may run the vision encoder, as :func:`estimate` takes it ("auto" resolved first).
-VISION_BACKENDS = ("llama.cpp", "onnx-int8", "onnx-fp32")
+VISION_BACKENDS = tuple(b for b in ASKABLE_BACKENDS if b != "auto")
 
 #: Bytes per KV element including block overhead: f16 2; q8_0 34 bytes per 32 values;
 #: q4_0 18 bytes per 32 (ggml-common.h block_q8_0 / block_q4_0).
