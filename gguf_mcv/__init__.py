@@ -27,6 +27,7 @@ from .errors import (
     ModelBusyError,
     ModelClosedError,
     ModelNotFoundError,
+    NativeKernelError,
     NoQuantFitsError,
     NotEnoughDiskError,
     OfflineError,
@@ -36,7 +37,7 @@ from .errors import (
 )
 from .generation import Stream
 from .hardware import Hardware, probe
-from .loader import load
+from .loader import checked_llama, load
 from .media import Image, load_image
 from .messages import MediaPolicy
 from .model import Chat, Model, ModelInfo
@@ -65,4 +66,5 @@ __all__ = [
     "Reply", "Sampling", "SavedChatError", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
+__all__ += ["NativeKernelError", "checked_llama"]  # native faults
 __all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs

@@ -24,12 +24,14 @@ import os
 import threading
 from typing import Any, Iterator
 
+from . import native_check
 from . import tools as tooling
 from .embed_cache import EmbeddingCache
 from .engine import Engine
-from .errors import ConfigError, ModelNotFoundError
+from .errors import ConfigError, ModelNotFoundError, NativeKernelError
 from .generation import AnswerLock, Stream, respond
 from .headers import read_projector_header
+from .llama_load import uses_extra_bufts
 from .loader import vision_setup
 from .messages import MediaPolicy, convert
 from .openai_compat import completion, completion_chunks, tool_call_chunks
@@ -80,6 +82,7 @@ class MiniCPMVChatHandler:
                 return self._engine
             if self._engine is not None:
                 self._engine.close()
+            _refuse_crashing_kernels(llama)
             backend, self.vision_backend_reason, encoder, mmproj = vision_setup(
                 self.clip_model_path, vision_backend=self.options.vision_backend,
                 mmproj_precision=self.options.mmproj_precision, vision_gpu=self.vision_gpu,
@@ -132,6 +135,19 @@ class MiniCPMVChatHandler:
         if stream:
             return (tool_call_chunks if box is not None else completion_chunks)(pieces, model=name)
         return completion(pieces.result(), model=name)
+
+
+def _refuse_crashing_kernels(llama) -> None:
+    """A ``Llama`` built by the caller cannot change its buffers: when its extra buffer types'
+    kernels crash on this machine (:mod:`gguf_mcv.native_check`), refuse before the first decode."""
+    if not uses_extra_bufts(llama):
+        return
+    crashed = native_check.crashing_extra_bufts(native_check.weight_types(llama.model_path))
+    if crashed:
+        raise NativeKernelError(
+            f"this Llama was loaded with llama.cpp's extra buffer types, whose kernels crash on this machine "
+            f"({crashed}); answering would kill the process. Build it with gguf_mcv.checked_llama("
+            f"model_path, ...), which loads without them where they crash. {native_check.rebuild_advice()}")
 
 
 def _constraint(response_format: dict[str, Any] | None, grammar: Any) -> Constraint | None:

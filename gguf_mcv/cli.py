@@ -249,11 +249,31 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
                       kv_cache_type=args.kv, hardware=hw, rates=rates, vision_backend=args.vision_backend,
                       **limits)
+    kernels = _native_lines(result, local, args.vision_backend)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "native_kernels": kernels}, indent=2))
     else:
         print(result.table())
+        for line in kernels:
+            print(f"Native kernels: {line}")
     return 0
+
+
+def _native_lines(result: Any, local: tuple[Path, Path] | None, vision_backend: str) -> list[str]:
+    """What the native check (gguf_mcv.native_check) changes for this plan's load, or refuses."""
+    from . import native_check  # lazy: per command
+    from .memory import QUANT_TYPE_MIX, output_type
+
+    if local is not None:
+        types = native_check.weight_types(local[0])
+    else:
+        types = {*QUANT_TYPE_MIX.get(result.quant.upper(), {result.quant.upper(): 1.0}), output_type(result.quant)}
+    try:
+        decision = native_check.decide(types, None if result.vision_on_gpu else result.vision_backend,
+                                       vision_auto=vision_backend == "auto", what=result.quant)
+    except GgufMcvError as exc:
+        return [f"refused: {_one_line(exc)}"]
+    return list(decision.notices) or ["every kernel this load uses ran in the check"]
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -65,6 +65,11 @@ class EngineError(GgufMcvError, RuntimeError):
     """llama.cpp reported a failure while loading or running a model."""
 
 
+class NativeKernelError(EngineError):
+    """A native CPU kernel (llama.cpp's, ONNX Runtime's) crashes on this machine and no safe
+    alternative is left; the message names the kernel and the rebuild that avoids it."""
+
+
 class ModelClosedError(GgufMcvError, RuntimeError):
     """The model was closed; a question (or a stream read after ``close()``) cannot run."""
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from . import constants, native
+from . import constants, native, native_check
 from .catalog import CatalogEntry, lookup
 from .embed_cache import EmbeddingCache
 from .engine import Engine, VisionEncoder, file_identity
@@ -152,11 +153,16 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
     if vision_gpu is None:
         vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
     slice_size = projector.shape.image_size
+    chosen = _choose_vision_backend(options, projector, vision_gpu)
+    kernels = native_decision(model_path, options, chosen[0], vision_gpu)
+    if kernels.vision_backend is not None and kernels.vision_backend != chosen[0]:
+        chosen = (kernels.vision_backend, f"{chosen[1]}; {chosen[0]} crashed on this machine (see the notice)")
     backend, reason, encoder, libmtmd_mmproj = _vision_backend(
-        options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads)
+        options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads, chosen=chosen)
     slots = int(options.parallel)
     llama = _open_llama(model_path, options.n_ctx * slots, n_threads, options.n_threads_batch or n_threads,
-                        int(n_gpu), options.flash_attn, options.kv_cache_type, verbose)
+                        int(n_gpu), options.flash_attn, options.kv_cache_type, verbose,
+                        extra_bufts=kernels.extra_bufts)
     scheduler = None
     try:
         if slots > 1:
@@ -192,6 +198,30 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
                  allow_remote_media=allow_remote_media, verbose=verbose, scheduler=scheduler)
 
 
+def checked_llama(model_path: str | os.PathLike, **llama_kwargs: Any) -> Any:
+    """A ``llama_cpp.Llama`` for ``model_path`` loaded the way that works on this machine.
+
+    Its matrix kernels are first tried in a child process (:mod:`gguf_mcv.native_check`);
+    when llama.cpp's extra buffer types (AMX, repacking) crash there, the model is loaded
+    without them and a notice says so once. Use it where you would call ``llama_cpp.Llama``
+    for :class:`gguf_mcv.MiniCPMVChatHandler`. Raises
+    :class:`~gguf_mcv.errors.NativeKernelError` when no kernel set is safe.
+    """
+    from .llama_load import open_llama
+
+    decision = native_check.decide(native_check.weight_types(model_path), what=os.fspath(model_path))
+    return open_llama(model_path, extra_bufts=decision.extra_bufts, **llama_kwargs)
+
+
+def native_decision(model_path: str | os.PathLike, options: LoadOptions, vision_backend: str,
+                    vision_gpu: bool) -> native_check.Decision:
+    """Which kernels this machine runs safely for this load (:func:`native_check.decide`): the
+    text file's matrix types, and the vision backend when it encodes on the CPU."""
+    return native_check.decide(native_check.weight_types(model_path),
+                               None if vision_gpu else vision_backend,
+                               vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
+
+
 def _with_sequences(llama, n_seq: int) -> None:
     """Give ``llama`` a context of ``n_seq`` sequences in one unified KV cache.
 
@@ -218,26 +248,39 @@ def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_
     """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings, as
     :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
     options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
-    return _vision_backend(options, mmproj_path, read_projector_header(mmproj_path), vision_gpu, n_threads)
+    projector = read_projector_header(mmproj_path)
+    chosen = _choose_vision_backend(options, projector, vision_gpu)
+    if not vision_gpu:
+        decided = native_check.decide((), chosen[0], vision_auto=vision_backend == "auto",
+                                      what=os.fspath(mmproj_path)).vision_backend
+        if decided is not None and decided != chosen[0]:
+            chosen = (decided, f"{chosen[1]}; {chosen[0]} crashed on this machine (see the notice)")
+    return _vision_backend(options, mmproj_path, projector, vision_gpu, n_threads, chosen=chosen)
 
 
 def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
-                    vision_gpu: bool, n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
+                    vision_gpu: bool, n_threads: int, *, chosen: tuple[str, str] | None = None,
+                    ) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
     """(backend, reason, encoder, the mmproj libmtmd loads): for an ONNX backend the converted
-    encoder and a stand-in mmproj without the tower's weights (no double loading)."""
+    encoder and a stand-in mmproj without the tower's weights (no double loading). ``chosen``
+    is the (backend, reason) already decided, else the rule's."""
     from . import onnx_vision
 
-    backend, reason = _choose_vision_backend(options, projector, vision_gpu)
+    backend, reason = chosen or _choose_vision_backend(options, projector, vision_gpu)
     if backend == "llama.cpp":
         mmproj, note = _precision(options, mmproj_path, vision_gpu)
         return backend, f"{reason}; mmproj {note}", None, mmproj
     identity = file_identity(mmproj_path)
-    converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar())
-    if options.vision_backend == "auto" and not converted.int8_ok:
+    # int8 is validated against fp32 in this process: only where its kernels are known to run
+    # (where they crash, native_check.decide has already moved an ONNX backend to fp32)
+    int8_runs = native_check.vision_safe("onnx-int8")
+    converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar(),
+                                    validate_int8=int8_runs)
+    if int8_runs and options.vision_backend == "auto" and not converted.int8_ok:
         backend = "onnx-fp32"
         reason = (f"auto: int8 embeddings agree with fp32 only to cosine {converted.int8_cosine:.4f} "
                   f"(< {onnx_vision.INT8_MIN_COSINE}) on this mmproj")
-    elif backend.startswith("onnx"):
+    elif int8_runs:
         reason += f"; int8 vs fp32 cosine {converted.int8_cosine:.4f}"
     encoder = onnx_vision.OnnxVision(converted, backend.removeprefix("onnx-"), identity, n_threads=n_threads)
     return backend, reason, encoder, onnx_vision.standin(mmproj_path, identity)
@@ -286,16 +329,18 @@ def _gpu_offload_supported() -> bool:
 
 
 def _open_llama(model_path, n_ctx, n_threads, n_threads_batch, n_gpu_layers, flash_attn,
-                kv_cache_type, verbose):
+                kv_cache_type, verbose, *, extra_bufts: bool = True):
     import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
+
+    from .llama_load import open_llama
 
     native.install_logging()
     native.clear_recent()
     kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
                "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv_cache_type]
     try:
-        return llama_cpp.Llama(
-            model_path=os.fspath(model_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+        return open_llama(
+            model_path, extra_bufts=extra_bufts, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
             n_threads=n_threads, n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers,
             flash_attn=bool(flash_attn) or kv_cache_type != "f16", type_k=kv_type, type_v=kv_type,
             verbose=verbose,

@@ -17,6 +17,7 @@ position inputs for that slice's size.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,12 +57,14 @@ class Converted:
     fp32: Path
     int8: Path
     projector: Projector
-    int8_cosine: float  #: mean per-token cosine of int8 vs fp32 on the validation images
+    #: mean per-token cosine of int8 vs fp32 on the validation images; None: not validated
+    #: (int8's kernels crash on the machine that converted it)
+    int8_cosine: float | None
     convert_s: float  #: how long the conversion took (0 when it came from the cache)
 
     @property
     def int8_ok(self) -> bool:
-        return self.int8_cosine >= INT8_MIN_COSINE
+        return self.int8_cosine is not None and self.int8_cosine >= INT8_MIN_COSINE
 
     def path(self, variant: str) -> Path:
         return self.int8 if variant == "int8" else self.fp32
@@ -85,9 +88,11 @@ def _stem(identity: str, ort_version: str) -> str:
 
 
 def prepare(mmproj_path: str | os.PathLike, identity: str, *,
-            progress: Callable[[str, int, int], None] | None = None) -> Converted:
+            progress: Callable[[str, int, int], None] | None = None, validate_int8: bool = True) -> Converted:
     """The validated conversion of ``mmproj_path`` (identity ``identity``): from the cache when
-    its manifest checks out, else converted now (under a lock, so two processes convert once)."""
+    its manifest checks out, else converted now (under a lock, so two processes convert once).
+    ``validate_int8=False`` (int8's kernels crash here) leaves the int8 graph unvalidated
+    (``int8_cosine`` None); a later call that validates does so then and keeps the result."""
     from filelock import FileLock
 
     version = onnxruntime_version()
@@ -99,9 +104,25 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
     stem = _stem(identity, version)
     with FileLock(str(folder / f"{stem}.lock")):
         found = _load_manifest(folder, stem)
-        if found is not None:
+        if found is not None and (found.int8_cosine is not None or not validate_int8):
             return found
-        return _convert(Path(mmproj_path), folder, stem, progress)
+        if found is not None:
+            cosine = validate(found.fp32, found.int8, found.projector, progress=_step(progress, "validation"))
+            _update_manifest(folder, stem, int8_cosine=cosine)
+            return dataclasses.replace(found, int8_cosine=cosine)
+        return _convert(Path(mmproj_path), folder, stem, progress, validate_int8)
+
+
+def _step(progress: Callable[[str, int, int], None] | None, what: str) -> Callable[[int, int], None]:
+    return lambda done, total: progress(what, done, total) if progress else None
+
+
+def _update_manifest(folder: Path, stem: str, **changes: Any) -> None:
+    path = folder / f"{stem}.json"
+    manifest = {**json.loads(path.read_text()), **changes}
+    part = folder / f"{stem}.json.part"
+    part.write_text(json.dumps(manifest, indent=1))
+    os.replace(part, path)
 
 
 def sha256_file(path: Path) -> str:
@@ -126,15 +147,13 @@ def _load_manifest(folder: Path, stem: str) -> Converted | None:
                 return None
         return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=Projector(**{
             **m["projector"], "mean": tuple(m["projector"]["mean"]), "std": tuple(m["projector"]["std"])}),
-            int8_cosine=float(m["int8_cosine"]), convert_s=0.0)
+            int8_cosine=None if m["int8_cosine"] is None else float(m["int8_cosine"]), convert_s=0.0)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _convert(mmproj: Path, folder: Path, stem: str,
-             progress: Callable[[str, int, int], None] | None) -> Converted:
-    import dataclasses
-
+             progress: Callable[[str, int, int], None] | None, validate_int8: bool = True) -> Converted:
     import onnx
 
     need = DISK_FACTOR * mmproj.stat().st_size
@@ -151,9 +170,6 @@ def _convert(mmproj: Path, folder: Path, stem: str,
     try:
         names = {v: f"{stem}-{v}.onnx" for v in VARIANTS}
 
-        def step(what: str) -> Callable[[int, int], None]:
-            return lambda done, total: progress(what, done, total) if progress else None
-
         # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
         # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
         for variant in VARIANTS:
@@ -162,11 +178,13 @@ def _convert(mmproj: Path, folder: Path, stem: str,
             # only in exact arithmetic); int8 folds the outliers its activation quantization hates
             int8 = variant == "int8"
             model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8,
-                                   external=path.with_name(path.name + ".data"), progress=step(f"{variant} graph"))
+                                   external=path.with_name(path.name + ".data"),
+                                   progress=_step(progress, f"{variant} graph"))
             onnx.save_model(model, str(path))
             del model
         del weights  # unmaps the mmproj: its pages would count on top of the fp32 session's
-        cosine = validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=step("validation"))
+        cosine = (validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=_step(progress, "validation"))
+                  if validate_int8 else None)
         files = {}
         for f in sorted(tmp.iterdir()):
             files[f.name] = [f.stat().st_size, sha256_file(f)]

@@ -36,6 +36,7 @@ def run(report: Callable[[str], None] = print, model_dir: Path | None = None) ->
     state: dict = {}
     steps = [
         ("llama.cpp bindings", _bindings),
+        ("native kernels checked in a child", _kernels),
         ("build or reuse the tiny test model", lambda s: _build(s, model_dir)),
         ("load model and vision projector", _load),
         ("answer about an image", _answer),
@@ -68,6 +69,15 @@ def _bindings(state: dict) -> str:
 
     gpu = "GPU offload available" if llama_cpp.llama_supports_gpu_offload() else "CPU only"
     return f"llama-cpp-python {llama_cpp.__version__}, {gpu}"
+
+
+def _kernels(state: dict) -> str:
+    from . import native_check  # lazy: the self-test alone needs it
+    from .memory import QUANT_TYPE_MIX, output_type
+
+    types = {*QUANT_TYPE_MIX["Q4_K_M"], output_type("Q4_K_M")}
+    decision = native_check.decide(types, "onnx-int8", vision_auto=True, what="the self-test model")
+    return " | ".join(decision.notices) or f"{', '.join(sorted(types))} and the vision encoders ran"
 
 
 def _build(state: dict, model_dir: Path | None) -> str:

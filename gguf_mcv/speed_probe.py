@@ -37,6 +37,8 @@ import os
 import platform
 import stat
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants
-from .errors import ConfigError, GgufMcvError
+from .errors import ConfigError, EngineError, GgufMcvError
 from .speed import DEFAULT_RATES, Rates
 
 #: Bumped when what is measured changes: older cache files are then probed again.
@@ -65,7 +67,7 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
 
     ``probe=None`` probes unless ``GGUF_MCV_NO_PROBE`` is set; ``threads`` defaults to
     the hardware's recommended threads; ``cache`` is the cache file (default
-    ``<cache_dir>/speed-probe.json``); ``measure_fn`` replaces :func:`measure` (tests).
+    ``<cache_dir>/speed-probe.json``); ``measure_fn`` replaces :func:`measure_in_child` (tests).
     A probe that fails (no room for its model, llama.cpp refusing it) gives the defaults,
     with the failure in ``source``, and is tried again next time. ``refresh`` probes
     again whatever the cache holds (a probe taken while other work held the cores is
@@ -87,7 +89,7 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
     if found is not None:
         return found
     try:
-        measured = (measure_fn or measure)(threads)
+        measured = (measure_fn or measure_in_child)(threads)
     except (GgufMcvError, OSError, MemoryError) as exc:
         # the plan still works; its table names where the rates came from, and the next
         # call probes again (nothing is cached)
@@ -147,6 +149,31 @@ def write_cache(path: Path, key: dict[str, Any], measured: Rates) -> None:
 
 
 # --- measurements ----------------------------------------------------------------------
+
+
+#: Seconds the probe's process may take before it counts as hung (it takes 5-10 s).
+PROBE_TIMEOUT_S = 600.0
+
+
+def measure_in_child(threads: int, timeout: float = PROBE_TIMEOUT_S) -> Rates:
+    """:func:`measure` in a child process: a native kernel that crashes or hangs while it is
+    timed kills the child, never the caller (an :class:`EngineError` says how it ended)."""
+    from .native_check import child_command, child_env, death
+
+    command = child_command("gguf_mcv.speed_probe", str(threads))
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=timeout, env=child_env(),
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"the speed probe's process ran past {timeout:.0f} s and was stopped") from None
+    lines = done.stdout.decode("utf-8", errors="replace").strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.decode("utf-8", errors="replace").splitlines()[-3:]
+        raise EngineError(f"the speed probe's process {death(done.returncode, tail)}")
+    try:
+        return Rates(**json.loads(lines[-1]))
+    except (ValueError, TypeError) as exc:
+        raise EngineError(f"the speed probe's process printed no rates ({exc})") from None
 
 
 def measure(threads: int) -> Rates:
@@ -311,10 +338,14 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
         return {}
     import numpy as np
 
+    from .native_check import vision_safe
+
     weights = Weights(mmproj)
     projector = weights.projector()
     times = {}
     for variant in ("fp32", "int8"):
+        if not vision_safe(f"onnx-{variant}"):
+            continue  # its kernels crash here: the loader will not use it either
         path = folder / f"probe-{variant}.onnx"
         model, _ = build_model(weights, fold=True, int8=variant == "int8")
         onnx.save_model(model, str(path))
@@ -333,12 +364,13 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _engine(path: Path, mmproj: Path, threads: int) -> Iterator[Any]:
-    import llama_cpp  # lazy: llama.cpp's native library
-
     from .engine import Engine
+    from .llama_load import open_llama
+    from .native_check import decide, weight_types
 
-    llama = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_ubatch=512,
-                            n_threads=threads, n_threads_batch=threads, verbose=False)
+    extra = decide(weight_types(path), what="the speed probe's model").extra_bufts
+    llama = open_llama(path, extra_bufts=extra, n_ctx=1024, n_batch=512, n_ubatch=512,
+                       n_threads=threads, n_threads_batch=threads, verbose=False)
     try:
         engine = Engine(llama, mmproj, n_threads=threads, slice_size=probe_spec().image_size)
         try:
@@ -457,3 +489,20 @@ def _onnx_rates(seconds: dict[str, float], vision: Any, text_width: int) -> dict
         # a noisy reading must not leave the blocks no time at all
         out["onnx-int8"] = blocks / max(seconds["onnx-int8"] - rest / fp32, 0.25 * seconds["onnx-int8"])
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gguf_mcv.speed_probe THREADS``: probe, print the rates as one JSON line."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit() or int(args[0]) < 1:
+        print("usage: python -m gguf_mcv.speed_probe THREADS", file=sys.stderr)
+        return 2
+    from .native_check import inject_fault
+
+    inject_fault("speed-probe")
+    print(json.dumps(measure(int(args[0])).to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

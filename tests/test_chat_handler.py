@@ -11,6 +11,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+import gguf_mcv
 from gguf_mcv import MiniCPMVChatHandler
 from gguf_mcv.errors import ConfigError, MediaError
 
@@ -25,7 +26,7 @@ def data_uri(seed: int, size=(320, 240)) -> str:
 @pytest.fixture(scope="module")
 def llm(tiny):
     handler = MiniCPMVChatHandler(str(tiny.mmproj))
-    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=4096, chat_handler=handler,
+    llama = gguf_mcv.checked_llama(str(tiny.quants["Q4_K_M"]), n_ctx=4096, chat_handler=handler,
                             verbose=False)
     yield llama, handler
     llama.close()
@@ -127,7 +128,7 @@ def test_missing_mmproj_is_model_not_found(tmp_path) -> None:
 def test_the_onnx_vision_backend_encodes_instead_of_libmtmd(tiny) -> None:
     pytest.importorskip("onnxruntime")
     handler = MiniCPMVChatHandler(str(tiny.mmproj), vision_backend="onnx-int8")
-    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=4096, chat_handler=handler, verbose=False)
+    llama = gguf_mcv.checked_llama(str(tiny.quants["Q4_K_M"]), n_ctx=4096, chat_handler=handler, verbose=False)
     try:
         out = llama.create_chat_completion(messages=[user("What is it?", data_uri(9, (900, 700)))], max_tokens=2)
         engine = handler.engine_for(llama)

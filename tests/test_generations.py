@@ -237,7 +237,7 @@ def _engine_greedy(model: Model, text: str, images: list) -> tuple[Layout, list[
 def _libmtmd_greedy(model_path: Path, mmproj: Path, text: str, rgb: np.ndarray,
                     add_special: bool) -> tuple[Layout, list[int]]:
     """Evaluate ``text`` + image with mtmd_helper_eval_chunks in a fresh context; greedy tokens."""
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+    llm = gguf_mcv.checked_llama(str(model_path), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
     params = mtmd.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.print_timings = False, 2, False
     ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)

@@ -247,12 +247,10 @@ def test_check_value_names_the_path() -> None:
 
 @pytest.fixture(scope="module")
 def handler_llama(tiny):
-    import llama_cpp
+    from gguf_mcv import MiniCPMVChatHandler, checked_llama
 
-    from gguf_mcv import MiniCPMVChatHandler
-
-    llama = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=2048, verbose=False,
-                            chat_handler=MiniCPMVChatHandler(str(tiny.mmproj)))
+    llama = checked_llama(str(tiny.quants["Q4_K_M"]), n_ctx=2048, verbose=False,
+                          chat_handler=MiniCPMVChatHandler(str(tiny.mmproj)))
     yield llama
     llama.close()
 

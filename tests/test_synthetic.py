@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+import gguf_mcv
 from gguf_mcv import synthetic
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.synthetic import LADDER, TINY, SyntheticModel, build
@@ -28,7 +29,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> SyntheticModel:
 
 @pytest.fixture(scope="module")
 def llm(tiny: SyntheticModel) -> Iterator[llama_cpp.Llama]:
-    model = llama_cpp.Llama(model_path=str(tiny.quants["Q4_K_M"]), n_ctx=2048, n_threads=2, verbose=False)
+    model = gguf_mcv.checked_llama(str(tiny.quants["Q4_K_M"]), n_ctx=2048, n_threads=2, verbose=False)
     yield model
     model.close()
 
@@ -238,7 +239,7 @@ def test_chat_completion_through_minicpmv26_handler(tiny: SyntheticModel) -> Non
     Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, format="PNG")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     handler = MiniCPMv26ChatHandler(clip_model_path=str(tiny.mmproj), verbose=False)
-    llm = llama_cpp.Llama(
+    llm = gguf_mcv.checked_llama(
         model_path=str(tiny.quants["Q2_K"]), chat_handler=handler, n_ctx=2048, n_threads=2, verbose=False, seed=1
     )
     try:
@@ -300,7 +301,7 @@ def test_generation_preset_loads_in_llama_cpp_and_libmtmd(generation: str, tmp_p
     text, proj = _fields(built.quants["Q4_K_M"]), _fields(built.mmproj)
     assert text["general.architecture"] == arch and text["tokenizer.ggml.model"] == tokenizer
     assert proj["clip.projector_type"] == projector and proj.get("clip.minicpmv_version") == version
-    llm = llama_cpp.Llama(model_path=str(built.quants["Q4_K_M"]), n_ctx=1024, n_threads=2, verbose=False)
+    llm = gguf_mcv.checked_llama(str(built.quants["Q4_K_M"]), n_ctx=1024, n_threads=2, verbose=False)
     try:
         assert llm.metadata["general.architecture"] == arch
         ctx = _mtmd_init(built.mmproj, llm)
@@ -363,7 +364,7 @@ def test_weight_type_writes_random_blocks_llama_cpp_runs_with_finite_logits(weig
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
     w = gguf.quants.dequantize(t.data, t.tensor_type)
     assert np.isfinite(w).all() and 0 < np.abs(w).max() < 1
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=False)
+    llm = gguf_mcv.checked_llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=False)
     try:
         llm.eval(llm.tokenize(b"hello world"))
         assert np.isfinite(np.asarray(llm.scores[llm.n_tokens - 1])).all()

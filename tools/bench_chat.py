@@ -86,10 +86,10 @@ def openai_pieces(chunks):
 
 
 def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
-    from llama_cpp import Llama
+    from gguf_mcv import checked_llama
     from llama_cpp.llama_chat_format import MiniCPMv26ChatHandler
 
-    llm = Llama(model_path=str(model), n_ctx=args.ctx, n_threads=args.threads,
+    llm = checked_llama(str(model), n_ctx=args.ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False,
                 chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
     opts = dict(max_tokens=args.max_tokens, stream=True, min_p=0.0, **SAMPLING)

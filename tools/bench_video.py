@@ -54,10 +54,10 @@ def write_video(path: Path, *, seconds: int = 30, fps: int = 10, size=(1280, 720
 
 
 def naive(model: Path, mmproj: Path, frames, args) -> float:
-    from llama_cpp import Llama
+    from gguf_mcv import checked_llama
     from llama_cpp.llama_chat_format import MiniCPMv26ChatHandler
 
-    llm = Llama(model_path=str(model), n_ctx=args.naive_ctx, n_threads=args.threads,
+    llm = checked_llama(str(model), n_ctx=args.naive_ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False,
                 chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
     parts = []

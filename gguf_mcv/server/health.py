@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
+from .. import native_check
 from . import prometheus
 from .bodies import authorize
 from .http_errors import HTTPError
@@ -19,7 +20,8 @@ router = APIRouter()
 async def health(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {"status": "ok", "model": state.name, "queue_length": state.gate.waiting,
-            "in_flight": state.gate.active, "parallel": state.gate.capacity}
+            "in_flight": state.gate.active, "parallel": state.gate.capacity,
+            "native_fallbacks": list(native_check.notices())}
 
 
 @router.get("/metrics", dependencies=[Depends(authorize)])
