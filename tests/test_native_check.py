@@ -228,3 +228,19 @@ def test_signal_names_in_the_words_of_a_death() -> None:
     assert native_check.death(-signal.SIGILL, ["", "Illegal instruction"]) == \
         "killed by SIGILL (Illegal instruction)"
     assert native_check.death(3) == "exited with status 3"
+
+
+def test_plan_and_selftest_lines_name_the_fallback(fresh: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   tiny: SyntheticModel) -> None:
+    import subprocess
+
+    _fault(monkeypatch, "text:Q4_K:extra=SIGILL")
+    done = subprocess.run([sys.executable, "-m", "gguf_mcv", "plan", str(tiny.quants["Q4_K_M"]), "--mmproj",
+                           str(tiny.mmproj), "--ram", "8GB", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (line,) = json.loads(done.stdout)["native_kernels"]
+    assert "extra buffer types" in line and "SIGILL" in line
+    assert done.stderr.count("gguf_mcv: llama.cpp's extra buffer types") == 1
+    from gguf_mcv import selftest
+
+    assert "SIGILL" in selftest._kernels({})  # the self-test's step reports the same notice

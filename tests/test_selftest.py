@@ -15,7 +15,7 @@ def test_selftest_command_passes_offline(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[-1] == "PASS"
-    assert sum(line.lstrip().startswith("ok") for line in lines) == 8
+    assert sum(line.lstrip().startswith("ok") for line in lines) == 9
     assert (tmp_path / "selftest-model" / "ggml-model-Q4_K_M.gguf").is_file()
     assert any("MiniCPM-V 4.6" in line and line.lstrip().startswith("ok") for line in lines)
     assert (tmp_path / "selftest-model-4.6" / "ggml-model-Q4_K_M.gguf").is_file()

@@ -38,7 +38,7 @@ ollama = pytest.importorskip("ollama")
 requests = pytest.importorskip("requests")
 
 import gguf_mcv  # noqa: E402  (after the importorskips)
-from gguf_mcv import server  # noqa: E402
+from gguf_mcv import native_check, server  # noqa: E402
 from gguf_mcv.server import admission, naming, remote_media  # noqa: E402
 
 KEY = "test-key"
@@ -276,7 +276,7 @@ def test_eight_concurrent_clients_are_queued_and_all_answered(srv: Running, mode
             health = requests.get(srv.url + "/health", timeout=5)
             assert time.monotonic() - began < 1.0  # the event loop is free while the model works
             assert health.json() == {"status": "ok", "model": name, "queue_length": 7, "in_flight": 1,
-                                     "parallel": 1}
+                                     "parallel": 1, "native_fallbacks": list(native_check.notices())}
         replies = [f.result(timeout=60) for f in futures]
     assert all(r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 64 for r in replies)
 
