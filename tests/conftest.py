@@ -156,22 +156,18 @@ def tiny_model(tiny):
 
 @pytest.fixture(scope="session")
 def retuned_mmproj(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A same-size copy of the tiny mmproj that differs only in the middle: the rows of a tensor
-    between its first and last MiB scaled (as a re-exported fine-tuned tower). The tiny file's
-    vision blocks lie in its last MiB, so the scaled tensor is the resampler's ``pos_embed_k``
-    (its rows are the positions of the image patches, so the embeddings change)."""
+    """A same-size copy of the tiny mmproj that differs only in the middle, as a re-exported
+    fine-tuned tower would: half the rows of a weight matrix scaled. The tiny file's vision
+    blocks lie in its last MiB, so the matrix is the resampler's output projection."""
     import gguf
     import numpy as np
 
     raw = bytearray(Path(tiny.mmproj).read_bytes())
     mib = 2**20
-    tensor = next(t for t in gguf.GGUFReader(str(tiny.mmproj)).tensors if t.name == "resampler.pos_embed_k")
-    row = tensor.data.shape[-1] * 4  # float32 rows
-    first = -(-(mib + 4096 - int(tensor.data_offset)) // row)
-    last = min((len(raw) - mib - 4096 - int(tensor.data_offset)) // row, tensor.data.shape[0])
-    assert tensor.tensor_type == gguf.GGMLQuantizationType.F32 and last - first > 500
-    rows = np.frombuffer(raw, dtype="<f4", count=(last - first) * row // 4,
-                         offset=int(tensor.data_offset) + first * row)
+    tensor = next(t for t in gguf.GGUFReader(str(tiny.mmproj)).tensors if t.name == "resampler.proj.weight")
+    start, n = int(tensor.data_offset), int(tensor.n_bytes) // 2
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.F16 and mib < start < start + n < len(raw) - mib
+    rows = np.frombuffer(raw, dtype="<f2", count=n // 2, offset=start)
     rows *= 3.0
     out = tmp_path_factory.mktemp("retuned") / "mmproj-model-f16.gguf"
     out.write_bytes(bytes(raw))
