@@ -7,8 +7,8 @@
 
 One line per item (:func:`answer`): the item, its answer, usage and timings, or the
 error that stopped it — a bad file is a recorded error, never the end of the job.
-Rerunning skips the keys already in the file (see :mod:`gguf_mcv.batch_input` for
-the key, :mod:`gguf_mcv.batch_output` for how lines reach the disk).
+Rerunning with the same model files skips the keys already in the file (see
+:mod:`gguf_mcv.batch_input` for the key, :mod:`gguf_mcv.batch_output` for how lines reach the disk).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
-from .batch_input import Item, collect, load_schema
+from .batch_input import Item, collect, for_model, load_schema, model_identity
 from .batch_output import ResultsFile
 from .errors import ModelClosedError
 
@@ -62,7 +62,10 @@ def run(model: "Model", source: str | os.PathLike, out: str | os.PathLike, *, pr
 
 def run_items(model: "Model", items: Sequence[Item], out: str | os.PathLike, *,
               progress: bool | None = None) -> Summary:
-    """Answer keyed ``items`` into ``out`` one by one; each line is on disk before the next item."""
+    """Answer keyed ``items`` into ``out`` one by one; each line is on disk before the next item.
+    Row keys include ``model``'s files (:func:`~gguf_mcv.batch_input.for_model`): another model
+    answers every item again."""
+    items = for_model(items, model_identity(model.info.model_path, model.info.mmproj_path))
     return write_rows(items, out, lambda todo: (answer(model, item) for item in todo), progress=progress)
 
 

@@ -2,7 +2,8 @@
 
 Each item is one question about one image or video, with the key that makes a
 job resumable: a SHA-256 of the media file's bytes, its kind, the prompt, the
-schema and the options (:func:`keyed`). A row that cannot be read (bad JSON,
+schema and the options (:func:`keyed`), and, once the job knows its model, the
+identities of the text model and projector files (:func:`for_model`). A row that cannot be read (bad JSON,
 wrong-typed or unknown fields, a row too long, a missing file) is still an item:
 it carries its ``problem`` and is recorded as an error row, never the end of the
 job. Only a source that is not a batch input at all raises
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Sequence
 
 from .errors import BatchInputError, ConfigError, GgufMcvError, MediaError
+from .identity import file_identity
 from .media import local_path, regular_file
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff",
@@ -115,6 +117,18 @@ def keyed(item: Item, digests: dict[Path, str] | None = None) -> Item:
                       sort_keys=True, ensure_ascii=False, default=repr)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
     return replace(item, key=digest, problem=problem)
+
+
+def model_identity(model_path: str | os.PathLike, mmproj_path: str | os.PathLike) -> str:
+    """The identity of a text model and its projector for batch keys: both files' SHA-256."""
+    return f"{file_identity(model_path)}+{file_identity(mmproj_path)}"
+
+
+def for_model(items: Iterable[Item], model: str) -> list[Item]:
+    """``items`` (keyed first, :func:`keyed`) with keys for answers by ``model``
+    (:func:`model_identity`): the same question asked of other model files is another row."""
+    return [replace(k, key=hashlib.sha256(f"{k.key}:{model}".encode()).hexdigest())
+            for k in map(keyed, items)]
 
 
 def file_digest(path: Path) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .batch import Summary, answer, base_row, error_row, write_rows
-from .batch_input import Item
+from .batch_input import Item, for_model, model_identity
 from .errors import ClusterError, ConfigError
 from .options import check_int
 
@@ -92,11 +92,12 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
     """Answer keyed ``items`` on the Ray cluster at ``address`` into ``out``, like
     :func:`gguf_mcv.batch.run_items`: rows are written (fsync'd) as they come back, items already
     in ``out`` are skipped. ``workers`` model copies (default: one per alive node), one CPU each
-    unless ``load`` sets ``n_threads``."""
+    unless ``load`` sets ``n_threads``. Row keys include the model (:func:`load_identity`)."""
     if workers is not None:
         check_int("workers", workers, low=1)
     ray = _import_ray()  # before anything is written: without Ray or a cluster there is no job
     check_reachable(address)
+    items = for_model(items, load_identity(load))
 
     def rows(todo: list[Item]) -> Iterable[dict[str, Any]]:
         for item in todo:  # a bad item is an error row at once: nothing for a worker to do
@@ -107,6 +108,16 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
             yield from _rows_on_cluster(ray, address, load, good, workers)
 
     return write_rows(items, out, rows, progress=progress)
+
+
+def load_identity(load: dict[str, Any]) -> str:
+    """The model of ``load`` (:func:`gguf_mcv.load`'s keywords) for batch keys: the files' SHA-256
+    for local files (the same key as a local job's); for a name, which the workers resolve and plan
+    each for its node, the name, quant and revision."""
+    if load.get("model_path") and load.get("mmproj_path"):
+        return model_identity(load["model_path"], load["mmproj_path"])
+    spec = {name: load.get(name) for name in ("model", "quant", "revision")}
+    return "load:" + json.dumps(spec, sort_keys=True, default=str)
 
 
 def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[Item],

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import codecs
 import ctypes
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from . import native, plaintext
 from .embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from .errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
 from .headers import read_projector_header
+from .identity import file_identity
 from .media import Image
 from .options import Sampling
 
@@ -221,18 +221,6 @@ def _n_pos(units: Sequence[Unit]) -> int:
 
 def _width(unit: Unit) -> int:
     return 1 if isinstance(unit, int) else unit.n_pos
-
-
-def file_identity(path: str | os.PathLike) -> str:
-    """A cheap identity for a model file: its size and hashes of its first and last MiB."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(2**20))
-        if size > 2**21:
-            f.seek(-(2**20), os.SEEK_END)
-            h.update(f.read(2**20))
-    return h.hexdigest()[:16]
 
 
 class Engine:

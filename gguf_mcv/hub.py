@@ -9,7 +9,8 @@ not fetched again, and ``HF_TOKEN`` / ``HF_HUB_OFFLINE`` are honoured. On top of
 it this module adds what small machines on flaky links need: the repo's ``.gguf``
 files classified by quant (any naming scheme), the matching mmproj, a free-disk
 check before anything is written, a sha256 check of every ``.gguf`` against the
-Hub's LFS hash (a bad file is deleted, never taken for a good one), clean-up of
+Hub's LFS hash (a bad file is deleted, never taken for a good one; a good one's digest
+is remembered as its identity, :mod:`gguf_mcv.identity`, so it is never hashed again), clean-up of
 partial files a killed download left behind, and errors that say what to do.
 """
 
@@ -19,19 +20,16 @@ import contextlib
 import errno
 import hashlib
 import io
-import json
 import logging
-import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import constants
+from . import identity
 from .errors import (
     CorruptModelError,
     DownloadError,
@@ -249,12 +247,12 @@ def _verify(path: Path, f: RemoteFile, *, fresh: bool) -> None:
     size = real.stat().st_size
     if f.size is not None and size != f.size:
         problem = f"has {size} bytes, expected {f.size}"
-    elif f.sha256 is None or _already_verified(real, f.sha256):
+    elif f.sha256 is None or identity.known(real) == f.sha256:
         return
     else:
         digest = _sha256(real)
         if digest == f.sha256:
-            _remember_verified(real, f.sha256)
+            identity.remember(real, f.sha256)  # its identity from now on: never hashed again
             return
         problem = f"has sha256 {digest[:12]}…, expected {f.sha256[:12]}…"
     real.unlink(missing_ok=True)
@@ -272,38 +270,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(8 * 2**20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _registry() -> Path:
-    return constants.cache_dir() / "verified.json"
-
-
-def _already_verified(real: Path, sha: str) -> bool:
-    try:
-        known = json.loads(_registry().read_text())
-    except (OSError, ValueError):
-        return False
-    st = real.stat()
-    return known.get(str(real)) == [sha, st.st_size, st.st_mtime_ns]
-
-
-def _remember_verified(real: Path, sha: str) -> None:
-    """Record a verified file so later loads skip hashing it (best effort: a lost record costs a re-hash)."""
-    try:
-        known = json.loads(_registry().read_text())
-    except (OSError, ValueError):
-        known = {}
-    st = real.stat()
-    known[str(real)] = [sha, st.st_size, st.st_mtime_ns]
-    known = {k: v for k, v in known.items() if Path(k).exists()}
-    try:
-        _registry().parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=_registry().parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
-            json.dump(known, out)
-        os.replace(tmp, _registry())
-    except OSError as exc:
-        logger.warning("could not record verified file %s: %s", real, exc)
 
 
 def _remove_stale_partials(repo: str, sha: str) -> None:

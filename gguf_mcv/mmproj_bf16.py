@@ -25,6 +25,7 @@ import numpy as np
 
 from . import constants
 from .errors import CorruptModelError, NotEnoughDiskError
+from .identity import remember
 from .mmproj_standin import copy_metadata
 from .onnx_vision import sha256_file
 from .units import format_size
@@ -123,9 +124,11 @@ def _convert(mmproj: Path, folder: Path, stem: str) -> Bf16Copy:
     tmp = Path(name)
     try:
         converted = write_bf16_copy(mmproj, tmp)
+        digest = sha256_file(tmp)
         manifest = {"version": MANIFEST_VERSION, "file": out.name, "size": tmp.stat().st_size,
-                    "sha256": sha256_file(tmp), "converted": converted, "source": str(mmproj)}
+                    "sha256": digest, "converted": converted, "source": str(mmproj)}
         os.replace(tmp, out)
+        remember(out, digest)  # the engine keys embeddings by it: no second hash
         part = folder / f"{stem}.json.part"
         part.write_text(json.dumps(manifest, indent=1))
         os.replace(part, folder / f"{stem}.json")  # last: it vouches for the copy

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -290,10 +291,20 @@ def _available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
+#: how gguf_mcv identified model files before whole-file SHA-256 digests (issue 25)
+_PARTIAL_HASH = re.compile(r"[0-9a-f]{16}")
+
+
 def check_model(saved: dict[str, Any], current: dict[str, Any], source: str | os.PathLike) -> None:
     """:class:`SavedChatError` unless ``saved`` (the file's model identity) is ``current``'s."""
     names = {"model": "text model file", "quant": "quantization", "projector": "vision projector (mmproj)",
              "backend": "vision backend"}
+    if isinstance(saved.get("model"), str) and _PARTIAL_HASH.fullmatch(saved["model"]):
+        raise SavedChatError(
+            f"{source} was saved by an older gguf_mcv, which told model files apart by a hash of their "
+            "first and last MiB only: whether it was made with this model cannot be checked. Start the "
+            "conversation anew."
+        )
     for key, what in names.items():
         if saved.get(key) != current.get(key):
             raise SavedChatError(

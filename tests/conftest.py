@@ -152,3 +152,25 @@ def tiny_model(tiny):
                           n_ctx=4096, n_threads=2)
     yield model
     model.close()
+
+
+@pytest.fixture(scope="session")
+def retuned_mmproj(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A same-size copy of the tiny mmproj that differs only in the middle, as a re-exported
+    fine-tuned tower would: half the rows of a weight matrix scaled. The tiny file's vision
+    blocks lie in its last MiB, so the matrix is the resampler's output projection."""
+    import gguf
+    import numpy as np
+
+    raw = bytearray(Path(tiny.mmproj).read_bytes())
+    mib = 2**20
+    tensor = next(t for t in gguf.GGUFReader(str(tiny.mmproj)).tensors if t.name == "resampler.proj.weight")
+    start, n = int(tensor.data_offset), int(tensor.n_bytes) // 2
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.F16 and mib < start < start + n < len(raw) - mib
+    rows = np.frombuffer(raw, dtype="<f2", count=n // 2, offset=start)
+    rows *= 3.0
+    out = tmp_path_factory.mktemp("retuned") / "mmproj-model-f16.gguf"
+    out.write_bytes(bytes(raw))
+    original = Path(tiny.mmproj).read_bytes()
+    assert raw[:mib] == original[:mib] and raw[-mib:] == original[-mib:] and bytes(raw) != original
+    return out

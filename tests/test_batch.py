@@ -230,3 +230,25 @@ def test_progress_bar_and_undecodable_csv_text(tiny_model, tmp_path: Path, capsy
     assert summary.failed == 1
     again = batch.run(tiny_model, rows, out, options=GREEDY, progress=False)  # the file reads back
     assert again.skipped == 2 and again.answered == 0
+
+
+def test_a_rerun_with_another_model_answers_the_items_again(tiny, tiny_model, retuned_mmproj: Path,
+                                                            tmp_path: Path) -> None:
+    import gguf_mcv
+
+    for i in range(2):
+        _png(tmp_path / "in" / f"p{i}.png", 700 + i)
+    out = tmp_path / "out.jsonl"
+
+    def run(model) -> batch.Summary:
+        return batch.run(model, tmp_path / "in", out, prompts=["q"], options=GREEDY, progress=False)
+
+    assert run(tiny_model).answered == 2
+    for quant, mmproj in (("Q2_K", tiny.mmproj), ("Q4_K_M", retuned_mmproj)):  # another text model, projector
+        with gguf_mcv.load(model_path=tiny.quants[quant], mmproj_path=mmproj, n_ctx=1024, n_threads=2) as other:
+            summary = run(other)
+        assert (summary.answered, summary.skipped) == (2, 0)
+    again = run(tiny_model)  # the first model's rows are still there
+    assert (again.answered, again.skipped) == (0, 2)
+    rows = _rows(out)
+    assert len(rows) == 6 and len({r["key"] for r in rows}) == 6

@@ -195,3 +195,20 @@ def test_schema_files_checked(tmp_path: Path) -> None:
             batch_input.load_schema(bad)
     with pytest.raises(ConfigError, match="cannot be read"):
         batch_input.load_schema(tmp_path / "none.json")
+
+
+def test_keys_for_a_model_name_both_of_its_files(tmp_path: Path) -> None:
+    files = {}
+    for name in ("model", "other-model", "mmproj", "other-mmproj"):
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(name.encode() * 1000)
+    image = tmp_path / "a.png"
+    PIL.Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    items = collect(image, prompts=["q"])
+    models = [batch_input.model_identity(files[m], files[p])
+              for m, p in (("model", "mmproj"), ("other-model", "mmproj"), ("model", "other-mmproj"))]
+    keys = [batch_input.for_model(items, model)[0].key for model in models]
+    assert len(set(keys)) == 3 and items[0].key not in keys
+    assert batch_input.for_model(items, models[0])[0].key == keys[0]  # the same model: the same key
+    unkeyed = batch_input.Item(str(image), "image", "q", path=image)
+    assert batch_input.for_model([unkeyed], models[0])[0].key == keys[0]  # keyed first

@@ -168,3 +168,13 @@ def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
     with pytest.raises(ConfigError, match=r"gguf-mcv\[ray\]"):
         batch_ray.run_items("auto", {}, batch.collect(folder, prompts=["q"]), tmp_path / "o.jsonl", progress=False)
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_ray_job_keys_local_files_as_a_local_job_and_names_by_name(tiny) -> None:
+    from gguf_mcv.batch_input import model_identity
+    from gguf_mcv.batch_ray import load_identity
+
+    local = dict(model_path=str(tiny.quants["Q4_K_M"]), mmproj_path=str(tiny.mmproj), n_threads=1)
+    assert load_identity(local) == model_identity(tiny.quants["Q4_K_M"], tiny.mmproj)
+    named = [load_identity(dict(model="minicpm-v-2.6", quant=q, n_threads=1)) for q in ("Q4_K_M", "Q8_0", None)]
+    assert len({*named, load_identity(local)}) == 4

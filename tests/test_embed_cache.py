@@ -290,3 +290,30 @@ def test_threads_sharing_one_cache_with_a_disk_tier(tmp_path: Path) -> None:
         t.join()
     assert not errors, errors
     assert cache.nbytes <= 200_000 and cache.hits > 0
+
+
+def test_a_retuned_projector_of_the_same_size_never_gets_the_originals_embeddings(tiny, retuned_mmproj: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Its slices are encoded again: neither the memory tier nor the disk tier serves the
+    original's entries, and its embeddings differ from them."""
+    import gguf_mcv
+
+    x, y = (np.random.default_rng(seed).integers(0, 256, (300, 300, 3), dtype=np.uint8) for seed in (21, 22))
+    first = EmbeddingCache(disk_dir=tmp_path)
+
+    def ask(mmproj: Path, cache: EmbeddingCache, *images: np.ndarray) -> tuple[list[int], dict]:
+        with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=mmproj, n_ctx=1024, n_threads=2,
+                           vision_backend="llama.cpp", embed_cache=cache) as model:
+            encoded = [model.ask("?", rgb, max_tokens=1).timings.slices_encoded for rgb in images]
+            tag = f"llama.cpp:{model._engine.mmproj_id}:"
+        return encoded, {k[len(tag):]: cache.get(k) for k in list(cache._items) if k.startswith(tag)}
+
+    encoded, original = ask(tiny.mmproj, first, x, y)
+    assert encoded == [1, 1] and len(original) == 2
+    encoded, retuned = ask(retuned_mmproj, first, x)  # memory (and disk) hold the original's x
+    assert encoded == [1] and len(retuned) == 1
+    [(slice_x, values)] = retuned.items()
+    assert not np.allclose(values, original[slice_x], atol=1e-4)
+    fresh = EmbeddingCache(disk_dir=tmp_path)  # only the disk holds the original's y
+    encoded, _ = ask(retuned_mmproj, fresh, y)
+    assert encoded == [1] and fresh.disk_hits == 0

@@ -180,3 +180,22 @@ def test_remote_header_is_read_with_a_small_ranged_request(hub, tiny) -> None:
     gets = hub.requests(method="GET", path="*/resolve/*")
     assert len(gets) == 1 and gets[0].range == f"bytes=0-{hubmod.HEADER_FIRST_BYTES - 1}"
     assert gets[0].bytes_sent <= hubmod.HEADER_FIRST_BYTES < f.size
+
+
+def test_a_download_is_identified_by_the_hubs_sha256_without_hashing_it_again(hub, hf_env, tiny,
+                                                                              monkeypatch) -> None:
+    from gguf_mcv import identity
+
+    publish(hub, tiny)
+    served = {Path(rel).name: info.sha256 for rel, info in hub.files(REPO).items()}
+
+    def refuse(f):
+        raise AssertionError("a verified download was hashed again for its identity")
+
+    monkeypatch.setattr(identity, "_sha256", refuse)
+    with gguf_mcv.load(REPO, quant="Q4_K_M", n_ctx=1024, vision_backend="llama.cpp") as model:
+        assert model.identity()["model"] == served["ggml-model-Q4_K_M.gguf"]
+        assert model.identity()["projector"] == served["mmproj-model-f16.gguf"]
+    hf_env.set_offline(True)  # offline, the digest is the blob's name in the HF cache
+    files = gguf_mcv.pull(REPO, quant="Q4_K_M")
+    assert identity.file_identity(files.mmproj) == served["mmproj-model-f16.gguf"]

@@ -181,3 +181,20 @@ def test_libmtmd_encodes_with_the_copy_close_to_f16(tiny) -> None:
         assert not np.array_equal(a, b)  # the copy is what libmtmd ran
         assert token_cosines(a, b).min() >= 0.999
     assert file_identity(tiny.mmproj)  # the source is untouched (still readable)
+
+
+def test_a_retuned_projector_gets_its_own_copy_known_without_a_second_hash(tiny, retuned_mmproj: Path, cache: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from gguf_mcv import identity
+
+    original = prepare(tiny.mmproj, file_identity(tiny.mmproj))
+    own = prepare(retuned_mmproj, file_identity(retuned_mmproj))
+    assert own.convert_s > 0 and own.path != original.path
+    assert own.path.read_bytes() != original.path.read_bytes()
+
+    def refuse(f):
+        raise AssertionError("the copy was hashed again")
+
+    monkeypatch.setattr(identity, "_sha256", refuse)  # the engine's key for it comes from the manifest's digest
+    manifest = json.loads(own.path.with_suffix(".json").read_text())
+    assert file_identity(own.path) == manifest["sha256"]

@@ -332,3 +332,15 @@ def test_fp32_answers_follow_libmtmd_as_closely_as_libmtmd_follows_itself(tiny, 
                                   for a, b in zip(embeddings["libmtmd"], embeddings[name], strict=True)]))
              for name in ("libmtmd-no-fa", "onnx-fp32")}
     assert 0 < error["onnx-fp32"] <= 1.25 * error["libmtmd-no-fa"], error
+
+
+def test_a_retuned_projector_of_the_same_size_gets_its_own_conversion(tiny, retuned_mmproj: Path,
+                                                                      converted) -> None:
+    """Same size, same first and last MiB, another middle: never the original's graphs or stand-in."""
+    own = prepare(retuned_mmproj, file_identity(retuned_mmproj))
+    assert own.convert_s > 0 and own.fp32 != converted.fp32 and own.int8 != converted.int8
+    assert onnx_vision.standin(retuned_mmproj, file_identity(retuned_mmproj)) != \
+        onnx_vision.standin(tiny.mmproj, file_identity(tiny.mmproj))
+    rgb = picture(31, (448, 448))
+    fp32 = [onnx_vision.OnnxEncoder(c.fp32, c.projector, n_threads=1).encode_rgb(rgb, 0) for c in (converted, own)]
+    assert not np.allclose(fp32[0], fp32[1], atol=1e-4)  # the middle tensor matters

@@ -296,3 +296,27 @@ def test_other_kv_cache_settings_are_refused_and_the_model_still_answers(tiny, s
             other.load_chat(path)
         assert other.engine.n_past == 0
         assert other.ask("still fine?", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_retuned_projector_of_the_same_size_is_refused(tiny, retuned_mmproj: Path, saved) -> None:
+    path, _ = saved
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=retuned_mmproj, n_ctx=2048,
+                       n_threads=2) as other:
+        with pytest.raises(SavedChatError, match="vision projector"):
+            other.load_chat(path)
+
+
+def test_a_chat_saved_before_whole_file_identities_says_so(pair, saved, tmp_path: Path) -> None:
+    path, _ = saved
+    old = tmp_path / "old.mcvchat"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(old, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "chat.json":
+                header = json.loads(data)
+                header["model"]["model"] = "0123456789abcdef"  # the partial hash older versions wrote
+                data = json.dumps(header).encode()
+            dst.writestr(info, data)
+    _, second = pair
+    with pytest.raises(SavedChatError, match="older gguf_mcv.*anew"):
+        second.load_chat(old)
