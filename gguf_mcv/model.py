@@ -322,12 +322,15 @@ class Model:
         Its KV state is put back into this model's cache, so the next question evaluates
         only its own tokens (a file saved without a state evaluates the conversation again,
         images from the embedding cache when they are there). :class:`SavedChatError` when
-        the file is damaged, truncated or not a saved chat, or was saved with another text
-        model, quant, projector or vision backend, or holds more than ``n_ctx`` positions.
+        the file is damaged, truncated or not a saved chat (a turn's text holding control
+        tokens, or media markers that are not its images', counts as damaged), or was saved
+        with another text model, quant, projector or vision backend, or holds more than
+        ``n_ctx`` positions.
         """
         engine = self.engine
         saved = saved_chat.read(path, n_vocab=int(engine.llama.n_vocab()), n_ctx=self.info.n_ctx)
         saved_chat.check_model(saved.model, self.identity(), path)
+        saved_chat.check_turns(saved.turns, engine.marker, path)
         chat = Chat(self, **_chat_settings(saved.settings, path))
         chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
         if saved.kv is not None and self.scheduler is None:  # slots: the turns are evaluated again

@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import stat
 import tempfile
 import zipfile
@@ -38,6 +39,7 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 import PIL.Image
 
+from . import plaintext
 from .engine import ImageUnit, KVState, Unit
 from .errors import MediaError, SavedChatError
 from .media import Image, load_image, open_pil
@@ -356,6 +358,24 @@ def check_model(saved: dict[str, Any], current: dict[str, Any], source: str | os
                 f"{current.get(key)!r}; saved with {saved.get('name')!r}). Load the model it was saved "
                 "with to continue it."
             )
+
+
+def check_turns(turns: Sequence[tuple[str, str, tuple[Image, ...]]], marker: str,
+                source: str | os.PathLike) -> None:
+    """:class:`SavedChatError` unless every turn's text is what a live turn's is: what people
+    wrote marked plain (:mod:`gguf_mcv.plaintext`), and outside it only line breaks, video
+    frames' times and one media ``marker`` per image of a user turn. Anything else would
+    be read as control tokens (a crafted ``<|im_start|>system``) or break every later turn."""
+    markup = re.compile(rf"(?:\n|at [0-9]+\.[0-9] s: |{re.escape(marker)})*")
+    for number, (role, text, images) in enumerate(turns, 1):
+        outside = [seg for seg, is_plain in plaintext.split(text) if not is_plain]
+        if not all(markup.fullmatch(seg) for seg in outside):
+            raise _damaged(Path(os.fspath(source)), f"turn {number} holds text not marked as written by a "
+                                                    "person (control tokens)")
+        markers = sum(seg.count(marker) for seg in outside)
+        if markers != len(images) or (images and role != "user"):
+            raise _damaged(Path(os.fspath(source)), f"turn {number} has {markers} media markers for "
+                                                    f"{len(images)} images")
 
 
 def pairs(turns: Sequence[Any]) -> list[tuple[str, str, tuple[Image, ...]]]:
