@@ -636,8 +636,9 @@ class Chat:
               replace: bool = False, **options: Any) -> Generator[str, None, Reply]:
         """Answer ``user`` under ``tools``; ``replace``: it is the last question, answered again.
 
-        The turn (and its tools) is recorded when the answer ends, or is cancelled after
-        some of it; a replaced question and its old answer come back otherwise.
+        The turn (and its tools) is recorded when the answer ends or its stream is cancelled
+        (a replaced question's: once some of the new answer came); an error records nothing,
+        and a replaced question and its old answer come back.
         """
         def attempt() -> Stream:
             return self.model.answer(self._all(tools, user), thinking=self.thinking, frames=counts,
