@@ -56,11 +56,12 @@ class ResultsFile:
                 raise OutputError(f"Results path {self.path} is not a regular file (a device, FIFO or "
                                   "socket): give a file name for --out.")
             # the file itself, not the name: two names (symlinks) of one file share one lock
-            lock = FileLock(f"{os.path.realpath(self.path)}.lock", timeout=0)
+            lock_path = f"{os.path.realpath(self.path)}.lock"
+            lock = FileLock(lock_path, timeout=0)
             lock.acquire()
         except Timeout:
             self._close_fd()
-            raise OutputBusyError(f"Another batch job is writing {self.path} (it holds {self.path}.lock): "
+            raise OutputBusyError(f"Another batch job is writing {self.path} (it holds {lock_path}): "
                                   "wait for it to finish, or write to another --out.") from None
         except OutputError:
             raise
