@@ -82,6 +82,8 @@ def collect(source: str | os.PathLike, *, prompts: Sequence[str] = (), schema: d
     """
     prompts = [_job_prompt(p) for p in prompts]
     defaults = _job_options(options or {})
+    if schema is not None:
+        _nested_at_most(schema, "The job's schema")
     path = Path(source)
     if str(source) == "":
         raise BatchInputError("The batch input is empty: name a folder, a glob, or a .csv/.jsonl file.")

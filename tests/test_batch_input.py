@@ -225,6 +225,11 @@ def test_rows_and_schemas_nested_too_deep_are_error_items(tmp_path: Path) -> Non
         batch_input.load_schema(schema)
     schema.write_text(_deep(batch_input.MAX_NESTING - 1))
     assert batch_input.load_schema(schema)  # deep, but within the limit
+    deep: dict = {}
+    for _ in range(1100):
+        deep = {"a": deep}
+    with pytest.raises(ConfigError, match="nested"):  # the job's own schema, given in Python
+        collect(rows, schema=deep)
 
 
 def test_a_stray_quote_swallowing_rows_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
