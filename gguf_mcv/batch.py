@@ -74,7 +74,8 @@ def write_rows(items: Sequence[Item], out: str | os.PathLike,
                progress: bool | None = None) -> Summary:
     """Write the rows ``rows(todo)`` yields for the items of ``items`` not yet in ``out``, each
     on disk (fsync'd) as it comes, under ``out``'s lock and a progress bar; a row whose key is
-    already written (a retried task's) is skipped."""
+    already written (a retried task's) is skipped, a row that is not strict JSON (an infinite
+    number in a parsed answer) is written as its error row."""
     started = time.monotonic()
     answered = failed = 0
     with ResultsFile(out) as results:
@@ -83,7 +84,11 @@ def write_rows(items: Sequence[Item], out: str | os.PathLike,
             for row in rows(todo):
                 if row["key"] in results.done:
                     continue
-                results.write(row)
+                try:
+                    results.write(row)
+                except (ValueError, TypeError, RecursionError) as exc:  # from json.dumps, before writing
+                    row = _unrecordable(row, exc)
+                    results.write(row)
                 answered += 1
                 failed += row["error"] is not None
                 bar.update(1)
@@ -140,6 +145,14 @@ def error_row(item: Item, exc: BaseException) -> dict[str, Any]:
     row = base_row(item)
     row["error"] = {"class": type(exc).__name__, "message": " ".join(str(exc).split())}
     return row
+
+
+def _unrecordable(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    """The error row of ``row``, whose answer cannot be written as strict JSON."""
+    item = Item(str(row.get("input", "")), str(row.get("kind", "")), str(row.get("prompt", "")),
+                id=row.get("id"), key=row["key"])
+    return error_row(item, ValueError(f"The answer cannot be recorded as JSON ({type(exc).__name__}: {exc}); "
+                                      "ask again, or change the schema so that it gives finite numbers."))
 
 
 class _NoBar:

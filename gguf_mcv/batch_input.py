@@ -3,11 +3,13 @@
 Each item is one question about one image or video, with the key that makes a
 job resumable: a SHA-256 of the media file's bytes, its kind, the prompt, the
 schema and the options (:func:`keyed`), and, once the job knows its model, the
-identities of the text model and projector files (:func:`for_model`). A row that cannot be read (bad JSON,
-wrong-typed or unknown fields, a row too long, a missing file) is still an item:
-it carries its ``problem`` and is recorded as an error row, never the end of the
-job. Only a source that is not a batch input at all raises
-:class:`~gguf_mcv.errors.BatchInputError`.
+identities of the text model and projector files (:func:`for_model`). A row that cannot
+be read (bad JSON, wrong-typed or unknown fields, a row too long or nested too deep, a
+missing file) is still an item: it carries its ``problem`` and is recorded as an error
+row, never the end of the job. Only a source that is not a batch input at all raises
+:class:`~gguf_mcv.errors.BatchInputError`. A CSV whose rows run over several lines (a
+quoted field with line ends: often a stray quote swallowing the rows after it) is logged
+as a warning.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import csv
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -26,11 +29,16 @@ from .errors import BatchInputError, ConfigError, GgufMcvError, MediaError
 from .identity import file_identity
 from .media import local_path, regular_file
 
+log = logging.getLogger(__name__)
+
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff",
                             ".ppm", ".pgm", ".pbm", ".jfif", ".heic", ".avif"})
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".wmv"})
 #: A CSV/JSONL row longer than this is refused (as an error row): a mistake, not a question.
 MAX_ROW_BYTES = 1024 * 1024
+#: A row (or schema) nested deeper than this is refused (as an error row): no question needs it,
+#: and deeper data overflows Python's recursion in the JSON codec and the schema compiler.
+MAX_NESTING = 64
 #: Options a row (or the job) may set for any item, and for one kind only.
 COMMON_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "repeat_penalty", "seed",
                             "stop", "system"})
@@ -76,6 +84,8 @@ def collect(source: str | os.PathLike, *, prompts: Sequence[str] = (), schema: d
     """
     prompts = [_job_prompt(p) for p in prompts]
     defaults = _job_options(options or {})
+    if schema is not None:
+        _nested_at_most(schema, "The job's schema")
     path = Path(source)
     if str(source) == "":
         raise BatchInputError("The batch input is empty: name a folder, a glob, or a .csv/.jsonl file.")
@@ -86,8 +96,7 @@ def collect(source: str | os.PathLike, *, prompts: Sequence[str] = (), schema: d
     elif path.exists():
         items = _media_items([path], prompts, schema, defaults, str(source))
     elif glob.has_magic(str(source)):
-        found = sorted(Path(p) for p in glob.glob(str(source), recursive=True))
-        items = _media_items([p for p in found if _kind(p)], prompts, schema, defaults, str(source))
+        items = _media_items([p for p in _glob(str(source)) if _kind(p)], prompts, schema, defaults, str(source))
     else:
         raise BatchInputError(f"Batch input {source} does not exist: name a folder, a glob such as "
                               "'photos/*.jpg', or a .csv/.jsonl file of rows.")
@@ -158,6 +167,23 @@ def _scan(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+def _glob(pattern: str) -> list[Path]:
+    """The paths ``pattern`` matches (``**``: any depth), sorted, hidden ones skipped.
+
+    pathlib's glob, not :func:`glob.glob`: its ``**`` does not descend into symlinked
+    folders, so a link to a folder above it cannot make the search endless.
+    """
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root = Path(*parts[:first]) if first else Path()
+    try:
+        found = [p for p in root.glob(str(Path(*parts[first:])))
+                 if not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    except (OSError, ValueError) as exc:
+        raise BatchInputError(f"Batch input {pattern} cannot be searched ({exc}).") from None
+    return sorted(found)
+
+
 def _kind(path: Path) -> str:
     suffix = path.suffix.lower()
     return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else ""
@@ -218,8 +244,11 @@ def _jsonl_rows(f: IO[bytes], path: Path) -> Iterator[tuple[str, dict[str, Any] 
         if not line.strip():
             continue
         try:
-            value = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+            value = _nested_at_most(json.loads(line.decode("utf-8")), f"Row {where}")
+        except ConfigError as exc:
+            yield where, exc
+            continue
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             yield where, ConfigError(f"Row {where} is not valid JSON ({exc}).")
             continue
         if not isinstance(value, dict):
@@ -250,21 +279,46 @@ def _csv_rows(f: IO[bytes], path: Path) -> Iterator[tuple[str, dict[str, Any] | 
         problem = f"unknown column(s) {', '.join(unknown)[:200]}" if unknown else "a column named twice"
         raise BatchInputError(f"Batch input {path} has {problem}; columns may be "
                               f"{', '.join(sorted(ROW_FIELDS | IMAGE_OPTIONS | VIDEO_OPTIONS))}.")
+    spans: list[tuple[int, int]] = []  # first and last line of rows that run over several lines
     while True:
+        first = reader.line_num + 1
         try:
             cells = next(reader)
         except StopIteration:
+            _warn_spans(path, spans)
             return
         except csv.Error as exc:
             yield f"{path}:{reader.line_num}", ConfigError(f"Row {path}:{reader.line_num} is not valid CSV ({exc}).")
             continue
         where = f"{path}:{reader.line_num}"
+        if reader.line_num > first:
+            spans.append((first, reader.line_num))
         if not any(c.strip() for c in cells):
             continue
         if len(cells) > len(header):
             yield where, ConfigError(f"Row {where} has {len(cells)} cells but the header names {len(header)}.")
             continue
         yield where, {h: c for h, c in zip(header, cells, strict=False) if c.strip() != ""}
+
+
+def _warn_spans(path: Path, spans: list[tuple[int, int]]) -> None:
+    if spans:
+        first, last = spans[0]
+        log.warning("%s: %d row(s) run over several lines (the first: lines %d-%d), read as one row each. "
+                    "If that was not meant, a stray quote (\") swallowed the rows after it: fix the file.",
+                    path, len(spans), first, last)
+
+
+def _nested_at_most(value: Any, what: str) -> Any:
+    """``value`` (parsed JSON) unless it is nested deeper than :data:`MAX_NESTING`: ConfigError."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth >= MAX_NESTING:
+            raise ConfigError(f"{what} is nested more than {MAX_NESTING} levels deep; flatten it.")
+        stack.extend((child, depth + 1) for child in children)
+    return value
 
 
 def _from_row(row: dict[str, Any], where: str, base: Path, prompts: list[str],
@@ -320,8 +374,9 @@ def _row_schema(value: Any, where: str, base: Path) -> dict[str, Any]:
             return load_schema(base / text)
         try:
             value = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ConfigError(f"Row {where}: schema is not valid JSON ({exc}).") from None
+        _nested_at_most(value, f"Row {where}: the schema")
     if not isinstance(value, dict):
         raise ConfigError(f"Row {where}: schema must be a JSON object or a .json file, "
                           f"not {type(value).__name__}.")
@@ -340,8 +395,9 @@ def load_schema(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"Schema file {path} is larger than {MAX_ROW_BYTES} bytes.")
     try:
         value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"Schema file {path} is not valid JSON ({exc}).") from None
+    _nested_at_most(value, f"Schema file {path}")
     if not isinstance(value, dict):
         raise ConfigError(f"Schema file {path} holds a JSON {type(value).__name__}, not an object.")
     return value

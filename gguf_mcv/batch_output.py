@@ -2,10 +2,12 @@
 
 Every line is one ``os.write`` of the whole line, then ``fsync``: a job killed at any
 moment leaves at most one torn last line, which the next job on the file cuts away
-(:meth:`ResultsFile.open`) before reading which keys are done. A line that is not
-the torn tail and does not parse is not ours to delete: the job stops with
-:class:`~gguf_mcv.errors.OutputError` instead. An exclusive lock (``filelock``) on
-``<out>.lock`` keeps a second job off the same file.
+(:meth:`ResultsFile.open`) once the whole lines have been read as results. A line that
+is not the torn tail and does not parse, or a tail that does not start as a result
+line does, is not ours to delete: the job stops with
+:class:`~gguf_mcv.errors.OutputError` instead, the file untouched. An exclusive lock
+(``filelock``) on ``<out>.lock``, next to the file a symlinked ``out`` names, keeps a
+second job off the same file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from .errors import OutputBusyError, OutputError
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1024 * 1024
+#: how every line :meth:`ResultsFile.write` writes starts (rows begin with their key)
+_LINE_START = b'{"key": "'
 
 
 class ResultsFile:
@@ -38,7 +42,8 @@ class ResultsFile:
         self._lock: Any = None
 
     def open(self) -> "ResultsFile":
-        """Open (or create) the file, take the lock, cut a torn last line, read the done keys."""
+        """Open (or create) the file, take the lock, read the done keys, then cut a torn last line
+        (a file that is not a results file is refused untouched)."""
         from filelock import FileLock, Timeout  # lazy: batch jobs only
 
         if self.path.is_dir():
@@ -50,11 +55,13 @@ class ResultsFile:
                 self._close_fd()
                 raise OutputError(f"Results path {self.path} is not a regular file (a device, FIFO or "
                                   "socket): give a file name for --out.")
-            lock = FileLock(f"{self.path}.lock", timeout=0)
+            # the file itself, not the name: two names (symlinks) of one file share one lock
+            lock_path = f"{os.path.realpath(self.path)}.lock"
+            lock = FileLock(lock_path, timeout=0)
             lock.acquire()
         except Timeout:
             self._close_fd()
-            raise OutputBusyError(f"Another batch job is writing {self.path} (it holds {self.path}.lock): "
+            raise OutputBusyError(f"Another batch job is writing {self.path} (it holds {lock_path}): "
                                   "wait for it to finish, or write to another --out.") from None
         except OutputError:
             raise
@@ -64,8 +71,9 @@ class ResultsFile:
                               "Choose a writable --out.") from None
         self._lock = lock
         try:
-            self._repair()
-            self.done = self._read_keys()
+            end = self._whole_lines_end()
+            self.done = self._read_keys(end)
+            self._repair(end)
         except BaseException:
             self.close()
             raise
@@ -116,8 +124,8 @@ class ResultsFile:
             os.close(self._fd)
             self._fd = None
 
-    def _repair(self) -> None:
-        """Cut a last line without its newline: a write the previous job did not finish."""
+    def _whole_lines_end(self) -> int:
+        """The offset just after the file's last newline (its size when it ends with one)."""
         assert self._fd is not None
         size = os.fstat(self._fd).st_size
         end = size
@@ -125,23 +133,42 @@ class ResultsFile:
             start = max(0, end - _READ_CHUNK)
             chunk = os.pread(self._fd, end - start, start)
             if end == size and chunk.endswith(b"\n"):
-                return
+                return size
             cut = chunk.rfind(b"\n")
             if cut >= 0:
-                end = start + cut + 1
-                break
+                return start + cut + 1
             end = start
-        torn = size - end
-        if torn:
-            os.ftruncate(self._fd, end)
-            os.fsync(self._fd)
-            self.repaired_bytes = torn
-            log.warning("%s: cut a torn last line (%d bytes) left by an interrupted job", self.path, torn)
+        return 0
 
-    def _read_keys(self) -> set[str]:
+    def _repair(self, end: int) -> None:
+        """Cut the line after ``end`` (it has no newline): a write the previous job did not finish.
+
+        Only a tail that starts as every results line does is cut; anything else means the
+        file is not a results file, and it is left alone.
+        """
+        assert self._fd is not None
+        torn = os.fstat(self._fd).st_size - end
+        if not torn:
+            return
+        head = os.pread(self._fd, len(_LINE_START), end)
+        if not _LINE_START.startswith(head):
+            raise OutputError(
+                f"The last line of {self.path} is not a batch result line: this file was not written by "
+                "gguf-mcv batch, or was edited. Move it away, or give another --out; it was left as it is."
+            )
+        os.ftruncate(self._fd, end)
+        os.fsync(self._fd)
+        self.repaired_bytes = torn
+        log.warning("%s: cut a torn last line (%d bytes) left by an interrupted job", self.path, torn)
+
+    def _read_keys(self, end: int) -> set[str]:
+        """The keys of the lines before offset ``end``; OutputError at a line that is not a result."""
         keys: set[str] = set()
         with open(self.path, "rb") as f:
-            for number, line in enumerate(f, 1):
+            number = 0
+            while f.tell() < end:
+                line = f.readline()
+                number += 1
                 if not line.strip():
                     continue
                 try:
@@ -149,7 +176,7 @@ class ResultsFile:
                     key = row["key"]
                     if not isinstance(key, str) or not key:
                         raise ValueError("no key")
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):
                     raise OutputError(
                         f"Line {number} of {self.path} is not a batch result line: this file was not "
                         "written by gguf-mcv batch, or was edited. Move it away or fix the line."

@@ -204,15 +204,34 @@ def shift_match(kv: Sequence[Unit], new: Sequence[Unit], common: int) -> tuple[i
     MIN_SHIFT_MATCH (or all that ``kv`` has left); None otherwise."""
     if common >= len(kv) or common >= len(new):
         return None
-    rest = new[common:]
-    best_k, best_n = 0, 0
-    for k in range(common + 1, len(kv)):
-        n = _common_prefix(kv[k:], rest)
-        if n > best_n:
-            best_k, best_n = k, n
-    if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k) or best_n == 0:
+    # the Z-function of rest + [a separator] + kv[common+1:] gives, for each k, how far kv[k:]
+    # matches rest's start: all the matches in linear time, not one scan per k
+    rest = list(new[common:])
+    z = _z_function([*rest, object(), *kv[common + 1:]])[len(rest) + 1:]
+    best_n = max(z, default=0)
+    if best_n == 0:
+        return None
+    best_k = common + 1 + z.index(best_n)  # the first of the longest, as the scan found
+    if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k):
         return None
     return best_k, best_n
+
+
+def _z_function(s: Sequence[object]) -> list[int]:
+    """``z[i]``: the length of the longest common prefix of ``s`` and ``s[i:]`` (``z[0]`` = len(s))."""
+    n = len(s)
+    z = [0] * n
+    if n:
+        z[0] = n
+    left = right = 0  # s[left:right] is the rightmost match of a prefix found so far
+    for i in range(1, n):
+        length = min(right - i, z[i - left]) if i < right else 0
+        while i + length < n and s[length] == s[i + length]:
+            length += 1
+        z[i] = length
+        if i + length > right:
+            left, right = i, i + length
+    return z
 
 
 def _n_pos(units: Sequence[Unit]) -> int:

@@ -206,7 +206,7 @@ class KVStore:
         try:
             with stored if not isinstance(stored, (bytes, str)) else io.BytesIO(_as_bytes(stored)) as f:
                 saved = saved_chat.read_from(f, source, n_vocab=self.n_vocab, n_ctx=self.n_ctx, state=state,
-                                             check=lambda model: self._check_model(model, source))
+                                             turns=False, check=lambda model: self._check_model(model, source))
             if saved.settings.get("kind") != KIND or saved.kv is None:
                 raise SavedChatError(f"{source} is not a kept KV state")
         except _Foreign as exc:

@@ -322,12 +322,15 @@ class Model:
         Its KV state is put back into this model's cache, so the next question evaluates
         only its own tokens (a file saved without a state evaluates the conversation again,
         images from the embedding cache when they are there). :class:`SavedChatError` when
-        the file is damaged, truncated or not a saved chat, or was saved with another text
-        model, quant, projector or vision backend, or holds more than ``n_ctx`` positions.
+        the file is damaged, truncated or not a saved chat (a turn's text holding control
+        tokens, or media markers that are not its images', counts as damaged), or was saved
+        with another text model, quant, projector or vision backend, or holds more than
+        ``n_ctx`` positions.
         """
         engine = self.engine
         saved = saved_chat.read(path, n_vocab=int(engine.llama.n_vocab()), n_ctx=self.info.n_ctx)
         saved_chat.check_model(saved.model, self.identity(), path)
+        saved_chat.check_turns(saved.turns, engine.marker, path)
         chat = Chat(self, **_chat_settings(saved.settings, path))
         chat._turns = [Turn(role, text, images) for role, text, images in saved.turns]
         if saved.kv is not None and self.scheduler is None:  # slots: the turns are evaluated again
@@ -477,7 +480,7 @@ class Chat:
         self.context_shift = bool(context_shift)
         self._turns: list[Turn] = []
         self._used = 0  # positions the conversation filled after its last answer (0: unknown)
-        self._tools: tooling.Toolbox | None = None  # the tools of the turn being answered
+        self._tools: tooling.Toolbox | None = None  # the tools of the last answered turn
         self._kv_units: tuple | None = None  # what the model's KV cache held after our last answer
 
     @property
@@ -512,19 +515,18 @@ class Chat:
         if box is not None and (schema is not None or format):
             raise ConfigError("Give tools or a schema/format, not both.")
         shape = model.checked(box.constraint()) if box is not None else model.constraint(schema, format)
-        self._tools = box
         if tool_result:
             prompt = tooling.plain_messages([{"role": "tool", "content": check_text("prompt", prompt)}])[0]["content"]
         parts = model.turns.user_parts(prompt, images, videos, detail=detail, max_slices=max_slices)
-        user, counts = model.turns.user_turn(parts, history=self._all(), options=video_options,
+        user, counts = model.turns.user_turn(parts, history=self._all(box), options=video_options,
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
-        dropped = self._make_room(user, check_max_tokens(max_tokens))
+        dropped = self._make_room(user, check_max_tokens(max_tokens), box)
         cancel = threading.Event()
-        pieces = self._turn(user, counts, dropped, max_tokens=max_tokens, stop=stop, sampling=sampling,
+        pieces = self._turn(user, counts, dropped, tools=box, max_tokens=max_tokens, stop=stop, sampling=sampling,
                             on_progress=_either(on_progress, progress), constraint=shape, cancel=cancel)
         return _deliver(Stream(pieces, cancel=cancel.set), stream)
 
-    def _make_room(self, user: Turn, max_tokens: int) -> int:
+    def _make_room(self, user: Turn, max_tokens: int, tools: tooling.Toolbox | None) -> int:
         """Drop the oldest turns until ``user`` and an answer fit; how many questions were dropped."""
         turns = self.model.turns
         if self.overflow != "drop_oldest" or not self._turns:
@@ -532,7 +534,7 @@ class Chat:
         if self._used and (self._used + turns.positions_of(user) + TEMPLATE_SLACK
                            + turns.answer_room(max_tokens) <= turns.n_ctx):
             return 0  # surely fits: no need to measure the whole conversation
-        head = self._head()
+        head = self._head(tools)
         kept, dropped = turns.fit(head + self._turns + [user], max_tokens=max_tokens,
                                   thinking=self.thinking, keep_first=self.keep_first)
         self._turns = kept[len(head):-1]
@@ -547,7 +549,8 @@ class Chat:
 
         The cache still holds everything up to that question, so only the answer is
         generated again (a hybrid model rewinds to its checkpoint near the question's end);
-        no image is encoded again. The tools of the last question apply again.
+        no image is encoded again. The tools of the last question apply again. The old answer
+        stays until the new one ends (a stream closed before any piece, or an error, keeps it).
         :class:`ConfigError` when there is no answered question to regenerate.
         """
         if len(self._turns) < 2 or self._turns[-1].role != "assistant" or self._turns[-2].role != "user":
@@ -556,10 +559,10 @@ class Chat:
         sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
                                                  repeat_penalty=repeat_penalty, seed=seed)
         shape = model.checked(self._tools.constraint()) if self._tools is not None else model.constraint(schema, format)
-        *self._turns, user, _ = self._turns
         self._used = 0
-        pieces = self._turn(user, FrameCounts(), 0, max_tokens=check_max_tokens(max_tokens), stop=stop,
-                            sampling=sampling, on_progress=None, constraint=shape)
+        pieces = self._turn(self._turns[-2], FrameCounts(), 0, tools=self._tools, replace=True,
+                            max_tokens=check_max_tokens(max_tokens), stop=stop, sampling=sampling,
+                            on_progress=None, constraint=shape)
         return _deliver(Stream(pieces), stream)
 
     def undo(self) -> None:
@@ -619,58 +622,77 @@ class Chat:
         return {"system": self.system, "thinking": self.thinking, "overflow": self.overflow,
                 "keep_first": self.keep_first, "context_shift": self.context_shift}
 
-    def _head(self) -> list[Turn]:
-        """The system turn: the system prompt and, with tools, their description."""
+    def _head(self, tools: tooling.Toolbox | None) -> list[Turn]:
+        """The system turn: the system prompt and, with ``tools``, their description."""
         system = self.system
-        if self._tools is not None:
-            system = f"{system}\n\n{self._tools.system_prompt()}" if system else self._tools.system_prompt()
+        if tools is not None:
+            system = f"{system}\n\n{tools.system_prompt()}" if system else tools.system_prompt()
         return self.model.turns.system(system)
 
-    def _all(self, *extra: Turn) -> list[Turn]:
-        return self._head() + self._turns + list(extra)
+    def _all(self, tools: tooling.Toolbox | None, *extra: Turn) -> list[Turn]:
+        return self._head(tools) + self._turns + list(extra)
 
-    def _turn(self, user: Turn, counts: FrameCounts, dropped: int, **options: Any) -> Generator[str, None, Reply]:
+    def _turn(self, user: Turn, counts: FrameCounts, dropped: int, *, tools: tooling.Toolbox | None,
+              replace: bool = False, **options: Any) -> Generator[str, None, Reply]:
+        """Answer ``user`` under ``tools``; ``replace``: it is the last question, answered again.
+
+        The turn (and its tools) is recorded when the answer ends or its stream is cancelled
+        (a replaced question's: once some of the new answer came); an error records nothing,
+        and a replaced question and its old answer come back.
+        """
         def attempt() -> Stream:
-            return self.model.answer(self._all(user), thinking=self.thinking, frames=counts,
+            return self.model.answer(self._all(tools, user), thinking=self.thinking, frames=counts,
                                      shift=self.context_shift and dropped > 0, **options)
 
-        pieces = attempt()
+        # here, not in regenerate(): a stream closed before it starts never runs this
+        replaced = self._turns[-2:] if replace else []
+        del self._turns[len(self._turns) - len(replaced):]
+        recorded = False
         produced: list[str] = []
         try:
-            while True:
-                try:
-                    piece = next(pieces)
-                except StopIteration:
-                    reply = pieces.reply
-                    assert reply is not None
-                    reply.dropped_turns = dropped
-                    self._remember(user, reply)
-                    self._used = reply.usage.prompt_tokens + reply.usage.completion_tokens
-                    self._kv_units = self.model.engine.units
-                    return reply
-                except ContextOverflowError:
-                    # the measure before the answer keeps room for it; this is the last resort
-                    # when the prompt itself came out longer (re-tokenized answers)
-                    if produced or self.overflow != "drop_oldest" or not self._droppable():
-                        raise
-                    self._drop_oldest()
-                    dropped += 1
-                    pieces = attempt()
-                    continue
-                produced.append(piece)
-                yield piece
-        except GeneratorExit:
-            # a cancelled stream: the partial answer is what the model said
-            pieces.close()
-            self._remember(user, "".join(produced))
-            self._used = 0
-            self._kv_units = None
-            raise
+            pieces = attempt()
+            try:
+                while True:
+                    try:
+                        piece = next(pieces)
+                    except StopIteration:
+                        reply = pieces.reply
+                        assert reply is not None
+                        reply.dropped_turns = dropped
+                        self._remember(user, reply, tools)
+                        recorded = True
+                        self._used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                        self._kv_units = self.model.engine.units
+                        return reply
+                    except ContextOverflowError:
+                        # the measure before the answer keeps room for it; this is the last resort
+                        # when the prompt itself came out longer (re-tokenized answers)
+                        if produced or self.overflow != "drop_oldest" or not self._droppable():
+                            raise
+                        self._drop_oldest()
+                        dropped += 1
+                        pieces = attempt()
+                        continue
+                    produced.append(piece)
+                    yield piece
+            except GeneratorExit:
+                # a cancelled stream: the partial answer is what the model said
+                pieces.close()
+                if produced or not replace:
+                    self._remember(user, "".join(produced), tools)
+                    recorded = True
+                self._used = 0
+                self._kv_units = None
+                raise
+        finally:
+            if not recorded:
+                self._turns += replaced
 
-    def _remember(self, user: Turn, answer: str) -> None:
+    def _remember(self, user: Turn, answer: str, tools: tooling.Toolbox | None) -> None:
         calls = [tooling.render_call(call) for call in getattr(answer, "tool_calls", ())]
         text = "\n".join([str(answer), *calls]).strip() if calls else str(answer)
         self._turns += [user, self.model.turns.turn("assistant", [text])]
+        self._tools = tools
 
 
 def _chat_settings(raw: dict[str, Any], source: Any) -> dict[str, Any]:

@@ -14,10 +14,12 @@ damaged or truncated file is noticed) holding:
 * ``images/<digest>.png`` — each image of the conversation, lossless, so that a
   follow-up can lay the prompt out again without encoding anything.
 
-Everything read is checked before it reaches llama.cpp: member sizes against limits
-(before reading), the state's length and checksum, token ids against the vocabulary,
-image digests against their pixels. Any failure is a :class:`SavedChatError` that says
-what is wrong and what to do.
+Everything read is checked before it reaches llama.cpp: that the path is a regular file
+(a FIFO or a device is refused unopened), member sizes against limits (before reading;
+``chat.json``'s scales with the context), the images' pixels in all against a budget
+(from their headers, before any is decoded), the state's length and checksum, token ids
+against the vocabulary, image digests against their pixels. Any failure is a
+:class:`SavedChatError` that says what is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import io
 import json
 import os
 import re
+import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -36,18 +39,24 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 import PIL.Image
 
+from . import plaintext
 from .engine import ImageUnit, KVState, Unit
 from .errors import MediaError, SavedChatError
-from .media import Image, load_image
+from .media import Image, load_image, open_pil
 
 FORMAT = "gguf_mcv.chat"
 VERSION = 1
-#: ``chat.json`` may not be larger than this (uncompressed)
-MAX_JSON_BYTES = 64 * 2**20
+#: ``chat.json`` may not be larger than this (uncompressed), whatever the context; see :func:`json_limit`
+MAX_JSON_BYTES = 32 * 2**20
+#: ``chat.json`` bytes allowed per position of the context (a token's unit and its text, JSON-escaped)
+JSON_BYTES_PER_POSITION = 64
 #: one stored image may not be larger than this (its PNG)
 MAX_IMAGE_BYTES = 256 * 2**20
 #: at most this many images in one saved conversation
 MAX_IMAGES = 4096
+#: the images of one saved conversation may hold this many pixels in all (3 bytes each decoded);
+#: less when the machine has less memory available (see :func:`pixel_budget`)
+MAX_CHAT_PIXELS = 256_000_000
 #: the KV state is never larger than this, whatever the machine (checked before reading)
 MAX_STATE_BYTES = 16 * 2**30
 #: at most this many recurrent-state checkpoints (the engine keeps 2)
@@ -119,25 +128,41 @@ def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: 
     """
     source = _as_path(path)
     try:
-        return read_from(source, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
+        # without blocking: opening a FIFO for reading would wait for a writer
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise SavedChatError(f"No saved conversation at {source}: check the path.") from None
+    except (OSError, ValueError) as exc:
+        raise SavedChatError(f"Cannot open the saved conversation {source}: "
+                             f"{getattr(exc, 'strerror', None) or exc}. Check the path and its permissions.") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+        raise SavedChatError(f"{source} is {kind}, not a saved conversation: give the path of a file "
+                             "Chat.save wrote.")
+    with os.fdopen(fd, "rb") as f:
+        return read_from(f, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
 
 
 def read_from(f: Path | IO[bytes], source: str | os.PathLike, *, n_vocab: int, n_ctx: int,
-              max_state_bytes: int = MAX_STATE_BYTES, state: bool = True,
+              max_state_bytes: int = MAX_STATE_BYTES, state: bool = True, turns: bool = True,
               check: Callable[[dict[str, Any]], None] | None = None) -> SavedChat:
-    """The checked contents of the saved chat in ``f`` (a path or a seekable binary file;
-    ``source`` names it in messages); :class:`SavedChatError` if unusable. With ``state=False``
-    only ``chat.json`` is read: the KV state's units and checkpoint positions come back with
-    empty data (enough to decide whether the state is worth reading). ``check`` sees the
-    file's model identity first, before anything else is read or checked, and may raise."""
+    """The checked contents of the saved chat in ``f`` (a path to a regular file, or a seekable
+    binary file; ``source`` names it in messages); :class:`SavedChatError` if unusable. With
+    ``state=False`` only ``chat.json`` is read: the KV state's units and checkpoint positions
+    come back with empty data (enough to decide whether the state is worth reading). With
+    ``turns=False`` a file that holds turns is refused, none of its images read (a kept KV
+    state has none). ``check`` sees the file's model identity first, before anything else is
+    read or checked, and may raise."""
     where = Path(os.fspath(source))
     try:
         with zipfile.ZipFile(f) as zf:
-            header = _header(zf, where)
+            header = _header(zf, where, json_limit(n_ctx))
             if check is not None:
                 check(_typed(header.get("model"), dict, "model", where))
+            if not turns and header.get("turns"):
+                raise _damaged(where, "it holds turns, and a kept KV state has none")
             return _contents(zf, header, where, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes,
                              state=state)
     except (SavedChatError, FileNotFoundError):
@@ -146,6 +171,17 @@ def read_from(f: Path | IO[bytes], source: str | os.PathLike, *, n_vocab: int, n
         # zipfile and zlib report damage in many ways (BadZipFile, a bad CRC, EOFError, zlib.error,
         # OSError, ValueError...): each one means an unusable file, never a crash
         raise _damaged(where, f"{type(exc).__name__}: {exc}") from exc
+
+
+def json_limit(n_ctx: int) -> int:
+    """The largest ``chat.json`` a saved chat of a model with context ``n_ctx`` may have."""
+    return min(MAX_JSON_BYTES, 2**20 + JSON_BYTES_PER_POSITION * max(0, n_ctx))
+
+
+def pixel_budget() -> int:
+    """The most pixels one saved chat's images may hold in all, on this machine now."""
+    # decoding one image briefly takes about twice its RGB bytes
+    return min(MAX_CHAT_PIXELS, _available_memory() // 8)
 
 
 def _as_path(path: Any) -> Path:
@@ -173,9 +209,9 @@ def _member(zf: zipfile.ZipFile, name: str, limit: int, source: Path) -> bytes:
     return data
 
 
-def _header(zf: zipfile.ZipFile, source: Path) -> dict[str, Any]:
+def _header(zf: zipfile.ZipFile, source: Path, limit: int) -> dict[str, Any]:
     try:
-        header = json.loads(_member(zf, "chat.json", MAX_JSON_BYTES, source))
+        header = json.loads(_member(zf, "chat.json", limit, source))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise _damaged(source, f"chat.json is not valid JSON: {exc}") from exc
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -201,7 +237,13 @@ def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vo
                                                     "a turn's images", source)}
     if len(digests) > MAX_IMAGES:
         raise _damaged(source, f"it names {len(digests)} images, more than {MAX_IMAGES}")
-    images = {d: _image(zf, _typed(d, str, "an image digest", source), source) for d in digests}
+    pixels = sum(_declared_pixels(zf, _typed(d, str, "an image digest", source), source) for d in digests)
+    budget = pixel_budget()
+    if pixels > budget:
+        raise SavedChatError(f"{source} holds images of {pixels:,} pixels in all, more than the {budget:,} a "
+                             "saved conversation may hold on this machine now: it is damaged or hostile, or "
+                             "needs a machine with more free memory.")
+    images = {d: _image(zf, d, source) for d in digests}
     turns = []
     for t in turn_list:
         role = _typed(t.get("role"), str, "a turn's role", source)
@@ -268,6 +310,20 @@ def _blob(zf: zipfile.ZipFile, name: str, meta: dict[str, Any], source: Path, li
     return data
 
 
+def _declared_pixels(zf: zipfile.ZipFile, digest: str, source: Path) -> int:
+    """The pixels image ``digest``'s header declares (Pillow reads only the header)."""
+    name = f"images/{digest}.png"
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise _damaged(source, f"{name} is missing") from None
+    if info.file_size > MAX_IMAGE_BYTES:
+        raise _damaged(source, f"{name} claims {info.file_size} bytes, more than the {MAX_IMAGE_BYTES} allowed")
+    with zf.open(info) as f, open_pil(f) as pil:
+        width, height = pil.size
+    return int(width) * int(height)
+
+
 def _image(zf: zipfile.ZipFile, digest: str, source: Path) -> Image:
     data = _member(zf, f"images/{digest}.png", MAX_IMAGE_BYTES, source)
     try:
@@ -312,6 +368,24 @@ def check_model(saved: dict[str, Any], current: dict[str, Any], source: str | os
                 f"{current.get(key)!r}; saved with {saved.get('name')!r}). Load the model it was saved "
                 "with to continue it."
             )
+
+
+def check_turns(turns: Sequence[tuple[str, str, tuple[Image, ...]]], marker: str,
+                source: str | os.PathLike) -> None:
+    """:class:`SavedChatError` unless every turn's text is what a live turn's is: what people
+    wrote marked plain (:mod:`gguf_mcv.plaintext`), and outside it only line breaks, video
+    frames' times and one media ``marker`` per image of a user turn. Anything else would
+    be read as control tokens (a crafted ``<|im_start|>system``) or break every later turn."""
+    markup = re.compile(rf"(?:\n|at [0-9]+\.[0-9] s: |{re.escape(marker)})*")
+    for number, (role, text, images) in enumerate(turns, 1):
+        outside = [seg for seg, is_plain in plaintext.split(text) if not is_plain]
+        if not all(markup.fullmatch(seg) for seg in outside):
+            raise _damaged(Path(os.fspath(source)), f"turn {number} holds text not marked as written by a "
+                                                    "person (control tokens)")
+        markers = sum(seg.count(marker) for seg in outside)
+        if markers != len(images) or (images and role != "user"):
+            raise _damaged(Path(os.fspath(source)), f"turn {number} has {markers} media markers for "
+                                                    f"{len(images)} images")
 
 
 def pairs(turns: Sequence[Any]) -> list[tuple[str, str, tuple[Image, ...]]]:

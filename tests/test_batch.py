@@ -252,3 +252,21 @@ def test_a_rerun_with_another_model_answers_the_items_again(tiny, tiny_model, re
     assert (again.answered, again.skipped) == (0, 2)
     rows = _rows(out)
     assert len(rows) == 6 and len({r["key"] for r in rows}) == 6
+def test_a_row_that_is_not_strict_json_is_recorded_as_an_error(tmp_path: Path) -> None:
+    items = [batch.Item(f"{n}.png", "image", "p", key=n) for n in ("inf", "deep", "ok")]
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    parsed = {"inf": {"x": float("inf")}, "deep": deep, "ok": {"x": 1.5}}
+    out = tmp_path / "r.jsonl"
+
+    def rows(todo):
+        for item in todo:
+            yield {**batch.base_row(item), "answer": "{}", "parsed": parsed[item.key]}
+
+    summary = batch.write_rows(items, out, rows, progress=False)
+    assert (summary.answered, summary.failed) == (3, 2)
+    written = {r["key"]: r for r in batch.iter_rows(out)}
+    assert written["inf"]["error"]["class"] == "ValueError" and written["inf"]["parsed"] is None
+    assert written["deep"]["error"] is not None and written["ok"]["parsed"] == {"x": 1.5}
+    assert batch.write_rows(items, out, rows, progress=False).skipped == 3  # a rerun does not ask again

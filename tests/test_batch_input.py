@@ -212,3 +212,71 @@ def test_keys_for_a_model_name_both_of_its_files(tmp_path: Path) -> None:
     assert batch_input.for_model(items, models[0])[0].key == keys[0]  # the same model: the same key
     unkeyed = batch_input.Item(str(image), "image", "q", path=image)
     assert batch_input.for_model([unkeyed], models[0])[0].key == keys[0]  # keyed first
+def _deep(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def test_rows_and_schemas_nested_too_deep_are_error_items(tmp_path: Path) -> None:
+    _png(tmp_path / "ok.png", 1)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join([
+        '{"image": "ok.png", "prompt": "p", "schema": ' + _deep(1100) + "}",  # past Python's recursion limit
+        '{"image": "ok.png", "prompt": "p", "schema": ' + _deep(batch_input.MAX_NESTING + 5) + "}",
+        json.dumps({"image": "ok.png", "prompt": "p", "schema": _deep(1100)}),  # the schema as JSON text
+        json.dumps({"image": "ok.png", "prompt": "after"}),
+    ]) + "\n")
+    items = collect(rows)
+    assert len(items) == 4 and all(i.key for i in items)
+    assert [type(i.problem).__name__ for i in items[:3]] == ["ConfigError"] * 3
+    assert items[3].problem is None and items[3].prompt == "after"
+    table = tmp_path / "rows.csv"
+    cell = _deep(1100).replace('"', '""')
+    table.write_text(f'image,prompt,schema\nok.png,p,"{cell}"\nok.png,after,\n')
+    items = collect(table)
+    assert isinstance(items[0].problem, ConfigError) and items[1].problem is None
+    schema = tmp_path / "deep.json"
+    schema.write_text(_deep(1100))
+    with pytest.raises(ConfigError):
+        batch_input.load_schema(schema)
+    schema.write_text(_deep(batch_input.MAX_NESTING - 1))
+    assert batch_input.load_schema(schema)  # deep, but within the limit
+    deep: dict = {}
+    for _ in range(1100):
+        deep = {"a": deep}
+    with pytest.raises(ConfigError, match="nested"):  # the job's own schema, given in Python
+        collect(rows, schema=deep)
+
+
+def test_a_stray_quote_swallowing_rows_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _png(tmp_path / "a.png", 1)
+    rows = tmp_path / "rows.csv"
+    lines = ["image,prompt"] + [f"a.png,question {i}" for i in range(52)]
+    lines[2] = 'a.png,"question 1 with a stray quote'
+    rows.write_text("\n".join(lines) + "\n")
+    with caplog.at_level("WARNING", logger="gguf_mcv.batch_input"):
+        items = collect(rows)
+    assert len(items) == 2  # what the CSV module reads: the quote runs to the end of the file
+    assert any("stray quote" in r.getMessage() and "lines 3-53" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    rows.write_text("image,prompt\n" + "".join(f"a.png,q{i}\n" for i in range(5)))
+    with caplog.at_level("WARNING", logger="gguf_mcv.batch_input"):
+        assert len(collect(rows)) == 5
+    assert not caplog.records
+
+
+def test_a_recursive_glob_does_not_follow_symlinked_folders(tmp_path: Path) -> None:
+    _png(tmp_path / "top" / "a.png", 1)
+    _png(tmp_path / "top" / "sub" / "b.png", 2)
+    for name in ("loop1", "loop2"):  # two links back up: a search following them never ends
+        (tmp_path / "top" / "sub" / name).symlink_to(tmp_path / "top")
+    code = ("import sys; from gguf_mcv.batch_input import collect\n"
+            "print(sorted(i.input for i in collect(sys.argv[1], prompts=['q'])))\n"
+            "print(len(collect(sys.argv[2], prompts=['q'])))\n")
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "top" / "**" / "*.png"), str(tmp_path / "top")],
+                          capture_output=True, text=True, timeout=30, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    found, in_folder = done.stdout.splitlines()
+    assert found == str(sorted([str(tmp_path / "top" / "a.png"), str(tmp_path / "top" / "sub" / "b.png")]))
+    assert in_folder == "2"

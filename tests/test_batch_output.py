@@ -122,3 +122,24 @@ def test_write_after_close_is_refused(tmp_path: Path) -> None:
     results.close()
     with pytest.raises(OutputError, match="not open"):
         results.write(_row("a"))
+
+
+@pytest.mark.parametrize("content", [b"image,prompt\na.png,what?\nb.png,and this?",  # no newline at the end
+                                     b"image,prompt\na.png,what?\n", b"just one line", b"\n\nhello"])
+def test_a_file_that_is_not_a_results_file_is_refused_untouched(tmp_path: Path, content: bytes) -> None:
+    out = tmp_path / "in.csv"
+    out.write_bytes(content)
+    with pytest.raises(OutputError, match="not a batch result line"):
+        ResultsFile(out).open()
+    assert out.read_bytes() == content
+
+
+def test_a_symlinked_out_is_locked_as_the_file_it_names(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    (tmp_path / "link.jsonl").symlink_to(out)
+    with ResultsFile(out) as results:
+        results.write(_row("a"))
+        with pytest.raises(OutputBusyError):
+            ResultsFile(tmp_path / "link.jsonl").open()
+    with ResultsFile(tmp_path / "link.jsonl") as results:
+        assert results.done == {"a"}

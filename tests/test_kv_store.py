@@ -24,6 +24,7 @@ from gguf_mcv import kv_store, saved_chat
 from gguf_mcv.embed_cache import EmbeddingCache
 from gguf_mcv.engine import KVState
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.media import load_image
 
 N_CTX = 1024
 GREEDY = dict(temperature=0, repeat_penalty=1.0)
@@ -184,7 +185,7 @@ def zipped(header: dict, members: dict[str, bytes] | None = None) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["not_a_zip", "text", "pickled", "huge_state", "wrong_units", "bad_checksum",
-                                  "empty", "wrong_kind", "wrong_key"])
+                                  "empty", "wrong_kind", "wrong_key", "with_turns"])
 def test_hostile_entries_are_ignored_and_deleted(tmp_path, kind) -> None:
     store = kv_store.KVStore(tmp_path, _fake_identity(), n_vocab=1000, n_ctx=N_CTX)
     units, data = list(range(100)), b"state" * 1000
@@ -193,6 +194,9 @@ def test_hostile_entries_are_ignored_and_deleted(tmp_path, kind) -> None:
               "settings": {"kind": kv_store.KIND}, "turns": [], "units": units,
               "state": {"bytes": len(data), "sha256": "0" * 64, "checkpoints": []}}
     good_sum = {**header, "state": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    png = io.BytesIO()
+    PIL.Image.new("RGB", (64, 64)).save(png, format="PNG")
+    digest = load_image(png.getvalue()).digest
     value: object = {
         "not_a_zip": b"\x00garbage" * 1000,
         "text": "a text value",
@@ -203,6 +207,9 @@ def test_hostile_entries_are_ignored_and_deleted(tmp_path, kind) -> None:
         "empty": b"",
         "wrong_kind": zipped({**good_sum, "settings": {"system": "a saved chat"}}, {"state.bin": data}),
         "wrong_key": zipped({**good_sum, "units": units[:-1] + [999]}, {"state.bin": data}),
+        # a kept state has no turns: their images (decoded up front, a bomb's memory) are not read
+        "with_turns": zipped({**good_sum, "turns": [{"role": "user", "text": "x", "images": [digest]}]},
+                             {"state.bin": data, f"images/{digest}.png": png.getvalue()}),
     }[kind]
     raw_entry(store, key, value)
     assert store.find(units + [1], better_than=0, partial=True) is None

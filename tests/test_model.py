@@ -371,3 +371,30 @@ def test_regenerate_replaces_the_last_answer_and_refuses_when_there_is_none(tiny
     stream.close()
     assert len(chat.history) == 4
     assert str(chat.regenerate(max_tokens=4, temperature=0, format="json")).lstrip().startswith("{")
+
+
+def test_regenerate_keeps_the_last_answer_until_the_new_one_ends(tiny_model) -> None:
+    chat = tiny_model.chat()
+    chat.send("One?", max_tokens=3, temperature=0)
+    chat.send("Two?", max_tokens=3, temperature=0)
+    before = chat.history
+    chat.regenerate(stream=True, max_tokens=4).close()  # closed unread
+    assert chat.history == before
+    with pytest.raises(ConfigError):
+        chat.regenerate(max_tokens=4, stop=5)  # type: ignore[arg-type]  # fails inside the answer
+    assert chat.history == before
+    stream = chat.regenerate(stream=True, max_tokens=4, temperature=0)
+    next(stream, None)  # started, nothing said yet or one piece: either way a whole history
+    stream.close()
+    assert len(chat.history) == 4 and chat.history[2]["content"] == "Two?"
+
+
+def test_tools_of_a_failed_send_do_not_stay(tiny_model) -> None:
+    tool = {"type": "function", "function": {"name": "now"}}
+    chat = tiny_model.chat()
+    first = chat.send("One?", max_tokens=3, temperature=0)
+    with pytest.raises(MediaError):
+        chat.send("Now?", b"not an image", tools=[tool], tool_choice="required")
+    again = chat.regenerate(max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens  # no tool prompt came in
+    assert not again.tool_calls and str(again) == str(first)
