@@ -392,6 +392,7 @@ def _print_pieces(stream: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .server import check_bind, serve  # lazy: per command, and an optional extra
+        from .server.logs import configure_logging
         from .server.origins import check_allowed
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
@@ -402,6 +403,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_allowed(args.allowed_host or (), args.allowed_origin)
     if not args.body_timeout > 0:
         raise ConfigError(f"--body-timeout must be more than 0 seconds, not {args.body_timeout:g}.")
+    configure_logging()  # loading's warnings show too
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
               allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,

@@ -50,7 +50,7 @@ routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JS
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
 ``http_errors`` (error shapes and handlers), ``origins`` (allowed hosts and origins),
-``media_urls`` (which media URLs are
+``logs`` (the served app's logging), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 

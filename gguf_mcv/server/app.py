@@ -25,6 +25,7 @@ from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
+from .logs import configure_logging
 from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
@@ -147,12 +148,15 @@ def serve(
 
     Bound to a loopback address the server answers local names only (see
     :func:`build_app`); bound to another address (``0.0.0.0``: every one) it is for the
-    network and answers any ``Host`` unless ``allowed_hosts`` is given. :class:`ConfigError`
-    if the port is out of range or the server cannot start.
+    network and answers any ``Host`` unless ``allowed_hosts`` is given. Logs, uvicorn's and
+    the ``gguf_mcv`` logger's at ``log_level`` and above, go to stderr (see
+    :mod:`gguf_mcv.server.logs`). :class:`ConfigError` if the port is out of range or the
+    server cannot start.
     """
     import uvicorn
 
     _check_port(port)
+    logging_config = configure_logging(log_level)  # first: what building the app logs shows too
     if allowed_hosts is None and not _is_loopback(host):
         allowed_hosts = ["*"]
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -165,7 +169,8 @@ def serve(
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass api_key.", host, API_KEY_ENV)
     try:  # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=logging_config,
+                    timeout_graceful_shutdown=5)
     except SystemExit as exc:  # uvicorn exits when it cannot start, having logged why
         if exc.code:
             raise ConfigError(f"The server could not start on {host}:{port} (see the log above).") from None
