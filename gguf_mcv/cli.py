@@ -123,6 +123,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep idle conversations' KV state in DIR (when another one takes their place, and "
                         "when the server stops), so their next request, even after a restart, is not evaluated again")
     p.add_argument("--keep-chats-size", default="4GiB", help="size cap of --keep-chats, e.g. 10GB (default 4GiB)")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="also answer requests for this host name (repeatable; *.example.com patterns; "
+                        "* for any). Default: local names only on a loopback --host, any name otherwise")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from this origin (e.g. https://app.example.com; * for any) "
+                        "call the API (repeatable; default: only the server's own page)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="a request body must arrive within S seconds, else 408 (default 60)")
     _cache_args(p)
     p.set_defaults(func=_serve)
 
@@ -384,16 +392,24 @@ def _print_pieces(stream: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .server import check_bind, serve  # lazy: per command, and an optional extra
+        from .server.logs import configure_logging
+        from .server.origins import check_allowed
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
     from .units import parse_size  # lazy: per command
 
     keep_bytes = parse_size(args.keep_chats_size)  # a bad size, before minutes of loading
+    check_allowed(args.allowed_host or (), args.allowed_origin)
+    if not args.body_timeout > 0:
+        raise ConfigError(f"--body-timeout must be more than 0 seconds, not {args.body_timeout:g}.")
+    configure_logging()  # loading's warnings show too
     with _load(args) as model:
         serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
               allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
-              truncate=args.truncate, keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes)
+              truncate=args.truncate, keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes,
+              body_timeout_s=args.body_timeout, allowed_hosts=args.allowed_host,
+              allowed_origins=args.allowed_origin)
     return 0
 
 

@@ -244,9 +244,9 @@ def test_requests_scripts_the_ollama_way(srv: Running) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["done"] is True and isinstance(r.json()["response"], str)
 
-    # streaming is the default; curl -d sends no JSON content type, which must not matter
-    form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
-    r = requests.post(url, data=json.dumps(body), headers=form, stream=True, timeout=60)
+    # streaming is the default (curl --json sends this content type)
+    sent = {**AUTH, "Content-Type": "application/json; charset=utf-8"}
+    r = requests.post(url, data=json.dumps(body), headers=sent, stream=True, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] is True and lines[-1]["eval_count"] >= 1
@@ -343,7 +343,7 @@ def test_a_full_queue_refuses_a_body_before_reading_it(small: Running, model, pa
 
 def test_a_body_is_refused_as_soon_as_it_passes_the_limit(small: Running) -> None:
     # chunked, no Content-Length: 80 KiB sent, the end never comes; the 64 KiB limit is passed
-    conn = start_upload(small, "/api/chat", {"Transfer-Encoding": "chunked"},
+    conn = start_upload(small, "/api/chat", {"Transfer-Encoding": "chunked", "Content-Type": "application/json"},
                         b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(10)))
     try:
         refused = conn.getresponse()
@@ -471,7 +471,8 @@ def test_oversize_bodies_get_413(small: Running) -> None:
         for i in range(0, len(data), 8192):
             yield data[i:i + 8192]
 
-    r = requests.post(small.url + "/v1/chat/completions", data=chunked(), timeout=30)
+    r = requests.post(small.url + "/v1/chat/completions", data=chunked(), timeout=30,
+                      headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -599,7 +600,8 @@ def test_invalid_requests_get_400_in_each_shape(srv: Running) -> None:
     r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10, data=b"{not json")
+    r = requests.post(srv.url + "/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=10, data=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
                       json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
@@ -766,8 +768,8 @@ def test_the_memory_of_large_bodies_goes_back_to_the_os(tiny) -> None:
         before = psutil.Process(proc.pid).memory_info().rss
         with ThreadPoolExecutor(8) as pool:
             for _ in range(3):
-                posts = [pool.submit(requests.post, url + "/v1/chat/completions", data=body, timeout=60)
-                         for _ in range(8)]
+                posts = [pool.submit(requests.post, url + "/v1/chat/completions", data=body, timeout=60,
+                                     headers={"Content-Type": "application/json"}) for _ in range(8)]
                 assert [f.result().status_code for f in posts] == [404] * 8
         grown = psutil.Process(proc.pid).memory_info().rss - before
         assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MiB more after 24 bodies of 5 MiB"

@@ -22,10 +22,15 @@ Routes (``/health`` needs no key, every other route does when a key is set):
 
 The model answers one request at a time; up to ``max_queue`` more wait, later ones get
 ``503`` with ``Retry-After`` (Ollama's own answer to a full queue; OpenAI clients retry
-it) before their body is read. Each answer runs on its own thread; a client that hangs
+it) before their body is read. A request takes its place once its body has arrived: a
+body still arriving holds none, and gets ``408`` unless it arrives within
+``body_timeout_s``. Each answer runs on its own thread; a client that hangs
 up stops its generation.
 
-Security: binds 127.0.0.1 by default. The API key (``api_key=``, else the environment
+Security: binds 127.0.0.1 by default, and answers only requests for local ``Host``
+names (421 otherwise: DNS rebinding) and from no web page but its own (403 otherwise);
+``allowed_hosts`` and ``allowed_origins`` widen that (see ``origins``). Request bodies
+must be sent as ``application/json`` (415 otherwise). The API key (``api_key=``, else the environment
 variable ``GGUF_MCV_API_KEY``) is accepted as ``Authorization: Bearer <key>``. Request
 bodies over ``max_body_bytes`` get 413 as soon as that much has arrived. Images and
 videos come inside the request (data: URIs, Ollama's base64); local paths and
@@ -44,7 +49,8 @@ routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JS
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
-``http_errors`` (error shapes and handlers), ``media_urls`` (which media URLs are
+``http_errors`` (error shapes and handlers), ``origins`` (allowed hosts and origins),
+``logs`` (the served app's logging), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from ..errors import AnswerCancelled
 from ..generation import Stream
 from ..reply import Reply
+from .bodies import read_body, require_json
 from .gate import Place
 from .http_errors import ClientGone, HTTPError, as_http_error, openai_error
 from .state import State, state_of
@@ -163,11 +164,16 @@ async def _hung_up(request: Request) -> None:
 
 
 async def place_in_queue(request: Request) -> AsyncIterator[Place]:
-    """A dependency, declared before the body's: a place in the queue, else 503 unread.
+    """A dependency, declared before the body's: the body, then a place in the queue.
 
-    The place is left when the request ends, unless a response or an answer took it over.
+    A full queue refuses the request (503) before its body is read; a body still arriving
+    holds no place (see :func:`~.bodies.read_body` for its limits). The place is left when
+    the request ends, unless a response or an answer took it over.
     """
     state = state_of(request)
+    require_json(request)
+    state.gate.check(state.metrics.retry_after())
+    await read_body(request)
     place = state.gate.admit(state.metrics.retry_after())
     try:
         yield place

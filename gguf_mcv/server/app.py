@@ -7,10 +7,12 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
@@ -23,17 +25,20 @@ from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
 from .http_errors import add_error_handlers
+from .logs import configure_logging
 from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
 from .naming import model_names
+from .origins import CheckSite, check_allowed
 from .prometheus import registry_for
-from .state import State
+from .state import DROPPED_TURNS_HEADER, State
 
 log = logging.getLogger("gguf_mcv.server")
 
 API_KEY_ENV = "GGUF_MCV_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_QUEUE = 8
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 def build_app(
@@ -48,6 +53,9 @@ def build_app(
     truncate: bool = False,
     keep_chats: str | os.PathLike | None = None,
     keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """A FastAPI app serving ``model`` over the OpenAI and Ollama APIs (see the module doc).
 
@@ -61,17 +69,31 @@ def build_app(
     ``keep_chats_bytes``) a conversation's KV state is kept there when another one is about to
     overwrite it, and when the server stops, and restored when its next request comes (see
     :meth:`gguf_mcv.Model.keep_chats`).
+
+    A request body must be JSON (else 415) and must have arrived within ``body_timeout_s``
+    (else 408); a body still arriving holds no place in the queue, and the bodies being
+    read share ``(max_queue + parallel) * max_body_bytes`` (503 beyond). With
+    ``allowed_hosts=None`` the app answers only requests whose ``Host`` is an IP address,
+    ``localhost`` or this machine's name (421 otherwise), as a server for this machine
+    should: a web page cannot reach it through a name of its own (DNS rebinding). Names in
+    ``allowed_hosts`` (``*.example.com`` patterns, ``"*"`` for any) are answered too.
+    Requests from web pages (``Origin``) are refused (403) unless from the server's own
+    page or one of ``allowed_origins`` (``"*"`` for any), which also get CORS headers.
+    See :mod:`gguf_mcv.server.origins`.
     """
-    if max_queue < 0 or max_body_bytes < 1:
-        raise ConfigError("max_queue must be >= 0 and max_body_bytes >= 1.")
+    if max_queue < 0 or max_body_bytes < 1 or not body_timeout_s > 0:
+        raise ConfigError("max_queue must be >= 0, max_body_bytes >= 1 and body_timeout_s > 0.")
+    hosts, origins = check_allowed(allowed_hosts or (), allowed_origins)
     store = model.keep_chats(keep_chats, max_bytes=keep_chats_bytes) if keep_chats is not None else None
     key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
     served, names = model_names(model, model_name)
     state = State(
         model=model, name=served, names=names, api_key=key or None, max_body_bytes=max_body_bytes,
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
-        allow_remote=allow_remote_media, gate=Gate(max_queue, capacity=model.info.parallel),
-        metrics=Metrics(), truncate=truncate, kept=store,
+        allow_remote=allow_remote_media, metrics=Metrics(), truncate=truncate, kept=store,
+        gate=Gate(max_queue, capacity=model.info.parallel,
+                  body_budget=(max_queue + model.info.parallel) * max_body_bytes),
+        body_timeout_s=body_timeout_s,
     )
     state.registry = registry_for(state)
     app = FastAPI(title="gguf_mcv", version=__version__, docs_url=None, redoc_url=None,
@@ -82,7 +104,12 @@ def build_app(
     app.include_router(openai_api.router, dependencies=[Depends(authorize)])
     app.include_router(ollama_api.router, dependencies=[Depends(authorize)])
     add_error_handlers(app)
-    app.add_middleware(CountRequests, metrics=state.metrics)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["Retry-After", DROPPED_TURNS_HEADER])
+    app.add_middleware(CheckSite, allowed_hosts=hosts, allowed_origins=origins)
+    app.add_middleware(CountRequests, metrics=state.metrics)  # the outermost: refusals are counted too
     return app
 
 
@@ -112,25 +139,38 @@ def serve(
     truncate: bool = False,
     keep_chats: str | os.PathLike | None = None,
     keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
     log_level: str = "info",
 ) -> None:
     """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`).
 
-    :class:`ConfigError` if the port is out of range or the server cannot start.
+    Bound to a loopback address the server answers local names only (see
+    :func:`build_app`); bound to another address (``0.0.0.0``: every one) it is for the
+    network and answers any ``Host`` unless ``allowed_hosts`` is given. Logs, uvicorn's and
+    the ``gguf_mcv`` logger's at ``log_level`` and above, go to stderr (see
+    :mod:`gguf_mcv.server.logs`). :class:`ConfigError` if the port is out of range or the
+    server cannot start.
     """
     import uvicorn
 
     _check_port(port)
+    logging_config = configure_logging(log_level)  # first: what building the app logs shows too
+    if allowed_hosts is None and not _is_loopback(host):
+        allowed_hosts = ["*"]
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
                     allow_remote_media=allow_remote_media, truncate=truncate, keep_chats=keep_chats,
-                    keep_chats_bytes=keep_chats_bytes)
+                    keep_chats_bytes=keep_chats_bytes, body_timeout_s=body_timeout_s,
+                    allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not _is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass api_key.", host, API_KEY_ENV)
     try:  # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=logging_config,
+                    timeout_graceful_shutdown=5)
     except SystemExit as exc:  # uvicorn exits when it cannot start, having logged why
         if exc.code:
             raise ConfigError(f"The server could not start on {host}:{port} (see the log above).") from None

@@ -1,4 +1,5 @@
-"""Reading a request: the API key, the body size limit, the JSON body into a pydantic model."""
+"""Reading a request: the API key, the JSON content type, the body (size limit, deadline, the
+gate's byte budget) into a pydantic model."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ B = TypeVar("B", bound=BaseModel)
 
 
 def json_body(schema: type[B]) -> Callable[[Request], Awaitable[B]]:
-    """A dependency that reads the body (size-limited, any content type) into ``schema``."""
+    """A dependency that reads the JSON body (see :func:`read_body`) into ``schema``."""
     async def read(request: Request) -> B:
-        raw = await _read_limited(request, state_of(request).max_body_bytes)
+        raw = await read_body(request)
+        request.state.gguf_mcv_body = None  # parsed next: its bytes need not live as long as the request
         try:  # off the event loop: a body may hold megabytes of base64
             return await asyncio.to_thread(schema.model_validate_json, raw)
         except ValidationError as exc:
@@ -40,19 +42,65 @@ def json_body(schema: type[B]) -> Callable[[Request], Awaitable[B]]:
     return read
 
 
-async def _read_limited(request: Request, limit: int) -> bytearray:
-    """The request body; 413 as soon as it is known to exceed ``limit`` (chunked bodies too)."""
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON.
+
+    A web page can send other types (``text/plain``, forms) to any server without asking
+    it first; a JSON body makes the browser ask (a CORS preflight), which this server
+    refuses unless the page's origin is allowed.
+    """
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/")
+                                                  and media_type.endswith("+json")):
+        got = f"'{media_type}'" if media_type else "none"
+        raise HTTPError(415, f"The request body must be JSON sent with 'Content-Type: application/json' "
+                             f"(got {got}); with curl use --json or -H 'Content-Type: application/json'.",
+                        code="unsupported_media_type")
+
+
+async def read_body(request: Request) -> bytearray:
+    """The request's JSON body, read once (later calls return it again, until
+    :func:`json_body` has parsed it).
+
+    415 unless it is declared JSON (:func:`require_json`); 413 as soon as it is known to
+    exceed the server's body limit; 408 unless it has all arrived within the server's body
+    timeout; 503 when the bodies being read at once would pass the gate's byte budget.
+    """
+    cached = getattr(request.state, "gguf_mcv_body", None)
+    if cached is not None:
+        return cached
+    require_json(request)
+    state = state_of(request)
+    try:
+        body = await asyncio.wait_for(_read_limited(request), state.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"The request body did not arrive within {state.body_timeout_s:g} s: send it "
+                             "without pauses, or start the server with a longer body timeout.",
+                        code="request_timeout", headers={"Connection": "close"}) from None
+    request.state.gguf_mcv_body = body
+    return body
+
+
+async def _read_limited(request: Request) -> bytearray:
+    """The request body; 413 as soon as it is known to exceed the limit (chunked bodies too)."""
+    state = state_of(request)
+    limit, gate, retry_after = state.max_body_bytes, state.gate, state.metrics.retry_after()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
+    # what has arrived counts in the gate's budget, not what is declared: a client that
+    # declares a large body and sends nothing holds nothing
     body = bytearray()  # one growing buffer: no list of chunks joined into a second copy
     try:
         async for chunk in request.stream():
             if len(body) + len(chunk) > limit:
                 raise _too_large(limit)
+            gate.hold(len(chunk), retry_after)
             body += chunk
     except ClientDisconnect:
         raise ClientGone() from None
+    finally:
+        gate.release(len(body))
     return body
 
 

@@ -1,8 +1,10 @@
 """The queue in front of the model: ``capacity`` answers at a time (the model's parallel
 slots, else one), a bounded number admitted, then 503.
 
-A request takes its :class:`Place` before its body is read, so a full queue refuses it
-unread, and at most ``max_waiting + 1`` request bodies are held at once.
+A request is admitted once its body has arrived, so a client that sends its body slowly
+holds no place in the queue. A full queue still refuses a request before its body is
+read (:meth:`Gate.check`), and the bodies being read share a byte budget
+(:meth:`Gate.hold`), so the memory they take stays bounded however many arrive at once.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ from .http_errors import HTTPError
 
 
 class Gate:
-    """``capacity`` answers at a time, at most ``max_waiting`` more admitted; beyond that: busy."""
+    """``capacity`` answers at a time, at most ``max_waiting`` more admitted; beyond that: busy.
 
-    def __init__(self, max_waiting: int, capacity: int = 1) -> None:
+    ``body_budget`` bytes of request bodies may be in flight (being read) at once.
+    """
+
+    def __init__(self, max_waiting: int, capacity: int = 1, body_budget: int | None = None) -> None:
         self.max_waiting = max_waiting
         self.capacity = capacity
         self.admitted = 0
         self.active = 0  #: answers running
+        self.body_budget = body_budget
+        self.reading = 0  #: bytes of request bodies being read
         self._slots = asyncio.Semaphore(capacity)
 
     @property
@@ -29,17 +36,34 @@ class Gate:
 
     @property
     def waiting(self) -> int:
-        """Admitted requests not being answered: reading their body or waiting for the model."""
+        """Admitted requests not being answered (waiting for the model)."""
         return self.admitted - self.active
+
+    def check(self, retry_after: int) -> None:
+        """503 with ``Retry-After`` when the queue is full (nothing is taken)."""
+        if self.admitted >= self.max_waiting + self.capacity:
+            raise self._busy(f"The server is busy ({self.waiting} requests waiting)", retry_after)
 
     def admit(self, retry_after: int) -> Place:
         """A place in the queue; 503 with ``Retry-After`` when the queue is full."""
-        if self.admitted >= self.max_waiting + self.capacity:
-            raise HTTPError(503, f"The server is busy ({self.waiting} requests waiting); try again "
-                                 f"in {retry_after} s.", code="server_busy",
-                            headers={"Retry-After": str(retry_after)})
+        self.check(retry_after)
         self.admitted += 1
         return Place(self)
+
+    def hold(self, size: int, retry_after: int) -> None:
+        """Count ``size`` more bytes of a body being read; 503 when that passes the budget."""
+        if self.body_budget is not None and self.reading + size > self.body_budget:
+            raise self._busy("The server is busy receiving other requests", retry_after)
+        self.reading += size
+
+    def release(self, size: int) -> None:
+        """Uncount ``size`` bytes counted by :meth:`hold` (the body was read, or given up)."""
+        self.reading -= size
+
+    @staticmethod
+    def _busy(what: str, retry_after: int) -> HTTPError:
+        return HTTPError(503, f"{what}; try again in {retry_after} s.", code="server_busy",
+                         headers={"Retry-After": str(retry_after)})
 
 
 class Place:

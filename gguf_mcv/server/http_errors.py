@@ -31,11 +31,14 @@ class ClientGone(Exception):
     """The client hung up before its answer was ready."""
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 421: "permission_error",
+                503: "server_busy"}
 
 
-def _error_response(request: Request, error: HTTPError) -> JSONResponse:
+def error_response(request: Request, error: HTTPError) -> JSONResponse:
+    """``error`` as a response in the shape of the API ``request`` was for."""
     ollama = request.url.path.startswith("/api/")
     content = {"error": error.message} if ollama else openai_error(error)
     return JSONResponse(content, status_code=error.status, headers=error.headers)
@@ -49,17 +52,17 @@ def openai_error(error: HTTPError) -> dict[str, Any]:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPError)
-    return _error_response(request, exc)
+    return error_response(request, exc)
 
 
 async def _on_library_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GgufMcvError)
-    return _error_response(request, as_http_error(exc))
+    return error_response(request, as_http_error(exc))
 
 
 async def _on_starlette_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    return _error_response(request, HTTPError(exc.status_code, str(exc.detail),
+    return error_response(request, HTTPError(exc.status_code, str(exc.detail),
                                               headers=dict(exc.headers or {})))
 
 
@@ -69,7 +72,7 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
     # Starlette logs the exception itself after this answer is sent
-    return _error_response(request, HTTPError(500, f"Internal error: {type(exc).__name__}: {exc}",
+    return error_response(request, HTTPError(500, f"Internal error: {type(exc).__name__}: {exc}",
                                               code="internal_error"))
 
 

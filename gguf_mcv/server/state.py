@@ -39,6 +39,7 @@ class State:
     truncate: bool = False
     registry: CollectorRegistry | None = None  #: this app's Prometheus registry (see ``prometheus``)
     kept: KVStore | None = None  #: where idle conversations' KV states go (``keep_chats``)
+    body_timeout_s: float = 60.0  #: a request body must have arrived within this long (else 408)
 
     def check_model(self, requested: str | None) -> str:
         """The name to echo for ``requested``; 404 if it names another model."""
