@@ -359,8 +359,10 @@ def decide(text_types: Iterable[str], vision_backend: str | None = None, *, visi
                 f"no vision encoder runs on this machine ({_list(vision_crashed)}). {rebuild_advice()}")
         notices.append(f"the {vision_backend} vision encoder crashed on this machine ({_list(vision_crashed)}): "
                        f"using {backend} instead. {rebuild_advice()}")
-    for notice in notices:
-        announce(notice)
+    if text_crashed:
+        announce(notices[0], key="extra buffer types")
+    if backend != vision_backend:
+        announce(notices[-1], key=f"vision {vision_backend}")
     return Decision(extra_bufts=not text_crashed, vision_backend=backend, notices=tuple(notices))
 
 
@@ -384,12 +386,13 @@ def _list(found: dict[str, Outcome]) -> str:
     return "; ".join(f"{p} {o.detail or o.status}" for p, o in sorted(found.items()))
 
 
-def announce(notice: str) -> None:
-    """Print ``notice`` on stderr once per process, and keep it for :func:`notices`."""
+def announce(notice: str, *, key: str | None = None) -> None:
+    """Print ``notice`` on stderr once per process and ``key`` (default: the notice itself; the
+    same fallback for another file's types is not said twice), and keep it for :func:`notices`."""
     with _lock:
-        if notice in _announced:
+        if (key or notice) in _announced:
             return
-        _announced.add(notice)
+        _announced.add(key or notice)
         _notices.append(notice)
     print(f"gguf_mcv: {notice}", file=sys.stderr, flush=True)
 

@@ -337,8 +337,8 @@ def test_fp32_answers_follow_libmtmd_as_closely_as_libmtmd_follows_itself(tiny, 
 def test_a_retuned_projector_of_the_same_size_gets_its_own_conversion(tiny, retuned_mmproj: Path,
                                                                       converted) -> None:
     """Same size, same first and last MiB, another middle: never the original's graphs or stand-in."""
-    own = prepare(retuned_mmproj, file_identity(retuned_mmproj))
-    assert own.convert_s > 0 and own.fp32 != converted.fp32 and own.int8 != converted.int8
+    own = prepare(retuned_mmproj, file_identity(retuned_mmproj))  # converted here or by an earlier test
+    assert own.fp32 != converted.fp32 and own.int8 != converted.int8
     assert onnx_vision.standin(retuned_mmproj, file_identity(retuned_mmproj)) != \
         onnx_vision.standin(tiny.mmproj, file_identity(tiny.mmproj))
     rgb = picture(31, (448, 448))
