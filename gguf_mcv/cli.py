@@ -383,17 +383,21 @@ def _print_pieces(stream: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import check_bind, serve  # lazy: per command, and an optional extra
+        from .server import check_bind, serve_supervised  # lazy: per command, and an optional extra
     except ImportError as exc:
         raise ConfigError(f"The server needs its extra: pip install 'gguf-mcv[server]' ({exc}).") from exc
     check_bind(args.host, args.port)  # a bad address or a port in use, before minutes of loading
+    from functools import partial  # lazy: per command
+
     from .units import parse_size  # lazy: per command
 
     keep_bytes = parse_size(args.keep_chats_size)  # a bad size, before minutes of loading
-    with _load(args) as model:
-        serve(model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              allow_local_files=args.allow_local_files, allow_remote_media=args.allow_remote_media,
-              truncate=args.truncate, keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes)
+    _load_kwargs(args)  # a missing file or a bad number, before a worker starts
+    # the model is loaded (again, if it dies) in the server's worker process: _load travels by name
+    serve_supervised(partial(_load, args), host=args.host, port=args.port, api_key=args.api_key,
+                     max_queue=args.max_queue, allow_local_files=args.allow_local_files,
+                     allow_remote_media=args.allow_remote_media, truncate=args.truncate,
+                     keep_chats=args.keep_chats, keep_chats_bytes=keep_bytes)
     return 0
 
 

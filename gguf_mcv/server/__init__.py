@@ -44,7 +44,8 @@ routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JS
 ``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
-``http_errors`` (error shapes and handlers), ``media_urls`` (which media URLs are
+``http_errors`` (error shapes and handlers), ``supervisor`` (``serve_supervised``: the model in a
+worker process started again when it dies, as ``gguf-mcv serve`` runs it), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 
@@ -63,7 +64,8 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from .app import API_KEY_ENV, build_app, check_bind, serve
+from .supervisor import serve_supervised
 
 del fastapi, prometheus_client, pydantic, starlette  # imported above only to check that they are installed
 
-__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve"]
+__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve", "serve_supervised"]
