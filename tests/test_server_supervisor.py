@@ -1,6 +1,7 @@
 """``gguf-mcv serve`` keeps its model in a worker process (gguf_mcv/server/supervisor.py): a worker
 killed mid-answer is started again by the same supervisor, /health and /metrics count it, kept
-conversations come back, and a worker that dies while loading again and again stops the server."""
+conversations come back (a killed supervisor takes its worker down cleanly), and a worker that
+dies while loading again and again stops the server."""
 
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def test_a_worker_killed_mid_stream_is_started_again_by_the_same_supervisor(tiny
     assert srv.proc.returncode == 0
 
 
-def test_kept_conversations_come_back_after_the_worker_is_killed(tiny, tmp_path) -> None:
+def test_kept_conversations_survive_a_killed_worker_and_a_killed_supervisor(tiny, tmp_path) -> None:
     kept = tmp_path / "kept"
     with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept)) as srv:
         srv.health()
@@ -165,6 +166,11 @@ def test_kept_conversations_come_back_after_the_worker_is_killed(tiny, tmp_path)
         assert evaluated <= new_turn  # restored from the folder the killed worker wrote
         counts = srv.metrics()["kept_chats"]
         assert counts["restored"] == 1 and counts.get("damaged", 0) == 0
+        files = set(kept.rglob("*.val"))
+        worker = srv.worker()
+        srv.proc.kill()  # the supervisor dies: its worker stops too, cleanly, keeping the idle conversation
+        worker.wait(timeout=60)
+        assert set(kept.rglob("*.val")) - files
 
 
 def test_a_worker_that_dies_while_loading_stops_the_server(tiny, tmp_path) -> None:
@@ -193,3 +199,23 @@ def test_a_load_that_fails_is_one_line_and_not_tried_again(tiny, tmp_path) -> No
     lines = srv.output().strip().splitlines()
     assert srv.proc.returncode == 1 and len(lines) == 1, lines
     assert lines[0].startswith("gguf-mcv: error: ") and "kept-chats size cap" in lines[0]
+
+
+def test_serve_supervised_refuses_what_a_worker_could_not_use_before_binding() -> None:
+    from functools import partial
+
+    import gguf_mcv
+    from gguf_mcv.errors import ConfigError
+    from gguf_mcv.server import serve_supervised
+
+    with pytest.raises(ConfigError, match="must pickle"):
+        serve_supervised(lambda: None, port=free_port())  # type: ignore[arg-type, return-value]
+    with pytest.raises(ConfigError, match="build_app's options"):
+        serve_supervised(partial(gguf_mcv.load, "x"), port=free_port(), max_queeu=3)
+    with pytest.raises(ConfigError, match="max_queue"):
+        serve_supervised(partial(gguf_mcv.load, "x"), port=free_port(), max_queue=-1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match="already in use"):
+            serve_supervised(partial(gguf_mcv.load, "x"), port=busy.getsockname()[1])

@@ -20,9 +20,12 @@ stops cleanly (exit status 0: Ctrl-C reaches the whole process group) stops the 
 
 from __future__ import annotations
 
+import errno
 import functools
+import inspect
 import logging
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -77,8 +80,17 @@ def serve_supervised(load_model: Callable[[], Model], *, host: str = "127.0.0.1"
     :class:`ConfigError` if the address cannot be served; :class:`ServerWorkerError` if the
     model cannot be loaded, or the worker dies :data:`MAX_LOAD_CRASHES` times in a row loading it.
     """
+    try:
+        inspect.signature(build_app).bind(None, **options)
+    except TypeError as exc:
+        raise ConfigError(f"serve_supervised takes build_app's options: {exc}.") from None
     if options.get("max_queue", 0) < 0 or options.get("max_body_bytes", 1) < 1:
         raise ConfigError("max_queue must be >= 0 and max_body_bytes >= 1.")
+    try:
+        pickle.dumps(load_model)
+    except Exception as exc:  # pickle raises several kinds
+        raise ConfigError(f"load_model must pickle (it runs in the worker process): use a module-level "
+                          f"function or a functools.partial of one ({exc}).") from None
     sockets = bind_sockets(host, port)
     try:
         with tempfile.TemporaryDirectory(prefix="gguf-mcv-serve-") as run_dir:
@@ -108,6 +120,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         raise ConfigError(f"Cannot serve on host {host!r}: {exc.strerror}. Use an address of this "
                           "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all).") from None
     sockets: list[socket.socket] = []
+    lacking: list[OSError] = []
     try:
         for family, kind, proto, _, sockaddr in dict.fromkeys(addresses):
             sock = socket.socket(family, kind, proto)
@@ -115,8 +128,17 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(sockaddr)
-            sock.set_inheritable(True)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                lacking.append(exc)  # as asyncio does: skipped if another address binds
+                sockets.pop().close()
+            else:
+                sock.set_inheritable(True)
+        if not sockets:
+            raise lacking[0]
     except OSError as exc:
         for sock in sockets:
             sock.close()
