@@ -51,6 +51,8 @@ accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed m
 
 from __future__ import annotations
 
+from typing import Any
+
 try:  # the server's dependencies are an optional extra: say how to get them
     import fastapi.responses
     import prometheus_client
@@ -64,8 +66,15 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from .app import API_KEY_ENV, build_app, check_bind, serve
-from .supervisor import serve_supervised
 
 del fastapi, prometheus_client, pydantic, starlette  # imported above only to check that they are installed
 
 __all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve", "serve_supervised"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "serve_supervised":  # imported when first asked for: it imports uvicorn's supervisor
+        from .supervisor import serve_supervised
+
+        return serve_supervised
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,7 +73,8 @@ class _Worker:
 def serve_supervised(load_model: Callable[[], Model], *, host: str = "127.0.0.1", port: int = 8080,
                      log_level: str = "info", **options: Any) -> None:
     """Serve the model ``load_model()`` returns from a worker process that is started again when
-    it dies, until interrupted (see the module doc). ``options`` are :func:`build_app`'s.
+    it dies, until interrupted (see the module doc; call it from the main thread: it handles
+    the signals that stop it). ``options`` are :func:`build_app`'s.
 
     ``load_model`` runs in each worker, so it must pickle: a module-level function or a
     :func:`functools.partial` of one, e.g. ``partial(gguf_mcv.load, "minicpm-v-4")``.
