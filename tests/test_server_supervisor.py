@@ -42,7 +42,8 @@ def _no_core_files() -> None:
 class Served:
     """A ``gguf-mcv serve`` child process (the supervisor) on a free port."""
 
-    def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
+                 session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -50,7 +51,7 @@ class Served:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gguf_mcv", "serve", str(model), "--port", str(self.port), "--api-key", "",
                  "--threads", "2", *extra], env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=_no_core_files)
+                preexec_fn=_no_core_files, start_new_session=session)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -171,6 +172,22 @@ def test_kept_conversations_survive_a_killed_worker_and_a_killed_supervisor(tiny
         srv.proc.kill()  # the supervisor dies: its worker stops too, cleanly, keeping the idle conversation
         worker.wait(timeout=60)
         assert set(kept.rglob("*.val")) - files
+
+
+def test_a_hang_up_stops_the_server_and_its_worker_cleanly(tiny, tmp_path) -> None:
+    kept = tmp_path / "kept"
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", "--no-disk-cache", "--keep-chats", str(kept),
+                 session=True)  # a process group of its own, as a terminal's
+    try:
+        srv.health()
+        worker = srv.worker()
+        srv.chat([{"role": "user", "content": "Tell me a story. " * 20}], max_tokens=3)
+        os.killpg(srv.proc.pid, signal.SIGHUP)  # the terminal closed
+        assert srv.proc.wait(timeout=90) == 0, srv.output()
+        worker.wait(timeout=30)
+    finally:
+        srv.stop()
+    assert len(list(kept.rglob("*.val"))) == 1  # the idle conversation was kept as the worker stopped
 
 
 def test_a_worker_that_dies_while_loading_stops_the_server(tiny, tmp_path) -> None:

@@ -15,7 +15,8 @@ reports ``worker_restarts``, ``last_worker_restart`` (Unix time) and ``last_work
 A worker that dies :data:`MAX_LOAD_CRASHES` times in a row before serving stops the
 server with :class:`~gguf_mcv.errors.ServerWorkerError` rather than looping; so does a
 load that raises (its message, once: it would fail the same way again). A worker that
-stops cleanly (exit status 0: Ctrl-C reaches the whole process group) stops the server.
+stops cleanly (exit status 0: Ctrl-C reaches the whole process group) stops the server, and
+so does SIGHUP (a closed terminal; uvicorn would start a second model beside the first).
 """
 
 from __future__ import annotations
@@ -230,6 +231,17 @@ class Supervisor(Multiprocess):
                     self.info.restarts)
         self.init_processes()
 
+    def handle_hup(self) -> None:
+        # a closed terminal, as before the split (uvicorn would start a second model beside the first)
+        log.info("Received SIGHUP, exiting.")
+        self.should_exit.set()
+
+    def handle_ttin(self) -> None:
+        log.info("Received SIGTTIN: ignored, one worker holds the model.")
+
+    def handle_ttou(self) -> None:
+        log.info("Received SIGTTOU: ignored, one worker holds the model.")
+
     def join_all(self) -> None:
         for process in self.processes:
             process.process.join(STOP_TIMEOUT_S)
@@ -244,6 +256,8 @@ def _worker_app(worker: _Worker, info: WorkerInfo) -> FastAPI:
     """In a worker: load the model and build the app. A load that raises leaves its message for
     the supervisor and ends the worker with uvicorn's start-up failure status."""
     _die_with(worker.supervisor)
+    if hasattr(signal, "SIGHUP"):  # a closed terminal: the supervisor stops this worker cleanly
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     native_check.inject_fault(FAULT_NAME)
     model = None
     try:
