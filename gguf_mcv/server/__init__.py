@@ -13,7 +13,8 @@ Routes (``/health`` needs no key, every other route does when a key is set):
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
 * ``GET /health`` (model name, queue length, answers in flight, ``parallel``: how many run
-  at once) and ``GET /metrics`` (Prometheus' text format; the JSON view with
+  at once, and the worker's restarts under ``serve_supervised``) and ``GET /metrics``
+  (Prometheus' text format; the JSON view with
   ``?format=json``: counters by method, route and status —
   other methods count as ``other``, unknown paths as ``(unmatched)`` — tokens, vision
   encoding, embedding-cache hits, queue length).
