@@ -150,7 +150,8 @@ def test_a_worker_killed_mid_stream_is_started_again_by_the_same_supervisor(tiny
 
 def test_kept_conversations_survive_a_killed_worker_and_a_killed_supervisor(tiny, tmp_path) -> None:
     kept = tmp_path / "kept"
-    with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept)) as srv:
+    # TMPDIR: the supervisor's run folder, left behind when it is killed, goes with the test's
+    with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept), env={"TMPDIR": str(tmp_path)}) as srv:
         srv.health()
         evicted = first_turn(20)
         first = srv.chat(evicted)
