@@ -70,6 +70,10 @@ class NativeKernelError(EngineError):
     alternative is left; the message names the kernel and the rebuild that avoids it."""
 
 
+class ServerWorkerError(GgufMcvError, RuntimeError):
+    """The server's model worker could not load the model, or died again and again while loading it."""
+
+
 class ModelClosedError(GgufMcvError, RuntimeError):
     """The model was closed; a question (or a stream read after ``close()``) cannot run."""
 

@@ -157,7 +157,7 @@ def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> None:
         extra = ["--parallel", str(slots), "--ctx", str(args.n_ctx), "--threads", str(args.threads),
                  "--max-queue", str(max(sizes)), "--cache-dir", tempfile.mkdtemp(prefix="gguf_mcv_bench_")]
         server = start_server(model, mmproj, extra)
-        rss = RssSampler(server.proc.pid)
+        rss = RssSampler(server.model_pid)
         try:
             image_round(server.base, server.name, 1, 1, args.image_side, 2)  # warm-up: first encode, buffers
             for n in sizes if slots == 1 else [slots]:

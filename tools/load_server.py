@@ -138,7 +138,7 @@ def main() -> int:
 
     server = start_server(*model_files(args.model, args.mmproj),
                           ["--ctx", "4096", "--max-queue", str(args.max_queue)])
-    base, name, proc = server.base, server.name, psutil.Process(server.proc.pid)
+    base, name, proc = server.base, server.name, psutil.Process(server.model_pid)
     if args.flood:
         try:
             report = flood(base, name, proc, args.flood, args.flood_mib)

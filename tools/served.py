@@ -71,6 +71,18 @@ class Server:
         """The slots it loaded (``--parallel auto`` resolved); 1 for a server that does not say."""
         return int(self.health.get("parallel", 1))
 
+    @property
+    def model_pid(self) -> int:
+        """The process holding the model, whose memory to sample: ``serve``'s worker (the
+        supervisor's child that runs multiprocessing's ``spawn_main``), else the server itself."""
+        try:
+            for child in psutil.Process(self.proc.pid).children():
+                if "spawn_main" in " ".join(child.cmdline()):
+                    return child.pid
+        except psutil.Error:
+            pass
+        return self.proc.pid
+
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log.read_text(errors="replace")[-chars:]

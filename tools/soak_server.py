@@ -301,7 +301,7 @@ def main() -> int:
              "--cache-dir", cache, "--vision-backend", args.vision_backend,
              *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
     server = start_server(model, mmproj, extra)
-    rss = RssSampler(server.proc.pid)
+    rss = RssSampler(server.model_pid)
     try:
         at_start = rss.samples[0][1]
         outcomes, wall = run_load(server.base, server.name, args)

@@ -13,7 +13,8 @@ Routes (``/health`` needs no key, every other route does when a key is set):
   ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``, ``GET /``.
   Errors are ``{"error": "message"}``.
 * ``GET /health`` (model name, queue length, answers in flight, ``parallel``: how many run
-  at once) and ``GET /metrics`` (Prometheus' text format; the JSON view with
+  at once, and the worker's restarts under ``serve_supervised``) and ``GET /metrics``
+  (Prometheus' text format; the JSON view with
   ``?format=json``: counters by method, route and status —
   other methods count as ``other``, unknown paths as ``(unmatched)`` — tokens, vision
   encoding, embedding-cache hits, queue length).
@@ -50,11 +51,14 @@ routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JS
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
 ``http_errors`` (error shapes and handlers), ``origins`` (allowed hosts and origins),
-``logs`` (the served app's logging), ``media_urls`` (which media URLs are
+``logs`` (the served app's logging), ``supervisor`` (``serve_supervised``: the model in a
+worker process started again when it dies, as ``gguf-mcv serve`` runs it), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 try:  # the server's dependencies are an optional extra: say how to get them
     import fastapi.responses
@@ -72,4 +76,12 @@ from .app import API_KEY_ENV, build_app, check_bind, serve
 
 del fastapi, prometheus_client, pydantic, starlette  # imported above only to check that they are installed
 
-__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve"]
+__all__ = ["API_KEY_ENV", "build_app", "check_bind", "serve", "serve_supervised"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "serve_supervised":  # imported when first asked for: it imports uvicorn's supervisor
+        from .supervisor import serve_supervised
+
+        return serve_supervised
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

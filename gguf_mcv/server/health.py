@@ -21,7 +21,7 @@ async def health(request: Request) -> dict[str, Any]:
     state = state_of(request)
     return {"status": "ok", "model": state.name, "queue_length": state.gate.waiting,
             "in_flight": state.gate.active, "parallel": state.gate.capacity,
-            "native_fallbacks": list(native_check.notices())}
+            "native_fallbacks": list(native_check.notices()), **state.worker.to_dict()}
 
 
 @router.get("/metrics", dependencies=[Depends(authorize)])
@@ -34,6 +34,7 @@ async def metrics(request: Request, format: str | None = None) -> Response:
                         param="format")
     if format == "json" or (format is None and "application/json" in accept and "text/plain" not in accept):
         snapshot = state.metrics.snapshot(state.gate)
+        snapshot["worker_restarts"] = state.worker.restarts
         if state.kept is not None:
             snapshot["kept_chats"] = dict(state.kept.counts)
         return JSONResponse(snapshot)

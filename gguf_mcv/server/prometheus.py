@@ -76,6 +76,8 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily("gguf_mcv_max_queue", "Requests allowed to wait.", value=gate.max_waiting)
         yield GaugeMetricFamily("gguf_mcv_start_time_seconds", "When the server started (Unix time).",
                                 value=m.started)
+        yield CounterMetricFamily("gguf_mcv_worker_restarts", "Times the model's worker process died and was "
+                                  "started again (gguf-mcv serve).", value=self.state.worker.restarts)
         yield from self._embedding_cache()
         yield from self._kept_chats()
 

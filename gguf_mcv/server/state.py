@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -20,6 +20,19 @@ from .metrics import Metrics
 from .naming import normal_name
 
 DROPPED_TURNS_HEADER = "X-Gguf-Mcv-Dropped-Turns"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a supervised server's worker process knows of the ones before it (``serve_supervised``)."""
+
+    restarts: int = 0  #: workers started again after the first one died
+    last_restart: float | None = None  #: when the last one was started (Unix time)
+    last_exit: str | None = None  #: how the worker before this one ended, e.g. "killed by SIGSEGV"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker_restarts": self.restarts, "last_worker_restart": self.last_restart,
+                "last_worker_exit": self.last_exit}
 
 
 @dataclass
@@ -40,6 +53,7 @@ class State:
     registry: CollectorRegistry | None = None  #: this app's Prometheus registry (see ``prometheus``)
     kept: KVStore | None = None  #: where idle conversations' KV states go (``keep_chats``)
     body_timeout_s: float = 60.0  #: a request body must have arrived within this long (else 408)
+    worker: WorkerInfo = field(default_factory=WorkerInfo)  #: restarts of a supervised server's worker
 
     def check_model(self, requested: str | None) -> str:
         """The name to echo for ``requested``; 404 if it names another model."""

@@ -1,0 +1,239 @@
+"""``gguf-mcv serve`` keeps its model in a worker process (gguf_mcv/server/supervisor.py): a worker
+killed mid-answer is started again by the same supervisor, /health and /metrics count it, kept
+conversations come back (a killed supervisor takes its worker down cleanly), and a worker that
+dies while loading again and again stops the server."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("uvicorn")
+requests = pytest.importorskip("requests")
+psutil = pytest.importorskip("psutil")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from test_kv_store import first_turn, follow_up  # noqa: E402
+
+START_S = 120  # a worker's start on a busy machine: a fresh interpreter, llama.cpp, the tiny model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_core_files() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+class Served:
+    """A ``gguf-mcv serve`` child process (the supervisor) on a free port."""
+
+    def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
+                 session: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gguf_mcv", "serve", str(model), "--port", str(self.port), "--api-key", "",
+                 "--threads", "2", *extra], env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                preexec_fn=_no_core_files, start_new_session=session)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def health(self, until: Callable[[dict[str, Any]], bool] = lambda h: True, timeout: float = START_S) -> dict:
+        """``/health`` once it answers and ``until`` holds; fails if the supervisor exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}):\n{self.output()}"
+            try:
+                r = requests.get(self.url + "/health", timeout=5)
+                if r.ok and until(r.json()):
+                    return r.json()
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"/health did not say so within {timeout} s:\n{self.output()}")
+
+    def worker(self) -> Any:
+        """The worker process (the supervisor's child that is not multiprocessing's resource tracker)."""
+        (worker,) = [p for p in psutil.Process(self.proc.pid).children()
+                     if "spawn_main" in " ".join(p.cmdline())]
+        return worker
+
+    def chat(self, messages: list[dict], max_tokens: int = 6) -> dict:
+        r = requests.post(self.url + "/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metrics(self) -> dict:
+        return requests.get(self.url + "/metrics?format=json", timeout=10).json()
+
+    def prometheus(self) -> dict[str, float]:
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def stop(self) -> int:
+        """SIGINT, as Ctrl-C; the exit status."""
+        children = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        for child in children:  # none should be left; a failed test must not leave a model running
+            try:
+                child.wait(timeout=30)
+            except psutil.TimeoutExpired:
+                child.kill()
+        return self.proc.returncode
+
+
+@contextmanager
+def serving(tiny, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", *extra, env=env)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
+def test_a_worker_killed_mid_stream_is_started_again_by_the_same_supervisor(tiny, tmp_path, sig) -> None:
+    with serving(tiny, tmp_path, "--no-disk-cache") as srv:
+        assert srv.health()["worker_restarts"] == 0
+        before = srv.chat(QUESTION)
+        worker = srv.worker()
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000,
+                "temperature": 0, "stream": True}
+        began = time.monotonic()
+        with requests.post(srv.url + "/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith(b"data: ")
+            os.kill(worker.pid, sig)
+            rest: list[bytes] = []
+            with pytest.raises(requests.RequestException):  # the connection closes mid-stream
+                rest.extend(lines)
+        assert b"data: [DONE]" not in rest and time.monotonic() - began < 30  # an error, not a hang
+        health = srv.health(lambda h: h["worker_restarts"] == 1)
+        assert health["status"] == "ok" and health["last_worker_exit"].startswith(f"killed by {sig.name}")
+        assert health["last_worker_restart"] <= time.time()
+        assert srv.proc.poll() is None and srv.worker().pid != worker.pid  # same supervisor, new worker
+        after = srv.chat(QUESTION)  # the same settings: the same greedy answer
+        assert after["choices"][0]["message"] == before["choices"][0]["message"]
+        assert after["usage"] == before["usage"]
+        assert srv.metrics()["worker_restarts"] == 1
+        assert srv.prometheus()["gguf_mcv_worker_restarts_total"] == 1
+    assert srv.proc.returncode == 0
+
+
+def test_kept_conversations_survive_a_killed_worker_and_a_killed_supervisor(tiny, tmp_path) -> None:
+    kept = tmp_path / "kept"
+    # TMPDIR: the supervisor's run folder, left behind when it is killed, goes with the test's
+    with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept), env={"TMPDIR": str(tmp_path)}) as srv:
+        srv.health()
+        evicted = first_turn(20)
+        first = srv.chat(evicted)
+        srv.chat([{"role": "user", "content": "Another client: " + "tell me more " * 30}], max_tokens=3)
+        deadline = time.monotonic() + 30  # the first conversation is written on a background thread
+        while srv.metrics()["kept_chats"]["saved"] < 1:
+            assert time.monotonic() < deadline, srv.output()
+            time.sleep(0.2)
+        srv.worker().kill()
+        srv.health(lambda h: h["worker_restarts"] == 1)
+        back = srv.chat(follow_up(evicted, first["choices"][0]["message"]["content"]), max_tokens=3)
+        new_turn = back["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+        evaluated = back["usage"]["prompt_tokens"] - back["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert evaluated <= new_turn  # restored from the folder the killed worker wrote
+        counts = srv.metrics()["kept_chats"]
+        assert counts["restored"] == 1 and counts.get("damaged", 0) == 0
+        files = set(kept.rglob("*.val"))
+        worker = srv.worker()
+        srv.proc.kill()  # the supervisor dies: its worker stops too, cleanly, keeping the idle conversation
+        worker.wait(timeout=60)
+        assert set(kept.rglob("*.val")) - files
+
+
+def test_a_hang_up_stops_the_server_and_its_worker_cleanly(tiny, tmp_path) -> None:
+    kept = tmp_path / "kept"
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", "--no-disk-cache", "--keep-chats", str(kept),
+                 session=True)  # a process group of its own, as a terminal's
+    try:
+        srv.health()
+        worker = srv.worker()
+        srv.chat([{"role": "user", "content": "Tell me a story. " * 20}], max_tokens=3)
+        os.killpg(srv.proc.pid, signal.SIGHUP)  # the terminal closed
+        assert srv.proc.wait(timeout=90) == 0, srv.output()
+        worker.wait(timeout=30)
+    finally:
+        srv.stop()
+    assert len(list(kept.rglob("*.val"))) == 1  # the idle conversation was kept as the worker stopped
+
+
+def test_a_worker_that_dies_while_loading_stops_the_server(tiny, tmp_path) -> None:
+    began = time.monotonic()
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", env={"GGUF_MCV_NATIVE_FAULT": "serve-worker=SIGSEGV"})
+    try:
+        srv.proc.wait(timeout=3 * START_S)
+    finally:
+        srv.stop()
+    out = srv.output()
+    assert srv.proc.returncode == 1, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("gguf-mcv: error: The model worker died 3 times in a row while loading"), out
+    assert "killed by SIGSEGV" in last and "Traceback" not in out
+    assert out.count("starting it again") == 2  # two restarts, then it stopped
+    assert time.monotonic() - began < 3 * START_S
+
+
+def test_a_load_that_fails_is_one_line_and_not_tried_again(tiny, tmp_path) -> None:
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", "--keep-chats", str(tmp_path / "kept"),
+                 "--keep-chats-size", "1KB")  # checked by the store, once the model is loaded
+    try:
+        srv.proc.wait(timeout=START_S)
+    finally:
+        srv.stop()
+    lines = srv.output().strip().splitlines()
+    assert srv.proc.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("gguf-mcv: error: ") and "kept-chats size cap" in lines[0]
+
+
+def test_serve_supervised_refuses_what_a_worker_could_not_use_before_binding() -> None:
+    from functools import partial
+
+    import gguf_mcv
+    from gguf_mcv.errors import ConfigError
+    from gguf_mcv.server import serve_supervised
+
+    with pytest.raises(ConfigError, match="must pickle"):
+        serve_supervised(lambda: None, port=free_port())  # type: ignore[arg-type, return-value]
+    with pytest.raises(ConfigError, match="build_app's options"):
+        serve_supervised(partial(gguf_mcv.load, "x"), port=free_port(), max_queeu=3)
+    with pytest.raises(ConfigError, match="max_queue"):
+        serve_supervised(partial(gguf_mcv.load, "x"), port=free_port(), max_queue=-1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match="already in use"):
+            serve_supervised(partial(gguf_mcv.load, "x"), port=busy.getsockname()[1])
