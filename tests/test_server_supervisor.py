@@ -214,7 +214,8 @@ def test_a_load_that_fails_is_one_line_and_not_tried_again(tiny, tmp_path) -> No
         srv.proc.wait(timeout=START_S)
     finally:
         srv.stop()
-    lines = srv.output().strip().splitlines()
+    # less the one line a native fallback prints where AMX kernels fault (tests/test_native_check.py)
+    lines = [line for line in srv.output().strip().splitlines() if not line.startswith("gguf_mcv: ")]
     assert srv.proc.returncode == 1 and len(lines) == 1, lines
     assert lines[0].startswith("gguf-mcv: error: ") and "kept-chats size cap" in lines[0]
 
