@@ -28,10 +28,12 @@ class NotRegularFile(OSError):
     """A cache path is not a regular file (a folder, a FIFO, a device, a symlink)."""
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
-    """``path`` opened for binary reading, if it is a regular file reached without a symlink
-    as its last component; else :class:`NotRegularFile` (a FIFO never blocks the opening)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> BinaryIO:
+    """``path`` opened for binary reading, if it is a regular file (reached without a symlink as
+    its last component unless ``follow_symlinks``: then OSError ELOOP); else
+    :class:`NotRegularFile`. A FIFO never blocks the opening."""
+    nofollow = 0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotRegularFile(f"{os.fspath(path)} is not a regular file")
