@@ -9,14 +9,17 @@ there now); and temporary files left by a killed writer are swept under the writ
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +118,14 @@ def remove_entry(path: Path) -> int:
 
 
 def sweep(folder: Path, pattern: re.Pattern[str], owned: str, lock_of: str = "{}.lock") -> int:
-    """Delete the temporary entries in ``folder`` whose names match ``pattern`` (its group
-    ``stem`` names the writer), left by writers that were killed; the bytes freed.
+    """Delete the temporary entries in ``folder`` whose names match ``pattern`` (the group that
+    matched names the writer's stem), left by writers that were killed; the bytes freed.
 
     The caller holds the lock of stem ``owned``: its entries go now. Another stem's entries go
     when its lock (``lock_of``, formatted with the stem) can be taken at once: no writer is
     at work on them.
     """
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     freed = 0
     try:
@@ -133,15 +136,69 @@ def sweep(folder: Path, pattern: re.Pattern[str], owned: str, lock_of: str = "{}
         match = pattern.fullmatch(name)
         if match is None:
             continue
-        stem, path = match.group("stem"), folder / name
+        if name.startswith(ASIDE_PREFIX):
+            continue  # set aside for the user, who deletes it
+        stem, path = next(v for v in match.groupdict().values() if v), folder / name
         if stem == owned:
             freed += remove_entry(path)
             continue
         try:
-            with FileLock(str(folder / lock_of.format(stem)), timeout=0):
+            with folder_lock(folder / lock_of.format(stem), timeout=0):
                 freed += remove_entry(path)
         except (Timeout, OSError):
             pass  # a live writer's (or a lock we cannot take): left alone
     if freed:
         logger.info("removed %d bytes of temporary files left by interrupted writers in %s", freed, folder)
     return freed
+
+
+def folder_lock(path: Path, timeout: float = -1) -> Any:
+    """A ``filelock.FileLock`` on ``path``, whatever was planted there: filelock opens its file
+    with O_TRUNC, so a symlink (or a folder, a FIFO) in its place is set aside first."""
+    from filelock import FileLock
+
+    if os.path.lexists(path) and not is_regular(path):
+        set_aside(path, "not a regular file where a lock file belongs")
+    return FileLock(str(path), timeout=timeout)
+
+
+def digest_of(content: dict[str, Any]) -> str:
+    """A SHA-256 over a manifest's content (its ``digest`` key left out), in a canonical form."""
+    body = {k: v for k, v in content.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(path: Path, content: dict[str, Any]) -> None:
+    """Write ``content`` with its :func:`digest_of` to ``path`` atomically (a fresh temporary
+    file, never one already there, renamed over it; a folder in the way is set aside)."""
+    if path.is_dir() and not path.is_symlink():
+        set_aside(path, "a folder where a manifest belongs", warn=False)  # the reader warned
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json.part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({**content, "digest": digest_of(content)}, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(path: Path, version: int, limit: int = 1 << 20) -> dict[str, Any] | None:
+    """The content of the manifest at ``path`` when its digest checks out; None when there is
+    none or it is of another format ``version``; :class:`DamagedManifest` (saying why) when it
+    is unusable."""
+    try:
+        data = json.loads(read_regular(path, limit).decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise DamagedManifest(f"{type(exc).__name__}: {exc}") from None
+    if isinstance(data, dict) and data.get("version") != version and isinstance(data.get("version"), int):
+        return None  # written by another release: rebuilt, not damaged
+    if not isinstance(data, dict) or data.get("digest") != digest_of(data):
+        raise DamagedManifest("its content does not match its digest")
+    return data
+
+
+class DamagedManifest(Exception):
+    """A cache manifest that cannot be trusted (the message says why)."""
