@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import constants
-from .cache_files import inside, is_regular, open_regular, set_aside
+from .cache_files import folder_lock, inside, is_regular, open_regular, set_aside
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -269,11 +269,10 @@ def open_bytes_cache(directory: str | os.PathLike, max_bytes: int, *, cull_limit
     is set aside, with a warning, and a new one started. diskcache's own errors (sqlite3,
     OSError, its Timeout) and filelock's Timeout are the caller's to handle."""
     import diskcache  # lazy: only caches with a disk tier need it
-    from filelock import FileLock
 
     folder = Path(os.fspath(directory)).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / OPEN_LOCK), timeout=DISK_TIMEOUT_S):
+    with folder_lock(folder / OPEN_LOCK, timeout=DISK_TIMEOUT_S):
         check_index(folder)
         return diskcache.Cache(os.fspath(folder), timeout=DISK_TIMEOUT_S, size_limit=max_bytes,
                                eviction_policy="least-recently-used", cull_limit=cull_limit,
