@@ -13,9 +13,9 @@ so a damaged disk entry would silently change the answer or read past the buffer
 Each stored value therefore starts with a header (a magic string, a SHA-256 of its
 key and one of its values) and is checked (length, key, checksum, and the length
 the caller expects) before use; an entry that fails any check is a miss, removed,
-and encoded again. A disk tier that cannot be opened or written (a damaged index, a
-full or read-only disk, a lock held too long) never fails an answer: the problem is
-logged and the memory tier carries on.
+and encoded again. A damaged index is set aside and started afresh (:func:`check_index`);
+a disk tier that cannot be opened or written (a full or read-only disk, a lock held too
+long) never fails an answer: the problem is logged and the memory tier carries on.
 """
 
 from __future__ import annotations

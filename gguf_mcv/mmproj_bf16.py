@@ -6,7 +6,8 @@ copy converts the vision tower's 2-D block weights (``v.blk.N.*.weight``) from F
 and keeps every other tensor and all metadata as they are. It is written with the ``gguf``
 package into ``<cache>/mmproj/<identity>-bf16.gguf`` (keyed by the source mmproj's
 identity), as a temporary file renamed into place, then a manifest with its size and
-SHA-256 is written; a copy whose manifest does not check out is rebuilt, never used.
+SHA-256 (and a digest of its own content) is written; a copy whose manifest does not check
+out, or whose header is not the mmproj's, is rebuilt, never used.
 """
 
 from __future__ import annotations

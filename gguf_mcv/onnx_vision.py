@@ -7,8 +7,9 @@ blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded
 weights first;
 the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
 and the onnxruntime version, written into a temporary folder and moved into place; a
-manifest with each file's size and SHA-256 is written last and checked on every load, so
-a killed conversion or a damaged file is rebuilt, never used. At conversion the int8
+manifest with each file's size and SHA-256 and a digest of its own content is written last
+and checked on every load (the projector's numbers are read again from the mmproj), so a
+killed conversion, a damaged file or an edited manifest is rebuilt, never used. At conversion the int8
 graph's embeddings are compared with the fp32 graph's on the bundled example image and
 synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8.
 :class:`OnnxEncoder` runs one slice: libmtmd's preprocessing (``mtmd_preprocess``) and the
