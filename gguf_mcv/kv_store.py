@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import saved_chat
-from .embed_cache import open_bytes_cache
+from .embed_cache import UNREADABLE_KEY, UnsafeEntry, open_bytes_cache
 from .engine import KVState, Unit, _n_pos, usable_prefix
 from .errors import ConfigError, SavedChatError
 
@@ -92,6 +92,7 @@ class KVStore:
         self._tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         self._index: dict[str, _Entry] = {}  # entries of this model, by key
         self._ignored: set[str] = set()  # keys of other models' entries (looked at once)
+        self._unreadable_seen = False  # pickled keys warned about
         self._lock = threading.Lock()
         self._cache = self._open()
         self._pending: "queue.Queue[KVState | None]" = queue.Queue(MAX_PENDING)
@@ -179,10 +180,16 @@ class KVStore:
     def _refresh(self) -> None:
         """Learn the entries other processes (or the writer) added, forget evicted ones."""
         try:
-            keys = {k for k in self._cache.iterkeys() if isinstance(k, str) and k.startswith(KEY_PREFIX)}
+            listed = list(self._cache.iterkeys())
         except Exception as exc:  # noqa: BLE001 - see _open
             log.warning("kept chats in %s: cannot list it (%s)", self.directory, exc)
             return
+        keys = {k for k in listed if isinstance(k, str) and k.startswith(KEY_PREFIX)}
+        if not self._unreadable_seen and any(k is UNREADABLE_KEY for k in listed):
+            self._unreadable_seen = True  # diskcache cannot delete them (their keys are unread): ignored
+            self._count("damaged")
+            log.warning("kept chats in %s: ignoring entries with pickled keys (never unpickled: gguf_mcv does "
+                        "not write them); delete the folder to be rid of them", self.directory)
         with self._lock:
             for gone in set(self._index) - keys:
                 del self._index[gone]
@@ -196,6 +203,9 @@ class KVStore:
         source = f"{self.directory}/{key}"
         try:
             stored = self._cache.get(key, read=True)
+        except UnsafeEntry as exc:  # a row naming a file that is not its own: dropped, the file left
+            self._unusable(key, False, str(exc))
+            return None
         except Exception as exc:  # noqa: BLE001 - see _open
             log.warning("kept chats in %s: cannot read an entry (%s)", self.directory, exc)
             return None

@@ -274,8 +274,16 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
     # int8 is validated against fp32 in this process: only where its kernels are known to run
     # (where they crash, native_check.decide has already moved an ONNX backend to fp32)
     int8_runs = native_check.vision_safe("onnx-int8")
-    converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar(),
-                                    validate_int8=int8_runs)
+    try:
+        converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar(),
+                                        validate_int8=int8_runs)
+    except OSError as exc:  # NotEnoughDiskError included
+        if options.vision_backend != "auto":
+            raise
+        # the conversion cache cannot be written (full, read-only, in the way): libmtmd needs none
+        backend, reason = "llama.cpp", f"auto: the ONNX conversion cannot be made ({type(exc).__name__}: {exc})"
+        mmproj, note = _precision(options, mmproj_path, vision_gpu)
+        return backend, f"{reason}; mmproj {note}", None, mmproj
     if int8_runs and options.vision_backend == "auto" and not converted.int8_ok:
         backend = "onnx-fp32"
         reason = (f"auto: int8 embeddings agree with fp32 only to cosine {converted.int8_cosine:.4f} "
@@ -309,7 +317,12 @@ def _precision(options: LoadOptions, mmproj_path: str | os.PathLike,
                                   size=os.path.getsize(mmproj_path))
     if not use:
         return mmproj_path, why
-    return mmproj_bf16.prepare(mmproj_path, file_identity(mmproj_path)).path, why
+    try:
+        return mmproj_bf16.prepare(mmproj_path, file_identity(mmproj_path)).path, why
+    except OSError as exc:  # NotEnoughDiskError included: the cache cannot be written
+        if options.mmproj_precision != "auto":
+            raise
+        return mmproj_path, f"as-is (auto: the BF16 copy cannot be made: {type(exc).__name__}: {exc})"
 
 
 def _template(llama, text: TextHeader, entry: CatalogEntry | None, chat_template: str | None) -> ChatTemplate:

@@ -6,12 +6,14 @@ copy converts the vision tower's 2-D block weights (``v.blk.N.*.weight``) from F
 and keeps every other tensor and all metadata as they are. It is written with the ``gguf``
 package into ``<cache>/mmproj/<identity>-bf16.gguf`` (keyed by the source mmproj's
 identity), as a temporary file renamed into place, then a manifest with its size and
-SHA-256 is written; a copy whose manifest does not check out is rebuilt, never used.
+SHA-256 (and a digest of its own content) is written; a copy whose manifest does not check
+out, or whose header is not the mmproj's, is rebuilt, never used.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -24,14 +26,18 @@ from typing import Callable
 import numpy as np
 
 from . import constants
+from .cache_files import DamagedManifest, folder_lock, is_regular, read_manifest, set_aside, sweep, write_manifest
 from .errors import CorruptModelError, NotEnoughDiskError
+from .headers import ProjectorHeader, read_projector_header, read_tensors
 from .identity import remember
 from .mmproj_standin import copy_metadata
 from .onnx_vision import sha256_file
 from .units import format_size
 
+logger = logging.getLogger(__name__)
+
 PRECISIONS = ("auto", "as-is", "bf16")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  #: 2: the manifest carries a digest of its content
 #: the tensors converted: the tower blocks' matrices (where the encoder spends its time)
 BLOCK_WEIGHT = re.compile(r"^v\.blk\.\d+\.(attn_q|attn_k|attn_v|attn_out|ffn_up|ffn_down|ffn_gate)\.weight$")
 #: the /proc/cpuinfo flag of native BF16 dot products
@@ -40,6 +46,9 @@ CPU_FLAG = "avx512_bf16"
 #: was measured on SigLIP-400M (≈ 800 MB at F16), and the tiny test models stay comparable
 #: with libmtmd's F16 oracle
 AUTO_MIN_BYTES = 50_000_000
+#: temporary files a copy writes (``tempfile``'s 8 random characters after the stem): those
+#: of a killed copy are removed when its lock is next taken
+TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}(?:\.json)?\.part|(?P<old>.+)\.json\.part")
 
 
 @dataclass(frozen=True)
@@ -84,29 +93,54 @@ def choose(requested: str, *, backend: str, vision_gpu: bool, cpu_flags: frozens
 
 def prepare(mmproj: str | os.PathLike, identity: str) -> Bf16Copy:
     """The checked BF16 copy of ``mmproj`` (identity ``identity``): from the cache, else made now
-    (under a lock, so two processes convert once)."""
-    from filelock import FileLock
-
+    (under a lock, so two processes convert once). A damaged copy or manifest is made again
+    with one warning; temporary files of killed copies are removed first."""
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"{identity}-bf16"
-    with FileLock(str(folder / f"{stem}.lock")):
-        found = _load_manifest(folder, stem)
+    with folder_lock(folder / f"{stem}.lock"):
+        sweep(folder, TEMP_NAME, stem)
+        try:
+            found = _load_manifest(folder, stem, Path(mmproj))
+        except DamagedManifest as exc:
+            logger.warning("the BF16 copy of %s in %s is unusable (%s): making it again", os.fspath(mmproj),
+                           folder, exc)
+            found = None
         if found is not None:
             return found
         return _convert(Path(mmproj), folder, stem)
 
 
-def _load_manifest(folder: Path, stem: str) -> Bf16Copy | None:
-    try:
-        m = json.loads((folder / f"{stem}.json").read_text())
-        path = folder / m["file"]
-        if (m.get("version") != MANIFEST_VERSION or not path.is_file() or path.stat().st_size != m["size"]
-                or sha256_file(path) != m["sha256"]):
-            return None
-        return Bf16Copy(path, int(m["converted"]), 0.0)
-    except (OSError, ValueError, KeyError, TypeError):
+def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Bf16Copy | None:
+    """The copy ``<stem>.json`` describes, intact and with the header of ``mmproj`` (its tensor
+    types aside); None when there is none; :class:`DamagedManifest` when it is unusable."""
+    m = read_manifest(folder / f"{stem}.json", MANIFEST_VERSION)
+    if m is None:
         return None
+    try:
+        path = folder / f"{stem}.gguf"
+        converted = m["converted"]
+        if m["file"] != path.name or isinstance(converted, bool) or not isinstance(converted, int) or converted < 0:
+            raise DamagedManifest("it names another file or an impossible count")
+        if not is_regular(path) or path.stat().st_size != m["size"] or sha256_file(path) != m["sha256"]:
+            raise DamagedManifest(f"{path.name} is missing, not a regular file or not the copy made")
+        # llama.cpp aborts the process on some impossible header values: the copy's header is
+        # checked as the mmproj's was, and must be the mmproj's own
+        if not _same_header(read_projector_header(path), read_projector_header(mmproj)):
+            raise DamagedManifest(f"{path.name}'s header is not the mmproj's")
+        if _layout(path) != _layout(mmproj):
+            raise DamagedManifest(f"{path.name}'s tensors are not the mmproj's")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # CorruptModelError is a ValueError
+        raise DamagedManifest(f"{type(exc).__name__}: {exc}") from None
+    return Bf16Copy(path, converted, 0.0)
+
+
+def _layout(path: Path) -> list[tuple[str, tuple[int, ...], int]]:
+    return [(t.name, t.shape, t.n_bytes) for t in read_tensors(path)]
+
+
+def _same_header(a: ProjectorHeader, b: ProjectorHeader) -> bool:
+    return dataclasses.replace(a, path="", size=0) == dataclasses.replace(b, path="", size=0)
 
 
 def _convert(mmproj: Path, folder: Path, stem: str) -> Bf16Copy:
@@ -127,11 +161,11 @@ def _convert(mmproj: Path, folder: Path, stem: str) -> Bf16Copy:
         digest = sha256_file(tmp)
         manifest = {"version": MANIFEST_VERSION, "file": out.name, "size": tmp.stat().st_size,
                     "sha256": digest, "converted": converted, "source": str(mmproj)}
+        if out.is_dir() and not out.is_symlink():
+            set_aside(out, "a folder where the BF16 copy belongs", warn=False)  # prepare warned
         os.replace(tmp, out)
         remember(out, digest)  # the engine keys embeddings by it: no second hash
-        part = folder / f"{stem}.json.part"
-        part.write_text(json.dumps(manifest, indent=1))
-        os.replace(part, folder / f"{stem}.json")  # last: it vouches for the copy
+        write_manifest(folder / f"{stem}.json", manifest)  # last: it vouches for the copy
     finally:
         tmp.unlink(missing_ok=True)
     return Bf16Copy(out, converted, time.perf_counter() - start)

@@ -12,11 +12,13 @@ name and type class but holds one element — that one keeps the output width. T
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .cache_files import set_aside
 from .errors import CorruptModelError
 
 #: the tensor whose size libmtmd reads at load (clip_n_mmproj_embd: the output width), and
@@ -25,7 +27,8 @@ KEEP = {"resampler.proj.weight": 0, "mm.down.weight": 1}
 
 
 def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the stand-in of ``mmproj`` to ``out`` (atomically: a temp file, then renamed)."""
+    """Write the stand-in of ``mmproj`` to ``out`` (atomically: a temp file, then renamed over
+    whatever is there; a folder in the way is set aside)."""
     import gguf  # lazy: only when a stand-in is made
 
     try:
@@ -33,7 +36,13 @@ def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise CorruptModelError(f"Could not read {mmproj} as a GGUF file ({exc}); download it again.") from exc
     out = Path(out)
-    tmp = out.with_name(out.name + f".{os.getpid()}.part")
+    if out.is_dir() and not out.is_symlink():  # a rename cannot replace a folder
+        set_aside(out, "a folder where a stand-in mmproj belongs")
+    # a fresh name (never a file, FIFO or symlink already there); a killed writer's is swept
+    # by the caller (gguf_mcv.onnx_vision.standin)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}-", suffix=".part", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:

@@ -7,8 +7,9 @@ blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded
 weights first;
 the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
 and the onnxruntime version, written into a temporary folder and moved into place; a
-manifest with each file's size and SHA-256 is written last and checked on every load, so
-a killed conversion or a damaged file is rebuilt, never used. At conversion the int8
+manifest with each file's size and SHA-256 and a digest of its own content is written last
+and checked on every load (the projector's numbers are read again from the mmproj), so a
+killed conversion, a damaged file or an edited manifest is rebuilt, never used. At conversion the int8
 graph's embeddings are compared with the fp32 graph's on the bundled example image and
 synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8.
 :class:`OnnxEncoder` runs one slice: libmtmd's preprocessing (``mtmd_preprocess``) and the
@@ -20,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,6 +34,16 @@ from typing import Any, Callable
 import numpy as np
 
 from . import constants
+from .cache_files import (
+    DamagedManifest,
+    folder_lock,
+    is_regular,
+    open_regular,
+    read_manifest,
+    set_aside,
+    sweep,
+    write_manifest,
+)
 from .errors import ConfigError, EngineError, NotEnoughDiskError
 from .media import Image
 from .mtmd_preprocess import PreprocessParams, slice_pixels
@@ -38,14 +51,22 @@ from .onnx_graph import Projector, Weights, build_model, graph_inputs
 from .units import format_size
 from .vision_backends import choose_backend  # noqa: F401  (the rule lives there; imported from here too)
 
+logger = logging.getLogger(__name__)
+
 #: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
 #: (mean over tokens of the per-token cosine, on the validation images)
 INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
-MANIFEST_VERSION = 2  #: 2: the fp32 graph rounds as ggml does (older conversions are rebuilt)
+#: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content
+MANIFEST_VERSION = 3
 #: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
 #: 0.6x, with room to spare
 DISK_FACTOR = 3
+#: temporary entries a conversion writes (``tempfile``'s 8 random characters after the stem):
+#: those of a killed conversion are removed when its lock is next taken
+TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}(?:\.json\.part)?|(?P<old>.+)\.json\.part")
+#: the same for a stand-in's temporary file (:func:`gguf_mcv.mmproj_standin.write_standin`)
+STANDIN_TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}\.part")
 #: the bundled example photo (also the self-test's)
 EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
 
@@ -92,9 +113,10 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
     """The validated conversion of ``mmproj_path`` (identity ``identity``): from the cache when
     its manifest checks out, else converted now (under a lock, so two processes convert once).
     ``validate_int8=False`` (int8's kernels crash here) leaves the int8 graph unvalidated
-    (``int8_cosine`` None); a later call that validates does so then and keeps the result."""
-    from filelock import FileLock
+    (``int8_cosine`` None); a later call that validates does so then and keeps the result.
 
+    A damaged conversion (a file or the manifest changed, a folder or a symlink in a file's
+    place) is rebuilt with one warning; temporary files of killed conversions are removed."""
     version = onnxruntime_version()
     if version is None:
         raise ConfigError("onnxruntime is not installed: pip install onnxruntime onnx, or use "
@@ -102,8 +124,14 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     stem = _stem(identity, version)
-    with FileLock(str(folder / f"{stem}.lock")):
-        found = _load_manifest(folder, stem)
+    with folder_lock(folder / f"{stem}.lock"):
+        sweep(folder, TEMP_NAME, stem)
+        try:
+            found = _load_manifest(folder, stem, Path(mmproj_path))
+        except DamagedManifest as exc:
+            logger.warning("the ONNX conversion of %s in %s is unusable (%s): converting it again",
+                           os.fspath(mmproj_path), folder, exc)
+            found = None
         if found is not None and (found.int8_cosine is not None or not validate_int8):
             return found
         if found is not None:
@@ -119,37 +147,52 @@ def _step(progress: Callable[[str, int, int], None] | None, what: str) -> Callab
 
 def _update_manifest(folder: Path, stem: str, **changes: Any) -> None:
     path = folder / f"{stem}.json"
-    manifest = {**json.loads(path.read_text()), **changes}
-    part = folder / f"{stem}.json.part"
-    part.write_text(json.dumps(manifest, indent=1))
-    os.replace(part, path)
+    manifest = read_manifest(path, MANIFEST_VERSION)
+    if manifest is not None:
+        write_manifest(path, {**manifest, **changes})
 
 
 def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file, read in 1 MiB blocks."""
+    """The SHA-256 of a regular file (never through a symlink, never blocking), read in 1 MiB blocks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
 
-def _load_manifest(folder: Path, stem: str) -> Converted | None:
-    """The conversion described by ``<stem>.json`` if every file it lists is intact, else None."""
-    path = folder / f"{stem}.json"
-    try:
-        m = json.loads(path.read_text())
-        if m.get("version") != MANIFEST_VERSION:
-            return None
-        for name, (size, digest) in m["files"].items():
-            f = folder / name
-            if not f.is_file() or f.stat().st_size != size or sha256_file(f) != digest:
-                return None
-        return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=Projector(**{
-            **m["projector"], "mean": tuple(m["projector"]["mean"]), "std": tuple(m["projector"]["std"])}),
-            int8_cosine=None if m["int8_cosine"] is None else float(m["int8_cosine"]), convert_s=0.0)
-    except (OSError, ValueError, KeyError, TypeError):
+def _file_names(stem: str) -> set[str]:
+    """The files a conversion writes: each graph and its external data."""
+    return {f"{stem}-{v}.onnx{data}" for v in VARIANTS for data in ("", ".data")}
+
+
+def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
+    """The conversion described by ``<stem>.json``, every file it lists intact and its projector
+    the mmproj's own; None when there is none; :class:`DamagedManifest` when it is unusable."""
+    m = read_manifest(folder / f"{stem}.json", MANIFEST_VERSION)
+    if m is None:
         return None
+    try:
+        names = _file_names(stem)
+        files = m["files"]
+        if (m["fp32"], m["int8"]) != (f"{stem}-fp32.onnx", f"{stem}-int8.onnx") or set(files) != names:
+            raise DamagedManifest("it names files a conversion does not write")
+        cosine = m["int8_cosine"]
+        if cosine is not None and (isinstance(cosine, bool) or not isinstance(cosine, (int, float))
+                                   or not -1.0 <= cosine <= 1.0):
+            raise DamagedManifest(f"int8_cosine {cosine!r} is not a cosine")
+        for name in sorted(names):
+            size, digest = files[name]
+            f = folder / name
+            if not is_regular(f) or f.stat().st_size != size or sha256_file(f) != digest:
+                raise DamagedManifest(f"{name} is missing, not a regular file or not the file converted")
+        projector = Weights(mmproj).projector()  # the mmproj's numbers, never the manifest's
+        if json.loads(json.dumps(dataclasses.asdict(projector))) != m["projector"]:
+            raise DamagedManifest("its projector values are not the mmproj's")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DamagedManifest(f"{type(exc).__name__}: {exc}") from None
+    return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=projector,
+                     int8_cosine=None if cosine is None else float(cosine), convert_s=0.0)
 
 
 def _convert(mmproj: Path, folder: Path, stem: str,
@@ -189,14 +232,14 @@ def _convert(mmproj: Path, folder: Path, stem: str,
         for f in sorted(tmp.iterdir()):
             files[f.name] = [f.stat().st_size, sha256_file(f)]
         for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
+            if os.path.isdir(folder / f.name) and not os.path.islink(folder / f.name):
+                set_aside(folder / f.name, "a folder where a converted file belongs", warn=False)  # warned
             os.replace(f, folder / f.name)
         _forget_other_versions(folder, stem)
         manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
                     "int8_cosine": cosine, "threshold": INT8_MIN_COSINE, "files": files,
                     "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
-        part = folder / f"{stem}.json.part"
-        part.write_text(json.dumps(manifest, indent=1))
-        os.replace(part, folder / f"{stem}.json")
+        write_manifest(folder / f"{stem}.json", manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Converted(fp32=folder / names["fp32"], int8=folder / names["int8"], projector=projector,
@@ -320,7 +363,10 @@ def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
 
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    return write_standin(mmproj_path, folder / f"{identity}-standin.gguf")
+    name = f"{identity}-standin.gguf"
+    with folder_lock(folder / f"{name}.lock"):
+        sweep(folder, STANDIN_TEMP_NAME, name)
+        return write_standin(mmproj_path, folder / name)
 
 
 def progress_bar() -> Callable[[str, int, int], None]:

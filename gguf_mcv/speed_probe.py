@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
-import stat
 import statistics
 import subprocess
 import sys
@@ -49,8 +49,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants
+from .cache_files import read_regular, set_aside
 from .errors import ConfigError, EngineError, GgufMcvError
 from .speed import DEFAULT_RATES, Rates
+
+logger = logging.getLogger(__name__)
 
 #: Bumped when what is measured changes: older cache files are then probed again.
 PROBE_VERSION = 2
@@ -112,21 +115,26 @@ def machine_key(threads: int) -> dict[str, Any]:
 
 
 def read_cache(path: Path, key: dict[str, Any]) -> Rates | None:
-    """The cached rates when ``path`` holds a valid probe for ``key``; None otherwise."""
+    """The cached rates when ``path`` holds a valid probe for ``key``; None otherwise (with one
+    warning when the file is there but damaged: it is probed again and replaced)."""
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CACHE_BYTES:
-            return None  # a folder, a FIFO (reading it would block) or something huge
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path, MAX_CACHE_BYTES).decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # a folder, a FIFO (never read: it would block), huge, not JSON
+        logger.warning("the speed probe's verdict %s is unusable (%s): probing again", path, exc)
+        return None
+    try:
         if not isinstance(data, dict) or data.get("key") != key:
-            return None
+            return None  # another machine's or build's: probed again, not damage
         values = data["rates"]
         if not isinstance(values, dict):
-            return None
+            raise TypeError("its rates are not a mapping")
         return Rates(**values)
-    except (OSError, ValueError, TypeError, KeyError):
-        # unreadable, not JSON, wrong fields or impossible values (ConfigError is a
-        # ValueError): a damaged cache is measured again, never trusted
+    except (ValueError, TypeError, KeyError) as exc:
+        # wrong fields or impossible values (ConfigError is a ValueError): measured again, never trusted
+        logger.warning("the speed probe's verdict %s is unusable (%s: %s): probing again", path,
+                       type(exc).__name__, exc)
         return None
 
 
@@ -136,6 +144,8 @@ def write_cache(path: Path, key: dict[str, Any], measured: Rates) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() and not path.is_symlink():  # a rename cannot replace a folder
+            set_aside(path, "a folder where the speed probe's verdict belongs", warn=False)
         fd, tmp = tempfile.mkstemp(prefix=".speed-probe.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import damage as damage_mod  # tests/ is on sys.path
 import numpy as np
 import pytest
+from damage import fifo
 
 from gguf_mcv import embed_cache
 from gguf_mcv.embed_cache import EmbeddingCache, cache_key
@@ -210,17 +212,18 @@ def test_an_entry_without_an_expected_length_is_still_bounded(tmp_path: Path) ->
     assert EmbeddingCache(disk_dir=tmp_path, max_disk_bytes=2**20).get("k") is None
 
 
-def test_a_damaged_index_leaves_the_memory_tier_working(tmp_path: Path, caplog) -> None:
+def test_a_damaged_index_is_set_aside_with_one_warning_and_started_afresh(tmp_path: Path, caplog) -> None:
     EmbeddingCache(disk_dir=tmp_path).put("k", VALUES)
-    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
-        if (tmp_path / name).exists():
-            (tmp_path / name).write_bytes(b"this is not a SQLite database" * 100)
+    (tmp_path / "cache.db").write_bytes(b"this is not a SQLite database" * 100)
     cache = EmbeddingCache(disk_dir=tmp_path)
-    with caplog.at_level("WARNING", logger="gguf_mcv.embed_cache"):
+    with caplog.at_level("WARNING"):
         assert cache.get("k", n_values=N) is None
         cache.put("k", VALUES)
-    assert cache.get("k", n_values=N) is not None  # from memory
-    assert "embedding" in caplog.text and str(tmp_path) in caplog.text
+    assert len(caplog.records) == 1 and str(tmp_path) in caplog.text and "set aside" in caplog.text
+    assert [p.name for p in tmp_path.glob(".damaged-cache.db-*")]  # kept for the user, not deleted
+    cache.close()
+    got = EmbeddingCache(disk_dir=tmp_path).get("k", n_values=N)  # the new index works
+    assert got is not None and np.array_equal(got, VALUES)
 
 
 def test_a_disk_folder_that_is_a_file_does_not_fail_the_put(tmp_path: Path) -> None:
@@ -317,3 +320,159 @@ def test_a_retuned_projector_of_the_same_size_never_gets_the_originals_embedding
     fresh = EmbeddingCache(disk_dir=tmp_path)  # only the disk holds the original's y
     encoded, _ = ask(retuned_mmproj, fresh, y)
     assert encoded == [1] and fresh.disk_hits == 0
+
+
+# --- a damaged folder: never a signal, a hang, a wrong value or a file deleted elsewhere --------
+
+_READ_AFTER_DAMAGE = """
+import numpy as np
+from gguf_mcv.embed_cache import EmbeddingCache
+N = 10_000
+good = np.arange(N, dtype=np.float32)
+cache = EmbeddingCache(disk_dir=sys.argv[1])
+got = cache.get("k", n_values=N)
+RESULT["hit"] = got is not None and bool(np.array_equal(got, good))
+RESULT["wrong"] = got is not None and not RESULT["hit"]
+cache.put("k", good)
+cache.close()
+got = EmbeddingCache(disk_dir=sys.argv[1]).get("k", n_values=N)
+RESULT["after"] = got is not None and bool(np.array_equal(got, good))
+"""
+
+
+def _two_entries(folder: Path) -> tuple[Path, Path]:
+    cache = EmbeddingCache(disk_dir=folder)
+    cache.put("k", VALUES)
+    cache.put("k2", VALUES + 1)
+    disk = cache._open_disk()
+    files = [Path(folder, disk._sql("SELECT filename FROM Cache WHERE key = ?", (k,)).fetchone()[0])
+             for k in ("k", "k2")]
+    cache.close()
+    return files[0], files[1]
+
+
+@pytest.mark.parametrize("target", ["index", "entry"])
+@pytest.mark.parametrize("damage", damage_mod.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_folder_is_a_miss_with_one_warning_in_a_child(tmp_path: Path, damage, target) -> None:
+    folder = tmp_path / "cache"
+    entry, other = _two_entries(folder)
+    harmed = folder / "cache.db" if target == "index" else entry
+    damage(harmed, entry if target == "index" else other)
+    result = damage_mod.run_child(_READ_AFTER_DAMAGE, str(folder))
+    assert not result["wrong"] and result["after"], result
+    assert len(result["warnings"]) == (0 if result["hit"] else 1), result
+    if damage.__name__ != "unreadable":  # root reads a mode-000 file: a hit there is right
+        assert not result["hit"], result
+    outside = tmp_path / f"outside-{harmed.name}"
+    assert not outside.exists() or outside.stat().st_size > 0  # a symlink's target is left alone
+
+
+def test_a_live_reader_survives_its_index_being_truncated(tmp_path: Path) -> None:
+    # WAL's -shm (and mmap of cache.db) turned truncation into SIGBUS; with a rollback journal
+    # and no mmap it is an SQLite error: a miss for the reader, its memory tier unharmed
+    code = """
+import os, numpy as np
+from gguf_mcv.embed_cache import EmbeddingCache
+cache = EmbeddingCache(max_bytes=0, disk_dir=sys.argv[1])
+for i in range(50):
+    cache.put(f"k{i}", np.full(1000, i, np.float32))
+for name in os.listdir(sys.argv[1]):
+    if name.startswith("cache.db") and os.path.getsize(os.path.join(sys.argv[1], name)):
+        os.truncate(os.path.join(sys.argv[1], name), os.path.getsize(os.path.join(sys.argv[1], name)) // 3)
+RESULT["hits"] = sum(cache.get(f"k{i}", n_values=1000) is not None for i in range(50))
+cache.put("new", np.ones(10, np.float32))
+"""
+    assert damage_mod.run_child(code, str(tmp_path))["hits"] < 50
+    result = damage_mod.run_child(_READ_AFTER_DAMAGE, str(tmp_path))  # the next process: set aside
+    assert not result["wrong"] and result["after"]
+
+
+def test_an_old_wal_folder_with_a_truncated_shm_opens(tmp_path: Path) -> None:
+    import diskcache
+
+    with diskcache.Cache(str(tmp_path)) as old:  # diskcache's defaults: WAL, mmap
+        assert old._sql("PRAGMA journal_mode").fetchone()[0] == "wal"
+    EmbeddingCache(disk_dir=tmp_path).put("k", VALUES)
+    for name in ("cache.db-shm", "cache.db-wal"):
+        if (tmp_path / name).exists():
+            os.truncate(tmp_path / name, (tmp_path / name).stat().st_size // 3)
+    result = damage_mod.run_child(_READ_AFTER_DAMAGE, str(tmp_path))
+    assert not result["wrong"] and result["after"]
+    assert not (tmp_path / "cache.db-shm").exists()  # no longer in WAL mode
+
+
+def _plant_row(folder: Path, key: object, raw: int, mode: int, filename: str | None, value: object) -> None:
+    import sqlite3
+
+    EmbeddingCache(disk_dir=folder).put("first", VALUES)  # the index exists, with our settings
+    with sqlite3.connect(folder / "cache.db") as con:
+        con.execute("INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, "
+                    "size, mode, filename, value) VALUES (?, ?, 0, NULL, 0, 0, NULL, 0, ?, ?, ?)",
+                    (key, raw, mode, filename, value))
+
+
+class _Marker:
+    """Unpickling it creates a file: proof that a pickle was run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_planted_pickle_key_or_value_is_never_unpickled(tmp_path: Path) -> None:
+    import pickle
+
+    import diskcache
+
+    marker = tmp_path / "ran"
+    _plant_row(tmp_path / "c", pickle.dumps(_Marker(str(marker))), 0, diskcache.core.MODE_RAW, None, b"x")
+    _plant_row(tmp_path / "c", "k", 1, diskcache.core.MODE_PICKLE, None, pickle.dumps(_Marker(str(marker))))
+    disk = embed_cache.open_bytes_cache(tmp_path / "c", 2**24, cull_limit=1)
+    keys = list(disk.iterkeys())
+    assert embed_cache.UNREADABLE_KEY in keys and "first" in keys
+    assert disk.get("k") == b""
+    assert EmbeddingCache(disk_dir=tmp_path / "c").get("k") is None
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["{outside}", "../victim", "ab/../../victim", "00/00/link.val",
+                                  "00/00/0000000000000000000000000000.val"])
+def test_a_planted_row_never_reads_or_deletes_a_file_outside_the_folder(tmp_path: Path, name: str, caplog) -> None:
+    import diskcache
+
+    folder = tmp_path / "c"
+    victim = tmp_path / "victim"
+    victim.write_bytes(embed_cache._encode("k", VALUES))  # a valid entry: reading it would be a hit
+    if name.startswith("00/00/"):  # a sub-folder that is a symlink out of the folder
+        (folder / "00").mkdir(parents=True)
+        (folder / "00" / "00").symlink_to(tmp_path)
+        (tmp_path / "link.val").symlink_to(victim)
+        (tmp_path / "0000000000000000000000000000.val").symlink_to(victim)
+    _plant_row(folder, "k", 1, diskcache.core.MODE_BINARY, name.format(outside=victim), None)
+    cache = EmbeddingCache(disk_dir=folder)
+    with caplog.at_level("WARNING"):
+        assert cache.get("k", n_values=N) is None
+    assert "not a file of this cache" in caplog.text or "leads out" in caplog.text or "Too many" in caplog.text
+    cache.put("k", VALUES)  # the row is replaced; diskcache "removes" the old file
+    cache._open_disk().cull()
+    assert victim.read_bytes() == embed_cache._encode("k", VALUES)
+
+
+def test_a_fifo_for_an_entry_never_blocks(tmp_path: Path) -> None:
+    entry, _ = _two_entries(tmp_path / "c")
+    fifo(entry, entry)
+    result = damage_mod.run_child(_READ_AFTER_DAMAGE, str(tmp_path / "c"), timeout=30)
+    assert not result["hit"] and result["after"] and len(result["warnings"]) == 1
+
+
+@pytest.mark.parametrize("name", ["cache.db-journal", "cache.db-wal", "cache.db-shm"])
+@pytest.mark.parametrize("kind", [fifo, damage_mod.directory, damage_mod.symlink], ids=lambda f: f.__name__)
+def test_something_odd_beside_the_index_is_set_aside(tmp_path: Path, name: str, kind) -> None:
+    folder = tmp_path / "cache"
+    _two_entries(folder)
+    (folder / name).write_bytes(b"")
+    kind(folder / name, folder / name)
+    result = damage_mod.run_child(_READ_AFTER_DAMAGE, str(folder))
+    assert result["after"] and not result["wrong"] and len(result["warnings"]) == 1, result

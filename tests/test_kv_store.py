@@ -15,9 +15,11 @@ import time
 import zipfile
 from pathlib import Path
 
+import damage
 import numpy as np
 import PIL.Image
 import pytest
+from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
 from gguf_mcv import kv_store, saved_chat
@@ -392,3 +394,91 @@ def test_a_hybrid_models_kept_state_comes_back_to_a_checkpoint(tmp_path_factory,
         # back to the checkpoint before the prompt's end (recurrent state cannot go back further)
         assert again.usage.cached_tokens >= first.usage.prompt_tokens - 40
         assert again.timings.slices_encoded == again.timings.slices_from_cache == 0
+
+
+# --- a damaged folder: a miss with one warning, in a child (a signal fails only this test) ------
+
+_FIND_AFTER_DAMAGE = """
+import numpy as np
+from gguf_mcv import kv_store
+from gguf_mcv.engine import KVState
+identity = {"name": "fake", "model": "m", "quant": "Q8_0", "projector": "p", "backend": "llama.cpp"}
+units, data = list(range(100)), np.random.default_rng(1).bytes(100_000)
+store = kv_store.KVStore(sys.argv[1], identity, n_vocab=1000, n_ctx=1024)
+found = store.find(units + [1], better_than=0, partial=True)
+RESULT["hit"] = found is not None and found.data == data
+RESULT["wrong"] = found is not None and not RESULT["hit"]
+store.keep(KVState(units, data))
+store.flush(30)
+found = store.find(units + [1], better_than=0, partial=True)
+RESULT["after"] = found is not None and found.data == data
+store.close()
+"""
+
+
+def _kept_two(folder: Path) -> tuple[Path, Path]:
+    store = kv_store.KVStore(folder, _fake_identity(), n_vocab=1000, n_ctx=N_CTX)
+    rng = np.random.default_rng(1)
+    store.keep(KVState(list(range(100)), rng.bytes(100_000)))  # what the child looks for
+    store.keep(KVState([7] * 100, rng.bytes(100_000)))
+    assert store.flush(30)
+    names = [row[0] for row in store._cache._sql("SELECT filename FROM Cache ORDER BY rowid").fetchall()]
+    store.close()
+    return folder / names[0], folder / names[1]
+
+
+@pytest.mark.parametrize("target", ["index", "entry"])
+@pytest.mark.parametrize("damage", damage.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_folder_is_a_miss_with_one_warning_in_a_child(tmp_path, damage, target) -> None:
+    folder = tmp_path / "kept"
+    entry, other = _kept_two(folder)
+    damage(folder / "cache.db" if target == "index" else entry, entry if target == "index" else other)
+    result = run_child(_FIND_AFTER_DAMAGE, str(folder))
+    assert not result["wrong"] and result["after"], result
+    damaged = 2 if (damage.__name__, target) == ("swapped", "entry") else 1  # both entries are listed
+    assert len(result["warnings"]) == (0 if result["hit"] else damaged), result
+    if damage.__name__ != "unreadable":  # root reads a mode-000 file: a hit there is right
+        assert not result["hit"], result
+
+
+def test_a_planted_pickle_key_never_runs_and_is_ignored(tmp_path, caplog) -> None:
+    import pickle
+    import sqlite3
+
+    marker = tmp_path / "ran"
+
+    class Marker:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    store = kv_store.KVStore(tmp_path / "kept", _fake_identity(), n_vocab=1000, n_ctx=N_CTX)
+    with sqlite3.connect(tmp_path / "kept" / "cache.db") as con:
+        con.execute("INSERT INTO Cache (key, raw, store_time, access_time, size, mode, value) "
+                    "VALUES (?, 0, 0, 0, 0, 1, ?)", (pickle.dumps(Marker()), b"x"))
+    with caplog.at_level("WARNING"):
+        assert store.find(list(range(100)), better_than=0, partial=True) is None
+        assert store.find(list(range(100)), better_than=0, partial=True) is None
+    assert not marker.exists()
+    assert store.counts["damaged"] == 1 and caplog.text.count("pickled keys") == 1
+    store.close()
+
+
+@pytest.mark.parametrize("name", ["{victim}", "../../victim", "00/00/0000000000000000000000000000.val"])
+def test_a_planted_row_never_deletes_a_file_outside_the_folder(tmp_path, name) -> None:
+    import sqlite3
+
+    folder, victim = tmp_path / "kept", tmp_path / "victim"
+    victim.write_bytes(b"someone else's file")
+    store = kv_store.KVStore(folder, _fake_identity(), n_vocab=1000, n_ctx=N_CTX)
+    if name.startswith("00/"):
+        (folder / "00").mkdir()
+        (folder / "00" / "00").symlink_to(tmp_path)
+        (tmp_path / "0000000000000000000000000000.val").symlink_to(victim)
+    units = list(range(100))
+    with sqlite3.connect(folder / "cache.db") as con:
+        con.execute("INSERT INTO Cache (key, raw, store_time, access_time, size, mode, filename) "
+                    "VALUES (?, 1, 0, 0, 19, 2, ?)", (store.key(units), name.format(victim=victim)))
+    assert store.find(units + [1], better_than=0, partial=True) is None
+    assert store.counts["damaged"] == 1 and store.key(units) not in store._cache  # the row, not the file
+    assert victim.read_bytes() == b"someone else's file"
+    store.close()

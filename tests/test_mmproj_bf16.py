@@ -8,8 +8,10 @@ import json
 import threading
 from pathlib import Path
 
+import damage as damages  # tests/ is on sys.path
 import numpy as np
 import pytest
+from damage import run_child
 
 import gguf_mcv
 from gguf_mcv import mmproj_bf16
@@ -198,3 +200,102 @@ def test_a_retuned_projector_gets_its_own_copy_known_without_a_second_hash(tiny,
     monkeypatch.setattr(identity, "_sha256", refuse)  # the engine's key for it comes from the manifest's digest
     manifest = json.loads(own.path.with_suffix(".json").read_text())
     assert file_identity(own.path) == manifest["sha256"]
+
+
+# --- a damaged cache folder: made again with one warning, never a signal or an abort -----------
+
+_PREPARE_AFTER_DAMAGE = """
+from gguf_mcv import mmproj_bf16
+from gguf_mcv.headers import read_projector_header
+got = mmproj_bf16.prepare(sys.argv[1], "dmg")
+RESULT["hit"] = got.convert_s == 0.0
+a, b = read_projector_header(got.path), read_projector_header(sys.argv[1])
+RESULT["wrong"] = (a.shape, a.n_embd_out) != (b.shape, b.n_embd_out)
+RESULT["after"] = mmproj_bf16.prepare(sys.argv[1], "dmg").convert_s == 0.0
+"""
+
+
+@pytest.fixture(scope="module")
+def good_copy(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.mktemp("bf16-good")))
+        return prepare(tiny.mmproj, "dmg").path.parent
+
+
+def _copy_of(good: Path, cache: Path) -> Path:
+    import shutil
+
+    shutil.copytree(good, cache, symlinks=True)
+    return cache
+
+
+@pytest.mark.parametrize("target", ["manifest", "copy"])
+@pytest.mark.parametrize("damage", damages.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_copy_is_made_again_with_one_warning_in_a_child(tiny, good_copy, cache, damage, target) -> None:
+    folder = _copy_of(good_copy, cache)
+    manifest, copy = folder / "dmg-bf16.json", folder / "dmg-bf16.gguf"
+    harmed = manifest if target == "manifest" else copy
+    damage(harmed, copy if target == "manifest" else manifest)
+    result = run_child(_PREPARE_AFTER_DAMAGE, str(tiny.mmproj), timeout=300)
+    assert not result["wrong"] and result["after"], result
+    if damage.__name__ == "unreadable":  # root reads mode 000
+        assert result["hit"] and not result["warnings"], result
+    else:
+        assert not result["hit"] and len(result["warnings"]) == 1, result
+
+
+def test_a_planted_copy_with_impossible_header_values_is_never_loaded(tiny, good_copy, cache, caplog) -> None:
+    from gguf_mcv import cache_files
+    from gguf_mcv.mmproj_standin import copy_metadata
+
+    folder = _copy_of(good_copy, cache)
+    copy = folder / "dmg-bf16.gguf"
+    # the copy rewritten with a vision block count llama.cpp asserts on (GGML_ASSERT: exit 134)
+    reader = gguf.GGUFReader(str(copy))
+    writer = gguf.GGUFWriter(str(folder / "planted.gguf"), "clip")
+    copy_metadata(reader, writer)
+    writer.add_uint32("clip.vision.block_count", 100_000)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(np.asarray(t.data))
+    writer.close()
+    del reader
+    (folder / "planted.gguf").replace(copy)
+    m = json.loads((folder / "dmg-bf16.json").read_text())
+    m.update(size=copy.stat().st_size, sha256=mmproj_bf16.sha256_file(copy))
+    m["digest"] = cache_files.digest_of(m)  # a manifest that vouches for it
+    (folder / "dmg-bf16.json").write_text(json.dumps(m))
+    with caplog.at_level("WARNING"):
+        again = prepare(tiny.mmproj, "dmg")
+    assert again.convert_s > 0 and "unusable" in caplog.text
+    mmproj_bf16.read_projector_header(again.path)  # the rebuilt copy's header passes the checks
+
+
+@pytest.mark.parametrize("edit", ["file_absolute", "file_dotdot", "converted_a_string", "size_a_list"])
+def test_an_edited_manifest_is_never_trusted(tiny, good_copy, cache, edit) -> None:
+    from gguf_mcv import cache_files
+
+    folder = _copy_of(good_copy, cache)
+    m = json.loads((folder / "dmg-bf16.json").read_text())
+    m.update({"file_absolute": {"file": str(folder / "dmg-bf16.gguf")},
+              "file_dotdot": {"file": "../mmproj/dmg-bf16.gguf"},
+              "converted_a_string": {"converted": "many"}, "size_a_list": {"size": [1]}}[edit])
+    m["digest"] = cache_files.digest_of(m)
+    (folder / "dmg-bf16.json").write_text(json.dumps(m))
+    assert prepare(tiny.mmproj, "dmg").convert_s > 0
+
+
+def test_a_killed_copys_temporary_files_are_removed_by_the_next(tiny, good_copy, cache) -> None:
+    folder = _copy_of(good_copy, cache)
+    left = [folder / ".dmg-bf16-abcd_123.part", folder / ".dmg-bf16-zz99xx00.json.part", folder / "dmg-bf16.json.part",
+            folder / ".other-bf16-k1ll3d00.part"]
+    for p in left:
+        p.write_bytes(bytes(2**20))
+    kept = folder / "notes.part.txt"
+    kept.write_text("the user's")
+    assert prepare(tiny.mmproj, "dmg").convert_s == 0.0
+    assert not any(p.exists() for p in left) and kept.read_text() == "the user's"

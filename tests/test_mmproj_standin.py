@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import damage as damages  # tests/ is on sys.path
 import pytest
+from damage import run_child
 
 from gguf_mcv.errors import CorruptModelError
 from gguf_mcv.headers import read_fields
@@ -31,3 +33,39 @@ def test_a_damaged_mmproj_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(CorruptModelError, match="download it again"):
         write_standin(bad, tmp_path / "standin.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mmproj.gguf"]
+
+
+_STANDIN_AFTER_DAMAGE = """
+from gguf_mcv import onnx_vision
+from gguf_mcv.headers import read_fields
+out = onnx_vision.standin(sys.argv[1], "dmg")
+RESULT["wrong"] = read_fields(out)[0] != read_fields(sys.argv[1])[0]
+RESULT["regular"] = out.is_file() and not out.is_symlink()
+"""
+
+
+@pytest.mark.parametrize("damage", damages.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_standin_is_written_again_in_a_child(tiny, tmp_path: Path, monkeypatch, damage) -> None:
+    from gguf_mcv import onnx_vision
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path / "cache"))
+    out = onnx_vision.standin(tiny.mmproj, "dmg")
+    other = out.with_name("other.gguf")
+    other.write_bytes(b"GGUF not really")
+    damage(out, other)
+    result = run_child(_STANDIN_AFTER_DAMAGE, str(tiny.mmproj), timeout=60)
+    assert not result["wrong"] and result["regular"], result
+    assert len(result["warnings"]) == (1 if damage.__name__ == "directory" else 0), result  # set aside
+    outside = out.parent.parent / f"outside-{out.name}"
+    assert not outside.exists() or read_fields(outside)[0] == read_fields(tiny.mmproj)[0]  # left alone
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next(tiny, tmp_path: Path, monkeypatch) -> None:
+    from gguf_mcv import onnx_vision
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path / "cache"))
+    out = onnx_vision.standin(tiny.mmproj, "dmg")
+    left = out.with_name(f".{out.name}-k1ll3d00.part")
+    left.write_bytes(b"half a stand-in")
+    onnx_vision.standin(tiny.mmproj, "dmg")
+    assert not left.exists() and not list(out.parent.glob(".*.part"))

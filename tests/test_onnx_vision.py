@@ -5,9 +5,11 @@ stand-in mmproj), cache keys per backend, threads, and hostile inputs."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
+import damage as damage_mod  # tests/ is on sys.path
 import numpy as np
 import pytest
 
@@ -344,3 +346,134 @@ def test_a_retuned_projector_of_the_same_size_gets_its_own_conversion(tiny, retu
     rgb = picture(31, (448, 448))
     fp32 = [onnx_vision.OnnxEncoder(c.fp32, c.projector, n_threads=1).encode_rgb(rgb, 0) for c in (converted, own)]
     assert not np.allclose(fp32[0], fp32[1], atol=1e-4)  # the middle tensor matters
+
+
+# --- a damaged conversion folder: rebuilt with one warning, never a signal or a wrong answer -----
+
+_PREPARE_AFTER_DAMAGE = """
+import dataclasses
+from gguf_mcv import onnx_vision
+from gguf_mcv.engine import file_identity
+from gguf_mcv.onnx_graph import Weights
+mmproj = sys.argv[1]
+got = onnx_vision.prepare(mmproj, file_identity(mmproj), validate_int8=False)
+RESULT["hit"] = got.convert_s == 0.0
+RESULT["wrong"] = got.projector != Weights(mmproj).projector()
+RESULT["after"] = onnx_vision.prepare(mmproj, file_identity(mmproj), validate_int8=False).convert_s == 0.0
+"""
+
+
+@pytest.fixture(scope="module")
+def onnx_folder(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A good conversion of the tiny mmproj, copied by the tests that damage it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GGUF_MCV_CACHE", str(tmp_path_factory.mktemp("onnx-good")))
+        return prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False).fp32.parent
+
+
+def _copy_of(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    import shutil
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "onnx"
+    shutil.copytree(good, folder, symlinks=True)
+    return folder
+
+
+@pytest.mark.parametrize("target", ["manifest", "graph"])
+@pytest.mark.parametrize("damage", damage_mod.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_conversion_is_rebuilt_with_one_warning_in_a_child(tiny, onnx_folder, tmp_path, monkeypatch,
+                                                                      damage, target) -> None:
+    folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
+    manifest = next(folder.glob("*.json"))
+    fp32, int8 = next(folder.glob("*-fp32.onnx.data")), next(folder.glob("*-int8.onnx.data"))
+    harmed = manifest if target == "manifest" else fp32
+    damage(harmed, fp32 if target == "manifest" else int8)
+    result = damage_mod.run_child(_PREPARE_AFTER_DAMAGE, str(tiny.mmproj), timeout=300)
+    assert not result["wrong"] and result["after"], result
+    if damage.__name__ == "unreadable":  # root reads mode 000
+        assert result["hit"] and not result["warnings"], result
+    else:
+        assert not result["hit"] and len(result["warnings"]) == 1, result
+    outside = tmp_path / "cache" / f"outside-{harmed.name}"
+    assert not outside.exists() or outside.stat().st_size > 0  # a symlink's target is left alone
+
+
+def _edit(m: dict, what: str) -> None:
+    if what == "image_size":
+        m["projector"]["image_size"] *= 2
+    elif what == "mean":
+        m["projector"]["mean"][0] = 0.9
+    elif what == "huge_size":
+        m["projector"]["image_size"] = 10**12
+    elif what == "projector_a_list":
+        m["projector"] = [1, 2]
+    elif what == "absolute_file":
+        name = next(iter(m["files"]))
+        m["files"]["/etc/hostname"] = m["files"].pop(name)
+    elif what == "dotdot_graph":
+        m["fp32"] = "../" + m["fp32"]
+    elif what == "cosine":
+        m["int8_cosine"] = 7.5
+    elif what == "size_a_string":
+        next(iter(m["files"].values()))[0] = "big"
+
+
+@pytest.mark.parametrize("digest", ["recomputed", "stale"])
+@pytest.mark.parametrize("what", ["image_size", "mean", "huge_size", "projector_a_list", "absolute_file",
+                                  "dotdot_graph", "cosine", "size_a_string"])
+def test_an_edited_manifest_is_never_trusted(tiny, onnx_folder, tmp_path, monkeypatch, what, digest, caplog) -> None:
+    from gguf_mcv import cache_files
+    from gguf_mcv.onnx_graph import Weights
+
+    folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
+    path = next(folder.glob("*.json"))
+    m = json.loads(path.read_text())
+    _edit(m, what)
+    if digest == "recomputed":  # as if made so on purpose: the mmproj's own values still decide
+        m["digest"] = cache_files.digest_of(m)
+    path.write_text(json.dumps(m))
+    hostname = Path("/etc/hostname").read_bytes() if Path("/etc/hostname").exists() else None
+    with caplog.at_level("WARNING"):
+        got = prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False)
+    assert got.convert_s > 0 and got.projector == Weights(tiny.mmproj).projector()
+    assert "unusable" in caplog.text
+    assert hostname is None or Path("/etc/hostname").read_bytes() == hostname
+
+
+def test_a_killed_conversions_temporary_files_are_removed_by_the_next(tiny, onnx_folder, tmp_path, monkeypatch) -> None:
+    folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
+    stem = next(folder.glob("*.json")).stem
+    left = [folder / f".{stem}-abcd_123", folder / f".{stem}-zz99xx00.json.part", folder / f"{stem}.json.part",
+            folder / ".other-ort1.0-k1ll3d00"]  # another mmproj's, its lock free: a killed one too
+    left[0].mkdir()
+    (left[0] / f"{stem}-fp32.onnx.data").write_bytes(bytes(2**20))
+    for p in left[1:3]:
+        p.write_text("{half")
+    left[3].mkdir()
+    kept = [folder / ".damaged-x.json-20260101-000000-12345678", folder / "notes.txt"]
+    for p in kept:
+        p.write_text("the user's")
+    assert prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False).convert_s == 0.0
+    assert not any(os.path.lexists(p) for p in left)
+    assert all(p.read_text() == "the user's" for p in kept)
+
+
+def test_a_live_conversions_temporary_folder_is_left_alone(tiny, onnx_folder, tmp_path, monkeypatch) -> None:
+    from filelock import FileLock
+
+    folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
+    live = folder / ".other-ort1.0-l1ve0000"
+    live.mkdir()
+    with FileLock(str(folder / "other-ort1.0.lock")):  # its converter is at work
+        prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False)
+    assert live.is_dir()
+
+
+def test_auto_falls_back_to_llama_cpp_when_the_cache_cannot_be_written(tiny, tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(blocker))
+    with _load(tiny, "auto") as model:
+        assert model.info.vision_backend == "llama.cpp"
+        assert "ONNX conversion cannot be made" in model.info.vision_backend_reason

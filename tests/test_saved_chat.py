@@ -7,8 +7,10 @@ import threading
 import zipfile
 from pathlib import Path
 
+import damage
 import numpy as np
 import pytest
+from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
 from gguf_mcv import saved_chat
@@ -396,3 +398,33 @@ def test_chat_json_is_capped_by_the_context(tmp_path) -> None:
     with pytest.raises(SavedChatError, match="more than"):
         saved_chat.read(path, n_vocab=100, n_ctx=2048)
     assert saved_chat.read(path, n_vocab=100, n_ctx=(limit + 100) // saved_chat.JSON_BYTES_PER_POSITION).turns == []
+
+
+_READ_AFTER_DAMAGE = """
+from gguf_mcv import saved_chat
+from gguf_mcv.errors import SavedChatError
+try:
+    got = saved_chat.read(sys.argv[1], n_vocab=1000, n_ctx=1024)
+    RESULT["hit"] = got.kv is not None and got.kv.data == bytes(range(256)) * 400
+    RESULT["error"] = None
+except SavedChatError as exc:
+    RESULT["hit"], RESULT["error"] = False, str(exc)
+"""
+
+
+@pytest.mark.parametrize("damage", damage.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_file_is_a_saved_chat_error_in_a_child(tmp_path, damage) -> None:
+    from gguf_mcv.engine import KVState
+
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    path, other = folder / "chat.gcz", folder / "notes.txt"
+    saved_chat.write(path, saved_chat.SavedChat(model={"model": "m"}, settings={}, turns=[],
+                                                kv=KVState(list(range(50)), bytes(range(256)) * 400)))
+    other.write_text("not a chat")
+    damage(path, other)
+    result = run_child(_READ_AFTER_DAMAGE, str(path), timeout=30)
+    if damage.__name__ in ("unreadable", "symlink"):  # root reads mode 000; the user's symlink is followed
+        assert result["hit"], result
+    else:
+        assert not result["hit"] and "chat.gcz" in result["error"], result  # a SavedChatError naming it

@@ -8,7 +8,9 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import damage
 import pytest
+from damage import run_child  # tests/ is on sys.path
 
 from gguf_mcv import speed_probe
 from gguf_mcv.errors import ConfigError
@@ -280,3 +282,39 @@ def test_a_cache_path_that_is_not_a_small_file_is_probed_again_without_blocking(
     assert got.source == "fake probe" and fake.calls == 1
     if kind == "huge":
         assert speed_probe.read_cache(cache, speed_probe.machine_key(2)) == got  # replaced
+
+
+_PROBE_AFTER_DAMAGE = """
+from dataclasses import replace
+from pathlib import Path
+from gguf_mcv import speed_probe
+from gguf_mcv.speed import Rates
+calls = []
+def fake(threads):
+    calls.append(threads)
+    return Rates(bandwidth=12e9, matvec=9e9, prefill_flops=40e9, vision_flops=50e9, threads=threads,
+                 source="fake probe")
+path = Path(sys.argv[1])
+got = speed_probe.rates(probe=True, threads=2, cache=path, measure_fn=fake)
+RESULT["hit"] = not calls
+RESULT["wrong"] = got.threads != 2
+RESULT["after"] = speed_probe.read_cache(path, speed_probe.machine_key(2)) is not None
+"""
+
+
+@pytest.mark.parametrize("damage", damage.DAMAGES, ids=lambda f: f.__name__)
+def test_a_damaged_verdict_is_probed_again_with_one_warning_in_a_child(tmp_path: Path, damage) -> None:
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    path, other = folder / "speed.json", folder / "other.json"
+    speed_probe.write_cache(path, speed_probe.machine_key(2), replace(FAKE, threads=2))
+    other.write_text(json.dumps({"key": "another cache's file", "paths": {}}))
+    damage(path, other)
+    result = run_child(_PROBE_AFTER_DAMAGE, str(path))
+    assert not result["wrong"] and result["after"], result
+    if damage.__name__ == "unreadable":  # root reads a mode-000 file
+        assert result["hit"] and not result["warnings"], result
+    elif damage.__name__ == "swapped":  # a valid file of another kind: another key, not damage
+        assert not result["hit"], result
+    else:
+        assert not result["hit"] and len(result["warnings"]) == 1, result

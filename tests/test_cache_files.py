@@ -1,0 +1,96 @@
+"""Cache files read only as regular files, names confined to their folder, damage set aside (never
+deleted), killed writers' temporary files swept under their lock, manifests tied to a digest."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from gguf_mcv import cache_files
+from gguf_mcv.cache_files import DamagedManifest, NotRegularFile
+
+
+def test_only_a_regular_file_is_opened_and_a_fifo_never_blocks(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"data")
+    os.mkfifo(tmp_path / "fifo")  # no writer: a blocking open would never return
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    with cache_files.open_regular(tmp_path / "file") as f:
+        assert f.read() == b"data"
+    for name in ("fifo", "folder"):
+        with pytest.raises(NotRegularFile):
+            cache_files.open_regular(tmp_path / name)
+    with pytest.raises(OSError):  # ELOOP: a symlink is not followed
+        cache_files.open_regular(tmp_path / "link")
+    with cache_files.open_regular(tmp_path / "link", follow_symlinks=True) as f:
+        assert f.read() == b"data"
+    with pytest.raises(OSError, match="larger"):
+        cache_files.read_regular(tmp_path / "file", 3)
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../x", "a/../../x", "", "a\x00b", ".", "up/x"])
+def test_names_outside_the_folder_are_refused(tmp_path: Path, name: str) -> None:
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "up").symlink_to(tmp_path)  # a symlinked sub-folder leads out too
+    assert cache_files.inside(folder, name) is None
+
+
+def test_a_plain_name_is_inside(tmp_path: Path) -> None:
+    assert cache_files.inside(tmp_path, "ab/cd/x.val") == tmp_path / "ab/cd/x.val"
+
+
+def test_damage_is_set_aside_not_deleted(tmp_path: Path, caplog) -> None:
+    (tmp_path / "cache.db").mkdir()
+    (tmp_path / "cache.db" / "inside").write_text("kept")
+    with caplog.at_level("WARNING"):
+        aside = cache_files.set_aside(tmp_path / "cache.db", "a folder")
+    assert aside is not None and (aside / "inside").read_text() == "kept" and not (tmp_path / "cache.db").exists()
+    assert aside.name.startswith(".damaged-cache.db-") and len(caplog.records) == 1
+    assert cache_files.set_aside(tmp_path / "missing", "gone") is None
+
+
+def test_a_lock_path_that_is_a_symlink_never_truncates_its_target(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's")
+    (tmp_path / "x.lock").symlink_to(victim)  # filelock opens its file with O_TRUNC
+    with cache_files.folder_lock(tmp_path / "x.lock", timeout=1):
+        pass
+    assert victim.read_text() == "someone else's"
+
+
+PATTERN = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}\.part")
+
+
+def test_sweep_removes_killed_writers_files_and_leaves_the_rest(tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    mine, dead, live = tmp_path / ".a-12345678.part", tmp_path / ".b-abcdefgh.part", tmp_path / ".c-zzzzzzzz.part"
+    for p in (mine, dead, live):
+        p.write_bytes(bytes(1000))
+    kept = [tmp_path / "a.gguf", tmp_path / ".damaged-x-20260101-000000-1234.part"]
+    for p in kept:
+        p.write_text("kept")
+    with FileLock(str(tmp_path / "c.lock")):  # c's writer is at work
+        assert cache_files.sweep(tmp_path, PATTERN, "a") == 2000
+    assert not mine.exists() and not dead.exists() and live.exists() and all(p.exists() for p in kept)
+
+
+def test_a_manifest_is_trusted_only_with_its_digest(tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    assert cache_files.read_manifest(path, 1) is None
+    cache_files.write_manifest(path, {"version": 1, "size": 5})
+    assert cache_files.read_manifest(path, 1) == {"version": 1, "size": 5, "digest": cache_files.digest_of(
+        {"version": 1, "size": 5})}
+    m = json.loads(path.read_text())
+    m["size"] = 6
+    path.write_text(json.dumps(m))
+    with pytest.raises(DamagedManifest, match="digest"):
+        cache_files.read_manifest(path, 1)
+    path.write_text(json.dumps({"version": 0}))  # another release's: rebuilt, not damage
+    assert cache_files.read_manifest(path, 1) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
