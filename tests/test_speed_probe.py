@@ -228,7 +228,8 @@ def test_the_real_probe_measures_this_machine(tmp_path: Path) -> None:
     # finite and positive; on cores other work oversubscribes two threads can spin for a
     # tenth of a second per token (Q4_1 at 1e8 B/s under a load of 10), hence the wide floor
     assert all(1e6 < v < 1e14 for v in got.matvec_by_type.values())
-    assert 0 <= got.token_overhead_s < 0.01 and 0 <= got.layer_overhead_s < 0.01
+    # quiet: well under a millisecond; measured 0.088 s per layer with other work on both cores
+    assert 0 <= got.token_overhead_s < 0.2 and 0 <= got.layer_overhead_s < 0.2
     assert set(got.vision_by_backend) == {"onnx-fp32", "onnx-int8"}
     assert speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=Counter()) == got
 
