@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -498,3 +499,26 @@ def cpu_flags(root: str | Path | None = None) -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``), else what platform says: what a
+    verdict measured on this CPU (the speed probe's, the native check's) is kept under."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return f"{platform.processor()} {platform.machine()}"
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() in ("model name", "flags", "Features", "CPU part", "Hardware"):
+            fields.setdefault(name.strip(), value.strip())
+    return " | ".join(f"{k}={v}" for k, v in sorted(fields.items())) or platform.machine()
+
+
+def dist_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist`` (e.g. ``"llama_cpp_python"``), or None."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None

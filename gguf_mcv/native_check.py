@@ -37,7 +37,6 @@ import os
 import platform
 import queue
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -45,12 +44,13 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from . import constants
+from .cache_files import DamagedManifest, read_manifest, write_manifest
 from .errors import NativeKernelError
+from .hardware import cpu_identity, dist_version
 
 #: Bumped when what a path runs changes: older verdicts are then checked again.
 CHECK_VERSION = 1
@@ -153,42 +153,25 @@ def read_verdict(path: Path, key: str) -> dict[str, Outcome]:
     """The outcomes kept in ``path`` for ``key``; empty when the file is missing, damaged or
     another machine's (a damaged verdict is checked again, never trusted)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+        data = read_manifest(path, CHECK_VERSION, MAX_VERDICT_BYTES)
+    except DamagedManifest:
         return {}
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_VERDICT_BYTES:
-            return {}  # a folder, a FIFO (reading it would block) or something huge
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = json.loads(f.read(MAX_VERDICT_BYTES + 1).decode("utf-8"))
-        if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("paths"), dict):
-            return {}
-        found = {}
-        for name, value in data["paths"].items():
-            if (isinstance(name, str) and isinstance(value, dict)
-                    and value.get("status") in ("ok", "error", "crashed", "hung")
-                    and isinstance(value.get("detail", ""), str)):
-                found[name] = Outcome(value["status"], value.get("detail", ""))
-        return found
-    except (OSError, ValueError, UnicodeDecodeError):
+    if data is None or data.get("key") != key or not isinstance(data.get("paths"), dict):
         return {}
-    finally:
-        os.close(fd)
+    found = {}
+    for name, value in data["paths"].items():
+        if (isinstance(name, str) and isinstance(value, dict)
+                and value.get("status") in ("ok", "error", "crashed", "hung")
+                and isinstance(value.get("detail", ""), str)):
+            found[name] = Outcome(value["status"], value.get("detail", ""))
+    return found
 
 
 def write_verdict(path: Path, key: str, known: dict[str, Outcome]) -> None:
-    """Keep the outcomes atomically (a temporary file renamed over the old one)."""
+    """Keep the outcomes (atomically, with a digest of the content: see :mod:`gguf_mcv.cache_files`)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".native-check.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"key": key, "written": time.time(),
-                           "paths": {p: o.to_dict() for p, o in sorted(known.items())}}, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_manifest(path, {"version": CHECK_VERSION, "key": key, "written": time.time(),
+                              "paths": {p: o.to_dict() for p, o in sorted(known.items())}})
     except OSError:
         pass  # a read-only cache folder costs a check per process, nothing else
 
@@ -432,36 +415,16 @@ def fingerprint() -> str:
     (and ``$GGUF_MCV_NATIVE_FAULT``, so simulated faults never mix with real verdicts)."""
     parts = {
         "version": CHECK_VERSION,
-        "cpu": _cpu_identity(),
+        "cpu": cpu_identity(),
         "kernel": platform.release(),
         "machine": platform.machine(),
         "python": sys.version,
-        "llama_cpp_python": _dist_version("llama_cpp_python"),
-        "onnxruntime": _dist_version("onnxruntime"),
+        "llama_cpp_python": dist_version("llama_cpp_python"),
+        "onnxruntime": dist_version("onnxruntime"),
         "libraries": _native_libraries(),
         "fault": os.environ.get(ENV_FAULT, ""),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _cpu_identity() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return f"{platform.processor()} {platform.machine()}"
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() in ("model name", "flags", "Features", "CPU part", "Hardware"):
-            fields.setdefault(name.strip(), value.strip())
-    return " | ".join(f"{k}={v}" for k, v in sorted(fields.items())) or platform.machine()
-
-
-def _dist_version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _native_libraries() -> list[tuple[str, int, int]]:

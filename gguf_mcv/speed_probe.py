@@ -44,13 +44,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 from . import constants
 from .cache_files import read_regular, set_aside
 from .errors import ConfigError, EngineError, GgufMcvError
+from .hardware import cpu_identity, dist_version
 from .speed import DEFAULT_RATES, Rates
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,12 @@ def machine_key(threads: int) -> dict[str, Any]:
     """What must be unchanged for a cached probe to hold: CPU, cores, threads, builds."""
     return {
         "probe_version": PROBE_VERSION,
-        "cpu": _cpu_identity(),
+        "cpu": cpu_identity(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "machine": platform.machine(),
-        "llama_cpp_python": _version("llama_cpp_python"),
-        "onnxruntime": _version("onnxruntime"),
+        "llama_cpp_python": dist_version("llama_cpp_python"),
+        "onnxruntime": dist_version("onnxruntime"),
     }
 
 
@@ -225,27 +225,6 @@ def measure_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats: int 
         elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
         rates.append(len(arrays) * 2 * n * 4 / max(elapsed, 1e-6))
     return statistics.median(rates)
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (``/proc/cpuinfo``), else what platform says."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return f"{platform.processor()} {platform.machine()}"
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() in ("model name", "flags", "Features", "CPU part", "Hardware"):
-            fields.setdefault(name.strip(), value.strip())
-    return " | ".join(f"{k}={v}" for k, v in sorted(fields.items())) or platform.machine()
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def clock() -> float:

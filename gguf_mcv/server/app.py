@@ -183,12 +183,7 @@ def check_bind(host: str, port: int) -> None:
     Checks what uvicorn will do (resolve ``host``, bind each of its addresses), so a
     command can refuse a bad address or a port in use before it loads a model.
     """
-    _check_port(port)
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"Cannot serve on host {host!r}: {exc.strerror}. Use an address of this "
-                          "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all).") from None
+    addresses = addresses_to_bind(host, port)
     errors = [error for error in map(_try_bind, addresses) if error is not None]
     # as asyncio does, an address family this machine lacks is skipped if another one binds
     serious = [e for e in errors if e.errno != errno.EADDRNOTAVAIL]
@@ -199,6 +194,17 @@ def check_bind(host: str, port: int) -> None:
 def _check_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise ConfigError(f"Port {port} is out of range: use a port from 1 to 65535.")
+
+
+def addresses_to_bind(host: str, port: int) -> list[tuple]:
+    """``socket.getaddrinfo``'s addresses a server on ``host``:``port`` binds; :class:`ConfigError`
+    for a port out of range or a host that does not resolve."""
+    _check_port(port)
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"Cannot serve on host {host!r}: {exc.strerror}. Use an address of this "
+                          "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all).") from None
 
 
 def _try_bind(address: tuple) -> OSError | None:

@@ -44,7 +44,7 @@ from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process
 from .. import native_check
 from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
-from .app import API_KEY_ENV, _bind_failure, _check_port, _is_loopback, build_app
+from .app import API_KEY_ENV, _bind_failure, _is_loopback, addresses_to_bind, build_app
 from .logs import log_config
 from .malloc import return_large_buffers_to_os
 from .state import WorkerInfo
@@ -118,12 +118,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     """The listening sockets the workers share: each address of ``host``, bound as asyncio's
     server would bind it (reusing the address, IPv6 only on IPv6); :class:`ConfigError` if one
     cannot be, as :func:`~gguf_mcv.server.check_bind` says."""
-    _check_port(port)
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"Cannot serve on host {host!r}: {exc.strerror}. Use an address of this "
-                          "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all).") from None
+    addresses = addresses_to_bind(host, port)
     sockets: list[socket.socket] = []
     lacking: list[OSError] = []
     try:
