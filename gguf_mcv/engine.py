@@ -903,9 +903,11 @@ class Engine:
                 lc.llama_sampler_free(constrain)
 
     def check_grammar(self, grammar: str) -> None:
-        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``)."""
+        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``);
+        the vocabulary's UTF-8 table (see :meth:`_sample`) is made here the first time."""
         self._check_open()
         self._lc.llama_sampler_free(self._grammar_sampler(grammar))
+        self._utf8_table()
 
     def _grammar_sampler(self, grammar: str, root: str = "root"):
         native.clear_recent()
@@ -933,13 +935,15 @@ class Engine:
         candidates = self._candidates(index)
         lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
         token = int(candidates.array.data[candidates.array.selected].id)
+        if refused[token]:  # sample again without the tokens that break UTF-8 (no grammar pass yet)
+            candidates = self._masked_candidates(index, refused)
+            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+            token = int(candidates.array.data[candidates.array.selected].id)
         one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
         single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
-        if not refused[token]:
-            lc.llama_sampler_apply(constrain, ctypes.byref(single))
-        if refused[token] or one[0].logit == -np.inf:  # constrain the whole vocabulary, then sample
-            candidates = self._candidates(index)
-            candidates.data["logit"][refused] = -np.inf
+        lc.llama_sampler_apply(constrain, ctypes.byref(single))
+        if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
+            candidates = self._masked_candidates(index, refused)
             lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
             if not np.isfinite(candidates.data["logit"]).any():
                 # sampling on would pick a token the grammar refuses, and llama.cpp aborts
@@ -950,6 +954,14 @@ class Engine:
         lc.llama_sampler_accept(constrain, token)
         lc.llama_sampler_accept(chain, token)
         return token
+
+    def _masked_candidates(self, index: int, refused: np.ndarray) -> "_Candidates":
+        """:meth:`_candidates` without the ``refused`` tokens (EngineError if none is left)."""
+        candidates = self._candidates(index)
+        candidates.data["logit"][refused] = -np.inf
+        if not np.isfinite(candidates.data["logit"]).any():
+            raise EngineError("Every token of this model's vocabulary would break UTF-8 here.")
+        return candidates
 
     def _utf8_table(self) -> np.ndarray:
         """This vocabulary's :func:`utf8mask.token_table`, made on first use (about a second
