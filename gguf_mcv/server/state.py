@@ -71,7 +71,7 @@ def check_output(model: Model, options: dict[str, Any]) -> None:
     box = toolbox(options.get("tools"), options.get("tool_choice"))
     if box is not None:
         model.checked(box.constraint())
-    else:
+    elif options.get("schema") is not None or options.get("format"):
         model.constraint(options.get("schema"), options.get("format"))
 
 
