@@ -16,13 +16,14 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol, Sequence, Union, cast
 
 import numpy as np
 
-from . import native, plaintext
+from . import native, plaintext, utf8mask
 from .embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from .errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
 from .headers import read_projector_header
@@ -278,6 +279,9 @@ class Engine:
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
+        self._utf8: np.ndarray | None = None  # utf8mask.token_table of this vocabulary, made once
+        self._utf8_refused: np.ndarray | None = None  # [state, token]: the token would break UTF-8
+        self._utf8_lock = threading.Lock()
         self.encoder_calls = 0
         self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
         self.restored_checkpoints = 0  #: rewinds of a recurrent cache served by a checkpoint
@@ -860,6 +864,8 @@ class Engine:
         waiting = grammar_after.encode() if grammar and grammar_after and not opener else None
         sampler = self._sampler(sampling)
         constrain = None
+        utf8 = self._utf8_table() if grammar is not None else None
+        state = utf8mask.ACCEPT  # where the constrained text stands in UTF-8 (see utf8mask)
         if grammar is not None and opener is not None:
             either = f'{grammar}\n{_GRAMMAR_OR_OPENER} ::= "{may_open}" | root'
             constrain = self._grammar_sampler(either, root=_GRAMMAR_OR_OPENER)
@@ -869,7 +875,7 @@ class Engine:
         view.finish_reason = "length"
         try:
             for _ in range(max_tokens):
-                token = self._sample(sampler, constrain, view.logits_index)
+                token = self._sample(sampler, constrain, view.logits_index, state)
                 if lc.llama_vocab_is_eog(self._vocab, token):
                     if waiting is None or not must_answer or view.n_past + len(waiting) >= view.n_ctx:
                         view.finish_reason = "stop"
@@ -878,9 +884,11 @@ class Engine:
                     for closing in self.llama.tokenize(waiting, add_bos=False, special=True):
                         yield closing
                         view.eval_token(closing)
-                    waiting, recent = None, b""
+                    waiting, recent, state = None, b"", utf8mask.ACCEPT
                     constrain = self._grammar_sampler(cast(str, grammar))
                     continue
+                if constrain is not None:
+                    state = int(cast(np.ndarray, utf8)[token, state])
                 yield token
                 if view.n_past >= view.n_ctx:
                     return
@@ -894,7 +902,7 @@ class Engine:
                 elif opener is not None and not opener.startswith(recent.lstrip()):
                     opener = None  # the answer itself began
                 elif waiting is not None and waiting in recent:  # the free block ended
-                    waiting = None
+                    waiting, state = None, utf8mask.ACCEPT
                     constrain = self._grammar_sampler(cast(str, grammar))
         finally:
             lc.llama_sampler_free(sampler)
@@ -902,9 +910,11 @@ class Engine:
                 lc.llama_sampler_free(constrain)
 
     def check_grammar(self, grammar: str) -> None:
-        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``)."""
+        """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``);
+        the vocabulary's UTF-8 table (see :meth:`_sample`) is made here the first time."""
         self._check_open()
         self._lc.llama_sampler_free(self._grammar_sampler(grammar))
+        self._utf8_table()
 
     def _grammar_sampler(self, grammar: str, root: str = "root"):
         native.clear_recent()
@@ -914,26 +924,33 @@ class Engine:
                               " Check the schema (or GBNF) for rules that refer to themselves first.")
         return sampler
 
-    def _sample(self, chain, constrain, index: int = -1) -> int:
+    def _sample(self, chain, constrain, index: int = -1, utf8_state: int = utf8mask.ACCEPT) -> int:
         """The next token from ``chain``, within the grammar ``constrain`` when there is one.
 
         As llama.cpp's own common sampler does: sample as usual, check only that token
         against the grammar, and only if the grammar refuses it run the grammar over the
         whole vocabulary and sample again. Checking every token of a 150k vocabulary
         against the grammar costs more than the model's forward pass; most sampled tokens
-        are allowed (a grammar only rules out what the model rarely wants).
+        are allowed (a grammar only rules out what the model rarely wants). Under a grammar,
+        tokens that would break UTF-8 from ``utf8_state`` are refused the same way (see
+        :mod:`gguf_mcv.utf8mask`).
         """
         lc = self._lc
         if constrain is None:
             return int(lc.llama_sampler_sample(chain, self.llama.ctx, index))
+        refused = cast(np.ndarray, self._utf8_refused)[utf8_state]
         candidates = self._candidates(index)
         lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
         token = int(candidates.array.data[candidates.array.selected].id)
+        if refused[token]:  # sample again without the tokens that break UTF-8 (no grammar pass yet)
+            candidates = self._masked_candidates(index, refused)
+            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
+            token = int(candidates.array.data[candidates.array.selected].id)
         one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
         single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
         lc.llama_sampler_apply(constrain, ctypes.byref(single))
         if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
-            candidates = self._candidates(index)
+            candidates = self._masked_candidates(index, refused)
             lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
             if not np.isfinite(candidates.data["logit"]).any():
                 # sampling on would pick a token the grammar refuses, and llama.cpp aborts
@@ -944,6 +961,37 @@ class Engine:
         lc.llama_sampler_accept(constrain, token)
         lc.llama_sampler_accept(chain, token)
         return token
+
+    def _masked_candidates(self, index: int, refused: np.ndarray) -> "_Candidates":
+        """:meth:`_candidates` without the ``refused`` tokens (EngineError if none is left)."""
+        candidates = self._candidates(index)
+        candidates.data["logit"][refused] = -np.inf
+        if not np.isfinite(candidates.data["logit"]).any():
+            raise EngineError("Every token of this model's vocabulary would break UTF-8 here.")
+        return candidates
+
+    def _utf8_table(self) -> np.ndarray:
+        """This vocabulary's :func:`utf8mask.token_table`, made on first use (about a second
+        for 150k tokens)."""
+        with self._utf8_lock:
+            if self._utf8 is None:
+                lc, n_vocab = self._lc, self.llama.n_vocab()
+                answer = [self._token_piece(t, special=False) for t in range(n_vocab)]
+                grammar = [self._token_piece(t, special=True) for t in range(n_vocab)]
+                eog = np.array([lc.llama_vocab_is_eog(self._vocab, t) for t in range(n_vocab)], dtype=bool)
+                table = utf8mask.token_table(answer, grammar, eog)
+                self._utf8_refused = np.ascontiguousarray((table == utf8mask.REJECT).T)
+                self._utf8 = table
+            return self._utf8
+
+    def _token_piece(self, token: int, special: bool) -> bytes:
+        """A token's bytes as llama.cpp writes them (the grammar reads them with ``special``)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:max(n, 0)]
 
     def _candidates(self, index: int = -1) -> "_Candidates":
         """Every token with its logit from row ``index`` of the last evaluation's outputs, as a

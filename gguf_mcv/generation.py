@@ -409,12 +409,14 @@ def _tool_auto(constraint: Constraint | None) -> bool:
 
 
 def _read_back(reply: Reply, constraint: Constraint) -> Reply:
-    """``reply`` with its parsed value, or its tool calls taken out of the text."""
+    """``reply`` with its parsed value, or its tool calls taken out of the text (a call whose
+    arguments do not match its parameters is left in the text, with ``parse_error``)."""
     if constraint.tools is None:
         reply.parsed, reply.parse_error = constraint.parse(reply, reply.finish_reason)
         return reply
-    text, calls = constraint.tools.calls(str(reply))
+    text, calls, problem = constraint.tools.read(str(reply))
     if not calls:
+        reply.parse_error = problem
         return reply
     out = Reply(text, usage=reply.usage, timings=reply.timings, reasoning=reply.reasoning,
                 finish_reason="tool_calls")

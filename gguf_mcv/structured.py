@@ -8,8 +8,9 @@ validates the answer. The converter does not enforce numeric bounds; this module
 adds that one rule (see :class:`_Converter`), everything else is the converter's.
 
 Validation: pydantic for model classes and dataclasses; ``jsonschema`` for dict
-schemas when it is installed, else :func:`check_value`, which checks exactly the
-keywords a schema may use here (others are refused up front).
+schemas when it is installed (with a registry that retrieves nothing, and patterns
+matched in linear time by :mod:`gguf_mcv.patterns`), else :func:`check_value`, which
+checks exactly the keywords a schema may use here (others are refused up front).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Iterator
 
+from . import patterns
 from .errors import ConfigError
 
 #: A schema larger than this (as JSON) is a mistake, not a request.
@@ -31,9 +34,25 @@ MAX_DEPTH = 48
 MAX_GRAMMAR_BYTES = 256 * 1024
 #: Bounded integers are spelled out as alternatives up to this many values.
 MAX_BOUNDED_VALUES = 1000
+#: minLength, maxLength, minItems and maxItems, each and all together: the converter spells
+#: every counted repetition out, and a count of 1e8 took gigabytes before any limit applied.
+MAX_COUNT = 10_000
+MAX_COUNTS_TOTAL = 20_000
+#: Numbers are written with at most 16 digits before the point (the converter's rule).
+MAX_MAGNITUDE = 10**16
 
-#: A character inside a JSON string, as llama.cpp's own converter (C++) spells it.
-JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+#: A character inside a JSON string, as llama.cpp's own converter (C++) spells it, and only
+#: Unicode scalar values, raw or escaped (llama.cpp's grammar decodes surrogates and code
+#: points past U+10FFFF; a "\\uD800" escape is a lone surrogate Python keeps but pydantic refuses).
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F\uD800-\uDFFF\U00110000-\U001FFFFF] | ' + patterns.JSON_ESCAPE
+#: The converter's primitives replaced here: strings without raw control characters (strict
+#: JSON parsers refuse them) and numbers whose exponent stays finite (at most 99).
+_PRIMITIVES = {
+    "char": (JSON_CHAR, []),
+    "number": ('("-"? integral-part) ("." decimal-part)? ([eE] [-+]? [0-9]{1,2})? space',
+               ["integral-part", "decimal-part"]),
+}
+_GBNF_LITERAL_ESCAPE = re.compile(r'[\x00-\x1F"\\\x7F]')
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 #: Keywords the grammar cannot enforce: refused rather than silently ignored.
 UNSUPPORTED = frozenset({
@@ -44,6 +63,10 @@ UNSUPPORTED = frozenset({
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+#: Keywords whose values are data, not schemas: a "$ref" key inside them is just a name.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "description", "title"})
+#: Keywords naming other documents; "$ref" is checked apart (it must point inside the schema).
+_URL_KEYWORDS = ("$id", "$schema", "$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -66,13 +89,16 @@ class Constraint:
         """``(value, None)`` for a valid answer, ``(None, why)`` otherwise; never half a value."""
         if not self.json:
             return None, None
+        cut = ("The answer was cut off by max_tokens (or the context) before its JSON was complete: "
+               "raise max_tokens.")
         try:
-            value = json.loads(text)
+            value = json.loads(text, parse_constant=_not_finite, parse_float=_finite_float)
         except ValueError as exc:
             if finish_reason == "length":
-                return None, ("The answer was cut off by max_tokens (or the context) before its JSON "
-                              "was complete: raise max_tokens.")
+                return None, cut
             return None, f"The answer is not valid JSON ({exc}); was it cut by a stop string?"
+        if finish_reason == "length" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None, cut  # a number cut short still parses (and may even validate)
         try:
             return self._validated(value), None
         except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -86,6 +112,17 @@ class Constraint:
         elif not isinstance(value, dict):
             raise ValueError("format='json' asks for a JSON object")
         return value
+
+
+def _not_finite(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text:.40} is too large for a number")
+    return value
 
 
 def constraint(schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
@@ -156,19 +193,60 @@ def check_schema(schema: dict[str, Any]) -> None:
         raise ConfigError(f"The schema is not JSON: {exc}.") from None
     if size > MAX_SCHEMA_BYTES:
         raise ConfigError(f"The schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are allowed.")
+    _check_references(schema, "$", schema)
+    counts = 0
     for path, node in _nodes(schema, "$"):
         _check_node(node, path, schema)
+        counts += sum(node.get(key, 0) for key in _COUNTS)
+    if counts > MAX_COUNTS_TOTAL:
+        raise ConfigError(f"The schema's minLength, maxLength, minItems and maxItems add up to {counts} "
+                          f"(at most {MAX_COUNTS_TOTAL}): the grammar spells each one out.")
 
 
 def _check_shape(value: Any) -> None:
-    """Bounded nesting, checked without recursion (a hostile schema may nest thousands deep)."""
-    stack = [(value, 1)]
+    """Bounded nesting and finite numbers, checked without recursion (a hostile schema may
+    nest thousands deep)."""
+    stack = [(value, 1, "$")]
     while stack:
-        item, depth = stack.pop()
+        item, depth, path = stack.pop()
         if depth > MAX_DEPTH:
             raise ConfigError(f"The schema nests deeper than {MAX_DEPTH} levels.")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children)
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"The schema at {path} holds {item}, which JSON cannot carry: use a finite number.")
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1, f"{path}.{key}") for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
+
+
+def _check_references(node: Any, path: str, root: dict[str, Any]) -> None:
+    """Every ``$ref`` anywhere (not only where :func:`_nodes` looks) points inside the schema,
+    and nothing names another document: validation must never fetch a URL."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_references(item, f"{path}[{i}]", root)
+        return
+    if not isinstance(node, dict):
+        return
+    if "$ref" in node:
+        _resolve(node["$ref"], root, path)
+    for key in _URL_KEYWORDS:
+        if key in node and not _known_dialect(key, node[key]):
+            raise ConfigError(f"{path}.{key} ({node[key]!r:.80}) names another document or a dynamic "
+                              "reference, which is not supported: use $ref to '#/$defs/Name' inside the schema.")
+    for key, child in node.items():
+        if key not in _DATA_KEYWORDS:
+            _check_references(child, f"{path}.{key}", root)
+
+
+def _known_dialect(key: str, value: Any) -> bool:
+    """A ``$schema`` naming a JSON Schema draft jsonschema knows without fetching it."""
+    if key != "$schema" or not isinstance(value, str):
+        return False
+    return value.rstrip("#") in {
+        "http://json-schema.org/draft-04/schema", "http://json-schema.org/draft-06/schema",
+        "http://json-schema.org/draft-07/schema", "https://json-schema.org/draft/2019-09/schema",
+        "https://json-schema.org/draft/2020-12/schema"}
 
 
 def _nodes(node: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -216,9 +294,7 @@ def _check_node(node: Any, path: str, root: dict[str, Any]) -> None:
         raise ConfigError(f"{path}.additionalProperties must be true, false or a schema.")
     _check_numbers(node, path)
     if "pattern" in node:
-        _check_pattern(node["pattern"], path)
-    if "$ref" in node:
-        _resolve(node["$ref"], root, path)
+        patterns.check(node["pattern"], path)
 
 
 def _check_type(kind: Any, path: str) -> None:
@@ -231,23 +307,20 @@ def _check_numbers(node: dict[str, Any], path: str) -> None:
     for key in _COUNTS:
         if key in node and (isinstance(node[key], bool) or not isinstance(node[key], int) or node[key] < 0):
             raise ConfigError(f"{path}.{key} must be a non-negative integer, not {node[key]!r}.")
+        if node.get(key, 0) > MAX_COUNT:
+            raise ConfigError(f"{path}.{key} is {node[key]}; at most {MAX_COUNT} (the grammar spells every "
+                              "repetition out).")
     for low, high in (("minItems", "maxItems"), ("minLength", "maxLength")):
         if node.get(low, 0) > node.get(high, math.inf):
             raise ConfigError(f"{path}: {low} is larger than {high}, so no value can match.")
-    for key in _BOUNDS:
-        value = node.get(key)
-        if key in node and (isinstance(value, bool) or not isinstance(value, (int, float))
-                            or not math.isfinite(value)):
-            raise ConfigError(f"{path}.{key} must be a finite number, not {value!r}.")
-
-
-def _check_pattern(pattern: Any, path: str) -> None:
-    if not isinstance(pattern, str):
-        raise ConfigError(f"{path}.pattern must be a string.")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"{path}.pattern is not a valid regular expression: {exc}.") from None
+    for key in (k for k in _BOUNDS if k in node):
+        value = node[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{path}.{key} must be a finite number, not {value!r:.40}.")
+        if (key.endswith("inimum") and value >= MAX_MAGNITUDE) or (key.endswith("aximum") and value <= -MAX_MAGNITUDE):
+            raise ConfigError(f"{path}.{key} leaves no number the grammar can write (at most 16 digits before the "
+                              "point): use a smaller bound.")
 
 
 def _resolve(ref: Any, root: dict[str, Any], path: str) -> Any:
@@ -266,14 +339,20 @@ def _resolve(ref: Any, root: dict[str, Any], path: str) -> Any:
 
 
 def _gbnf(schema: dict[str, Any]) -> str:
-    """GBNF for ``schema`` from llama-cpp-python's converter (with numeric bounds enforced)."""
+    """GBNF for ``schema`` from llama-cpp-python's converter (with numeric bounds enforced);
+    the same schema again (the server converts before a request waits) is not converted again."""
+    return _gbnf_of(json.dumps(schema))
+
+
+@lru_cache(maxsize=64)
+def _gbnf_of(text: str) -> str:
     from llama_cpp import llama_grammar
 
     converter = _converter_class(llama_grammar)(prop_order={}, allow_fetch=False, dotall=False,
                                                  raw_pattern=False)
     try:
         # a copy: the converter rewrites $ref values in place
-        resolved = converter.resolve_refs(_root_inlined(json.loads(json.dumps(schema))), "input")
+        resolved = converter.resolve_refs(_root_inlined(json.loads(text)), "input")
         converter.visit(resolved, "")
         grammar = converter.format_grammar()
     except RecursionError:
@@ -311,10 +390,20 @@ def _converter_class(llama_grammar: Any) -> type:
 
         class _Converter(base):  # type: ignore[misc, valid-type]
             def _add_primitive(self, name: str, rule: Any) -> Any:
-                if name == "char":  # the Python port lets raw control characters into strings,
-                    # which strict JSON parsers refuse; llama.cpp's C++ converter excludes them
-                    rule = llama_grammar.BuiltinRule(JSON_CHAR, [])
+                for kind, (content, deps) in _PRIMITIVES.items():  # see _PRIMITIVES
+                    if rule is llama_grammar.PRIMITIVE_RULES[kind]:  # at the root, name is "root"
+                        rule = llama_grammar.BuiltinRule(content, deps)
                 return super()._add_primitive(name, rule)
+
+            def _format_literal(self, literal: str) -> str:
+                # the port escapes only CR, LF and '"': a backslash or control character in a
+                # property name or const would end or break the GBNF literal
+                return '"' + _GBNF_LITERAL_ESCAPE.sub(lambda m: f"\\x{ord(m.group()):02X}", literal) + '"'
+
+            def _visit_pattern(self, pattern: str, name: str) -> Any:
+                # the port's own reader loops forever on a stray ']' or '}', lets '.' write raw
+                # quotes and control characters, and knows no \d, \w or \s
+                return self._add_rule(name, '"\\"" ' + patterns.to_gbnf(pattern) + ' "\\"" space')
 
             def visit(self, schema: Any, name: str) -> Any:
                 rule = bounded_number_rule(schema) if isinstance(schema, dict) else None
@@ -391,13 +480,26 @@ def validate(value: Any, schema: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``value`` matches ``schema`` (with ``jsonschema`` when installed)."""
     try:
         import jsonschema
+        import referencing
     except ImportError:
         check_value(value, schema)
         return
+    kind = jsonschema.validators.validator_for(schema)
+    safe = jsonschema.validators.extend(kind, {"pattern": _pattern_keyword})
     try:
-        jsonschema.validate(value, schema)
-    except jsonschema.ValidationError as exc:
-        raise ValueError(exc.message) from None
+        error = jsonschema.exceptions.best_match(safe(schema, registry=referencing.Registry()).iter_errors(value))
+    except referencing.exceptions.Unresolvable as exc:  # never fetched: the registry retrieves nothing
+        raise ValueError(f"The schema refers to {exc} outside itself") from None
+    if error is not None:
+        raise ValueError(error.message)
+
+
+def _pattern_keyword(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    """jsonschema's ``pattern``, matched in linear time (its own runs ``re.search``)."""
+    import jsonschema
+
+    if validator.is_type(instance, "string") and not patterns.matches(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r:.60} does not match {pattern!r}")
 
 
 def check_value(value: Any, schema: dict[str, Any], root: dict[str, Any] | None = None,
@@ -476,7 +578,7 @@ def _check_array(value: list[Any], schema: dict[str, Any], root: dict[str, Any],
 def _check_string(value: str, schema: dict[str, Any], path: str) -> None:
     if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
         raise ValueError(f"{path}: a string of {len(value)} characters is outside minLength/maxLength")
-    if "pattern" in schema and not re.search(schema["pattern"], value):
+    if "pattern" in schema and not patterns.matches(schema["pattern"], value):
         raise ValueError(f"{path}: {value!r:.60} does not match the pattern {schema['pattern']!r}")
 
 

@@ -23,7 +23,10 @@ from . import structured
 from .errors import ConfigError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: Tools per request, and their JSON size in all: each becomes grammar rules and prompt text.
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 2 * structured.MAX_SCHEMA_BYTES
 _CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 
 
@@ -75,32 +78,56 @@ class Toolbox:
     def call_schema(self) -> dict[str, Any]:
         """A JSON schema admitting ``{"name": n, "arguments": …}`` for the allowed functions."""
         allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
-        defs: dict[str, Any] = {}
+        defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
         alternatives = []
         for f in allowed:
             parameters = dict(f.get("parameters") or {"type": "object", "properties": {}})
-            for key, value in (parameters.pop("$defs", None) or {}).items():
-                if key in defs and defs[key] != value:
-                    raise ConfigError(f"Two tools define a different {key!r} in $defs: rename one.")
-                defs[key] = value
+            for where in defs:  # "#/$defs/X" in the parameters points at the call schema's root
+                for key, value in (parameters.pop(where, None) or {}).items():
+                    if key in defs[where] and defs[where][key] != value:
+                        raise ConfigError(f"Two tools define a different {key!r} in {where}: rename one.")
+                    defs[where][key] = value
             alternatives.append({"type": "object", "properties": {"name": {"const": f["name"]},
                                  "arguments": parameters}, "required": ["name", "arguments"]})
         schema: dict[str, Any] = {"anyOf": alternatives} if len(alternatives) > 1 else alternatives[0]
-        return {**schema, "$defs": defs} if defs else schema
+        return {**schema, **{where: found for where, found in defs.items() if found}}
 
     def calls(self, text: str) -> tuple[str, list[ToolCall]]:
         """The answer's text without its call blocks, and the calls to declared functions in it."""
-        found = []
+        rest, found, _ = self.read(text)
+        return rest, found
+
+    def read(self, text: str) -> tuple[str, list[ToolCall], str | None]:
+        """:meth:`calls`, and why a call block was left out (as ``parse_error`` says it): not
+        JSON, an undeclared name, or arguments that do not match the function's parameters.
+        Calls come back only when every block is a valid call."""
+        found, problem = [], None
         for block in _CALL_BLOCK.findall(text):
-            try:
-                value = json.loads(block)
-            except ValueError:
-                continue
-            if isinstance(value, dict) and value.get("name") in self.names:
-                arguments = value.get("arguments")
-                found.append(ToolCall("call_" + uuid.uuid4().hex[:24], value["name"],
-                                      arguments if isinstance(arguments, dict) else {}))
-        return _CALL_BLOCK.sub("", text).strip() if found else text, found
+            call, why = self._call(block)
+            if call is None:
+                problem = problem or why
+            else:
+                found.append(call)
+        if problem is not None:
+            return text, [], problem
+        return _CALL_BLOCK.sub("", text).strip() if found else text, found, None
+
+    def _call(self, block: str) -> tuple[ToolCall | None, str]:
+        try:
+            value = json.loads(block, parse_constant=structured._not_finite, parse_float=structured._finite_float)
+        except ValueError as exc:
+            return None, f"A tool call is not valid JSON ({exc})."
+        if not isinstance(value, dict) or value.get("name") not in self.names:
+            return None, f"A tool call names no declared function ({str(value)[:60]})."
+        arguments = value.get("arguments")
+        parameters = next(f for f in self.functions if f["name"] == value["name"])["parameters"]
+        try:
+            structured.validate(arguments, parameters)
+        except ValueError as exc:
+            return None, f"The arguments of the call to {value['name']} do not match its parameters: {exc}"
+        if not isinstance(arguments, dict):
+            return None, f"The arguments of the call to {value['name']} are not an object."
+        return ToolCall("call_" + uuid.uuid4().hex[:24], value["name"], arguments), ""
 
 
 def toolbox(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None) -> Toolbox | None:
@@ -110,6 +137,14 @@ def toolbox(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None) 
         return None
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise ConfigError("tools must be a list of {'type': 'function', 'function': {...}} dicts.")
+    if len(tools) > MAX_TOOLS:
+        raise ConfigError(f"{len(tools)} tools given; at most {MAX_TOOLS}.")
+    try:
+        size = len(json.dumps(list(tools)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"tools are not JSON: {exc}.") from None
+    if size > MAX_TOOLS_BYTES:
+        raise ConfigError(f"The tools are {size} bytes as JSON; at most {MAX_TOOLS_BYTES} are allowed.")
     functions = tuple(_function(tool, i) for i, tool in enumerate(tools))
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -123,12 +158,15 @@ def _function(tool: Any, index: int) -> dict[str, Any]:
         raise ConfigError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ..., "
                           "'parameters': {...}}}}.")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(f"tools[{index}].function.name must be 1-64 letters, digits, '_', '.' or '-', "
                           f"not {name!r}.")
-    parameters = spec.get("parameters") or {"type": "object", "properties": {}}
-    if not isinstance(parameters, dict):
-        raise ConfigError(f"tools[{index}].function.parameters must be a JSON schema object.")
+    parameters = spec.get("parameters")
+    if parameters is None or parameters == {}:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ConfigError(f"tools[{index}] ({name}).function.parameters must be a JSON schema of an object "
+                          f"(type 'object'), not {parameters!r:.60}.")
     try:
         structured.check_schema(parameters)
     except ConfigError as exc:
@@ -141,9 +179,10 @@ def _function(tool: Any, index: int) -> dict[str, Any]:
 def _choice(choice: Any, names: list[str]) -> str:
     if choice in (None, "auto", "required"):
         return choice or "auto"
-    name: Any = choice.get("function", {}).get("name") if isinstance(choice, Mapping) else None
-    if name is None and isinstance(choice, Mapping):
-        name = choice.get("name")
+    name: Any = None
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else choice.get("name")
     if not isinstance(name, str):
         raise ConfigError(f"tool_choice must be 'auto', 'none', 'required' or "
                           f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r:.80}.")
@@ -165,7 +204,10 @@ def plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             plain.append({"role": "user", "content": f"<tool_response>\n{_text(message.get('content'))}\n"
                                                       "</tool_response>"})
         elif role == "assistant" and message.get("tool_calls"):
-            blocks = "\n".join(render_call(call) for call in message["tool_calls"])
+            calls = message["tool_calls"]
+            if not isinstance(calls, (list, tuple)):
+                raise ConfigError("An assistant message's tool_calls must be a list of calls.")
+            blocks = "\n".join(render_call(call) for call in calls)
             text = _text(message.get("content"))
             plain.append({"role": "assistant", "content": f"{text}\n{blocks}".strip()})
         else:
@@ -180,8 +222,11 @@ def render_call(call: Any) -> str:
     if isinstance(call, ToolCall):
         name, arguments = call.name, call.arguments
     else:
-        function = call.get("function", {}) if isinstance(call, Mapping) else {}
-        name, arguments = function.get("name"), function.get("arguments", {})
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ConfigError(f"A tool call must be {{'function': {{'name': ..., 'arguments': {{...}}}}}}, "
+                              f"not {call!r:.80}.")
+        name, arguments = function["name"], function.get("arguments", {})
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)

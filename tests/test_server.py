@@ -1087,3 +1087,19 @@ def test_truncate_drops_oldest_turns_and_says_so_without_it_the_request_is_refus
         assert "X-Gguf-Mcv-Dropped-Turns" not in short.headers
     finally:
         running.stop()
+
+
+def test_bad_schemas_and_tools_get_their_400_without_waiting_for_the_model(srv: Running, model) -> None:
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^a|$"}}}}}
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]
+    with holding(model):  # every slot is taken: a request that waited would time out
+        for extra in ({"response_format": bad_schema}, {"tools": bad_tool},
+                      {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": "x"}}):
+            r = requests.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=10,
+                              json={"messages": [{"role": "user", "content": "?"}], **extra})
+            assert r.status_code == 400, r.text
+        r = requests.post(srv.url + "/api/chat", headers=AUTH, timeout=10,
+                          json={"messages": [{"role": "user", "content": "?"}], "stream": False,
+                                "format": {"type": "string", "pattern": "^a|$"}})
+        assert r.status_code == 400 and "pattern" in r.text

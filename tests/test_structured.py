@@ -2,17 +2,17 @@
 
 Its unconstrained output is noise, so every answer that parses and validates is the
 grammar's doing. Strings are bounded with ASCII patterns where a test needs answers to
-end well within max_tokens (random weights close a free string late); maxLength is
-tested apart: llama.cpp's grammar does not check UTF-8 continuation bytes, so random
-bytes can decode to more characters than the grammar counted (see README).
+end well within max_tokens (random weights close a free string late); free strings and
+maxLength are tested on a model whose vocabulary is the 256 bytes (``byte_model``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import pydantic
 import pytest
@@ -129,10 +129,8 @@ def test_max_length_strings_give_a_valid_value_or_say_why(tiny_model) -> None:
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
     for seed in SEEDS:
         reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=100)
-        if reply.parsed is None:  # only malformed UTF-8 from random weights gets here
-            assert "\ufffd" in str(reply) and "does not match the schema" in reply.parse_error
-        else:
-            assert len(reply.parsed["s"]) <= 5
+        if reply.finish_reason == "stop":
+            assert reply.parse_error is None and len(reply.parsed["s"]) <= 5, str(reply)
 
 
 def test_json_cut_by_max_tokens_is_never_parsed(tiny_model) -> None:
@@ -171,6 +169,8 @@ def test_thinking_stays_free_and_the_answer_is_constrained(tiny, template) -> No
     ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
     ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "$.properties.a uses not"),
     ({"type": "number", "minimum": float("nan")}, "$.minimum"),
+    ({"type": "integer", "minimum": 10**400}, "$.minimum"),
+    ({"type": "number", "exclusiveMaximum": -1e300}, "$.exclusiveMaximum"),
     ({"$ref": "https://example.com/s.json"}, "$.$ref"),
     ({"$ref": "#/$defs/missing"}, "points to nothing"),
     ({"type": "string", "pattern": "("}, "$.pattern"),
@@ -274,3 +274,214 @@ def test_the_chat_handler_takes_response_format_and_grammar(handler_llama) -> No
     with pytest.raises(ConfigError, match="response_format"):
         handler_llama.create_chat_completion(messages=messages, response_format={"type": "xml"})
 
+
+
+# -- strict UTF-8 under a grammar (issue 25) ---------------------------------------
+
+
+class Note(pydantic.BaseModel):
+    note: str = pydantic.Field(max_length=24)
+
+
+class Card(pydantic.BaseModel):
+    code: str = pydantic.Field(pattern=r"^.{3}$")
+    title: str = pydantic.Field(max_length=6)
+    lines: list[Note] = pydantic.Field(max_length=1)
+    tags: list[Annotated[str, pydantic.StringConstraints(max_length=4)]] = pydantic.Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """A random-weight model whose vocabulary is the 256 bytes (and one merge): every byte,
+    continuation bytes and 0xF8-0xFF included, is a token the sampler may pick."""
+    import gguf_mcv
+    from gguf_mcv import synthetic
+
+    spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
+    spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
+    built = synthetic.build(tmp_path_factory.mktemp("byte_model"), spec, quants=[])
+    model = gguf_mcv.load(model_path=built.f16, mmproj_path=built.mmproj, n_ctx=2048, n_threads=2)
+    assert model.engine.llama.n_vocab() < 300
+    yield model
+    model.close()
+
+
+@pytest.mark.parametrize("target", [Note, Card])
+def test_constrained_answers_on_a_byte_vocabulary_are_strict_utf8(byte_model, target) -> None:
+    finished = 0
+    for seed in range(20):
+        reply = byte_model.ask("?", schema=target, seed=seed, max_tokens=400)
+        if reply.finish_reason != "stop":
+            continue
+        finished += 1
+        text = str(reply)
+        assert "\ufffd" not in text, (seed, text)  # invalid bytes would have decoded to U+FFFD
+        assert reply.parse_error is None, (seed, text, reply.parse_error)
+        json.loads(text.encode("utf-8").decode("utf-8", errors="strict"))
+        assert isinstance(reply.parsed, target)
+        structured.check_value(json.loads(text), structured.schema_of(target))
+    assert finished >= 15
+
+
+# -- hostile and odd schemas (issue 29) ---------------------------------------------
+
+
+def _within(seconds: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``'s result, or a failure if it is not back within ``seconds``."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still running after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_schemas_never_make_validation_fetch_a_url(tiny_model) -> None:
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            body = b'{"type": "string"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/s.json"
+    try:
+        for schema in ({"$dynamicRef": url},
+                       {"type": "object", "properties": {"a": {"type": "integer"}}, "x-extra": {"$ref": url}},
+                       {"$id": url, "type": "object", "properties": {"a": {"$ref": "s.json"}}},
+                       {"$schema": url, "type": "object"},
+                       {"type": "array", "items": {"$dynamicRef": url}}):
+            with pytest.raises(ConfigError):
+                tiny_model.ask("?", schema=schema, max_tokens=20)
+        for schema in ({"$dynamicRef": url}, {"$ref": url}, {"allOf": [{"$ref": url}]}):
+            with pytest.raises(ValueError):  # straight to validation, past check_schema
+                structured.validate("x", schema)
+        assert structured.constraint({"$schema": "https://json-schema.org/draft/2020-12/schema",
+                                      "type": "object"}) is not None  # a dialect jsonschema knows
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert hits == []
+
+
+@pytest.mark.parametrize("pattern", ["^[a-z]{1,4}]$", "^a}$", "^[a-z]{1,3}}]$"])
+def test_stray_closing_brackets_in_a_pattern_are_literals(tiny_model, pattern) -> None:
+    import re
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    made = _within(10, structured.constraint, schema)
+    assert made is not None
+    for seed in range(3):
+        reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=60)
+        if reply.finish_reason == "stop":
+            assert reply.parse_error is None and re.fullmatch(pattern[1:-1], reply.parsed["s"]), str(reply)
+
+
+def test_validating_a_catastrophic_pattern_takes_no_time(tiny_model) -> None:
+    import subprocess
+    import sys
+
+    schema = {"type": "string", "const": "a" * 40 + "!", "pattern": "^(a+)+$"}
+    code = ("from gguf_mcv import structured\n"
+            f"schema = {schema!r}\n"
+            "for check in (structured.validate, structured.check_value):\n"
+            "    try:\n"
+            "        check(schema['const'], schema)\n"
+            "    except ValueError:\n"
+            "        pass\n"
+            "    else:\n"
+            "        raise SystemExit('matched')\n")
+    subprocess.run([sys.executable, "-c", code], timeout=30, check=True)
+    reply = _within(30, tiny_model.ask, "?", schema=schema, seed=0, max_tokens=60)
+    assert reply.parsed is None and reply.parse_error
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100_000_000}}},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 10_000_000},
+    {"type": "array", "items": {"type": "string", "maxLength": 9000}, "minItems": 9000, "maxItems": 9000},
+    {"type": "string", "pattern": "^(a{1000}){1000}$"},
+])
+def test_amplifying_schemas_are_refused_at_once(schema) -> None:
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"at most"):
+        structured.constraint(schema)
+    assert time.monotonic() - start < 1
+
+
+def test_numbers_stay_finite(tiny_model) -> None:
+    schema = {"type": "array", "items": {"type": "number"}}
+    for seed in range(20):
+        reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=120)
+        if reply.parse_error is None and reply.finish_reason == "stop":
+            assert all(math.isfinite(x) for x in reply.parsed), str(reply)
+    for schema in ({"const": 1e999}, {"type": "object", "properties": {"n": {"enum": [float("nan")]}}}):
+        with pytest.raises(ConfigError, match="JSON cannot carry"):
+            tiny_model.ask("?", schema=schema)
+    made = structured.constraint({"type": "array", "items": {"type": "number"}})
+    assert made is not None
+    for text in ("[Infinity]", "[1e999]", "[NaN]"):
+        value, why = made.parse(text)
+        assert value is None and why
+
+
+@pytest.mark.parametrize("pattern, check", [
+    ("^.{5}$", lambda s: len(s) == 5),
+    ("^\\d{2}\\w\\s[^a-z]$", lambda s: len(s) == 5 and s[:2].isdigit()),
+    ('^["\\\\]{2}$', lambda s: set(s) <= {'"', "\\"} and len(s) == 2),
+])
+def test_pattern_answers_are_json_and_match(tiny_model, pattern, check) -> None:
+    import re
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    for seed in range(8):
+        reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=60)
+        assert reply.finish_reason == "stop" and reply.parse_error is None, (seed, str(reply), reply.parse_error)
+        assert re.search(pattern, reply.parsed["s"]) and check(reply.parsed["s"]), str(reply)
+
+
+def test_anchors_inside_a_pattern_are_refused(tiny_model) -> None:
+    with pytest.raises(ConfigError, match=r"\$\.properties\.s\.pattern"):
+        tiny_model.ask("?", schema={"type": "object", "properties": {"s": {"type": "string", "pattern": "^a|$"}}})
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "minimum": -10**400, "maximum": 10**400},
+    {"type": "object", "properties": {'a"b\\c': {"type": "boolean"}, "n\u0000l": {"type": "boolean"},
+                                      "t\tab": {"type": "boolean"}}, "required": ['a"b\\c', "n\u0000l", "t\tab"]},
+    {"type": "object", "properties": {"x": {"$ref": "#/definitions/X"}}, "required": ["x"],
+     "definitions": {"X": {"type": "string", "pattern": "^\\w{1,4}$"}}},
+])
+def test_odd_but_valid_schemas_give_valid_answers(tiny_model, schema) -> None:
+    finished = 0
+    for seed in range(4):
+        reply = tiny_model.ask("?", schema=schema, seed=seed, max_tokens=80)
+        if reply.finish_reason == "stop":
+            finished += 1
+            assert reply.parse_error is None, (seed, str(reply), reply.parse_error)
+            structured.check_value(reply.parsed, schema)
+    assert finished

@@ -77,3 +77,74 @@ def test_calls_are_read_back_only_for_declared_names() -> None:
     text, calls = box.calls('Sure. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     assert text == "Sure." and [c.name for c in calls] == ["now"]
     assert box.calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>')[1] == []
+
+
+# -- arguments checked, bad tools refused (issue 29) ---------------------------------
+
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 5},
+    "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3}, "uniqueItems": True,
+           "maxItems": 4},
+    "x": {"type": "number"}}, "required": ["n", "xs"]}}}
+
+
+@pytest.mark.parametrize("arguments", ['{"n": 9, "xs": []}', '{"n": 1, "xs": [2, 2]}', '{"xs": []}', "[1]",
+                                       '{"n": 1, "xs": [], "x": Infinity}', '{"n": 1, "xs": [], "x": 1e999}'])
+def test_calls_whose_arguments_break_the_parameters_are_not_calls(arguments) -> None:
+    box = tools.toolbox([COUNT])
+    assert box is not None
+    text = f'<tool_call>{{"name": "count", "arguments": {arguments}}}</tool_call>'
+    rest, calls, problem = box.read(text)
+    assert calls == [] and rest == text and problem
+    assert box.read('<tool_call>{"name": "count", "arguments": {"n": 5, "xs": [0, 3]}}</tool_call>')[1]
+
+
+def test_every_call_the_model_makes_has_valid_arguments_or_says_why(tiny_model) -> None:
+    from gguf_mcv import structured
+
+    calls = 0
+    for seed in range(8):
+        reply = tiny_model.chat_completion([{"role": "user", "content": "Count."}], tools=[COUNT],
+                                           tool_choice="required", seed=seed, max_tokens=120)
+        if reply.finish_reason == "tool_calls":
+            calls += 1
+            assert reply.parse_error is None
+            for call in reply.tool_calls:
+                structured.validate(call.arguments, COUNT["function"]["parameters"])
+                assert len(set(call.arguments["xs"])) == len(call.arguments["xs"])
+        else:
+            assert not reply.tool_calls and (reply.finish_reason == "length" or reply.parse_error), str(reply)
+    assert calls
+
+
+def test_tool_parameters_may_use_definitions(tiny_model) -> None:
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"c": {"$ref": "#/definitions/Colour"}}, "required": ["c"],
+        "definitions": {"Colour": {"enum": ["red", "blue"]}}}}}
+    for seed in range(3):
+        reply = tiny_model.chat_completion([{"role": "user", "content": "?"}], tools=[tool], tool_choice="required",
+                                           seed=seed, max_tokens=150)
+        assert reply.finish_reason == "tool_calls" and reply.tool_calls[0].arguments["c"] in ("red", "blue")
+
+
+@pytest.mark.parametrize("given, choice, message", [
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None, "parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "parameters"),
+    ([{"type": "function", "function": {"name": "f\n"}}], None, "function.name"),
+    (TOOLS, {"type": "function", "function": "get_weather"}, "tool_choice"),
+    (TOOLS, {"type": "function", "function": None}, "tool_choice"),
+    ([NOW] * 1000, None, "at most"),
+])
+def test_more_bad_tools_are_config_errors(tiny_model, given, choice, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        tiny_model.chat_completion([{"role": "user", "content": "?"}], tools=given, tool_choice=choice)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("tool_calls", ["x", 5, [{"function": "x"}], [{"function": {"arguments": {}}}], [None]])
+def test_malformed_tool_calls_in_messages_are_config_errors(tiny_model, tool_calls) -> None:
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": tool_calls},
+                {"role": "tool", "content": "1"}]
+    with pytest.raises(ConfigError, match="tool"):
+        tiny_model.chat_completion(messages, tools=TOOLS, max_tokens=4)

@@ -7,6 +7,10 @@ the first call, so time to first token is mostly the grammar's setup (conversion
 llama.cpp's parse) and the first constrained sampling step.
 
     python tools/bench_structured.py --ladder /tmp/tiny --quant Q4_K_M --threads 2
+
+``--utf8-mask`` instead measures what the UTF-8 mask under a grammar costs
+(:mod:`gguf_mcv.utf8mask`): the nested schema with the mask and without it, seed by seed
+in turn, in the same run, and the one-time table for the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -49,6 +54,32 @@ def measure(model: gguf_mcv.Model, schema: dict | None, runs: int, max_tokens: i
     return statistics.median(speeds), statistics.median(ttfts), statistics.mean(tokens)
 
 
+def mask_cost(model: gguf_mcv.Model, runs: int, max_tokens: int) -> None:
+    """Decode tokens/s of the nested schema with and without the UTF-8 mask, interleaved."""
+    engine = model.engine
+    start = time.perf_counter()
+    engine._utf8_table()
+    print(f"UTF-8 table for {engine.llama.n_vocab()} tokens: {time.perf_counter() - start:.2f} s (once)")
+    table, refused = engine._utf8, engine._utf8_refused
+    assert table is not None and refused is not None
+    off_table, off_refused = table * 0, refused & False  # every token allowed, every state ACCEPT
+    speeds: dict[str, list[float]] = {"with mask": [], "without": []}
+    model.ask("Read the receipt as JSON.", schema=NESTED, max_tokens=4, seed=0, **SAMPLING)  # warm the cache
+    for seed in range(runs):
+        for name, tables in (("with mask", (table, refused)), ("without", (off_table, off_refused))):
+            engine._utf8, engine._utf8_refused = tables
+            reply = model.ask("Read the receipt as JSON.", schema=NESTED, max_tokens=max_tokens, seed=seed,
+                              **SAMPLING)
+            speeds[name].append(reply.timings.decode_tokens_per_s)
+    engine._utf8, engine._utf8_refused = table, refused
+    on, off = statistics.median(speeds["with mask"]), statistics.median(speeds["without"])
+    print("| decode tokens/s, nested schema | with UTF-8 mask | without | cost |")
+    print("| --- | ---: | ---: | ---: |")
+    print(f"| median of {runs} | {on:.1f} | {off:.1f} | {100 * (1 - on / off):+.1f} % |")
+    mean_on, mean_off = statistics.mean(speeds["with mask"]), statistics.mean(speeds["without"])
+    print(f"| mean of {runs} | {mean_on:.1f} | {mean_off:.1f} | {100 * (1 - mean_on / mean_off):+.1f} % |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
@@ -56,12 +87,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--utf8-mask", action="store_true", help="measure the UTF-8 mask's cost instead")
     args = ap.parse_args()
     ladder = Path(args.ladder)
     model = gguf_mcv.load(model_path=ladder / f"ggml-model-{args.quant}.gguf",
                           mmproj_path=ladder / "mmproj-model-f16.gguf", n_ctx=2048, n_threads=args.threads)
     with model:
         print(f"{ladder.name} {args.quant}: n_vocab {model.engine.llama.n_vocab()}, {args.threads} threads")
+        if args.utf8_mask:
+            mask_cost(model, args.runs, args.max_tokens)
+            return
         free = measure(model, None, args.runs, args.max_tokens)
         constrained = measure(model, NESTED, args.runs, args.max_tokens)
     print("| measure | unconstrained | nested schema | ratio |")

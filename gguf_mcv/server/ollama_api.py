@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -24,7 +25,7 @@ from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError
-from .state import State, dropped_turns_header, file_mtime, model_stream, state_of
+from .state import State, check_output, dropped_turns_header, file_mtime, model_stream, state_of
 
 #: The Ollama API version reported by /api/version (tools gate features on it).
 OLLAMA_API_VERSION = "0.12.0"
@@ -189,6 +190,7 @@ async def _ollama_answer(request: Request, place: Place, body: _OllamaRequest, n
     state = state_of(request)
     began = time.perf_counter()
     options = body.options_for(state.model.info.n_ctx)
+    await asyncio.to_thread(check_output, state.model, options)
 
     def start() -> Stream:
         return model_stream(state, messages(), options)

@@ -18,7 +18,7 @@ from .gate import Place
 from .http_errors import HTTPError
 from .media_urls import check_media_urls
 from .remote_media import fetch_remote_media
-from .state import State, dropped_turns_header, file_mtime, model_stream, state_of
+from .state import State, check_output, dropped_turns_header, file_mtime, model_stream, state_of
 
 
 class StreamOptions(Body):
@@ -127,7 +127,9 @@ async def chat_completions(
     check_media_urls(messages, allow_remote=state.allow_remote, allow_files=state.policy.allow_files)
     if state.allow_remote:
         messages = await asyncio.to_thread(fetch_remote_media, messages, state.max_body_bytes)
-    start = partial(model_stream, state, messages, body.options(state.model.info.n_ctx))
+    options = body.options(state.model.info.n_ctx)
+    await asyncio.to_thread(check_output, state.model, options)
+    start = partial(model_stream, state, messages, options)
     if body.stream:
         shape = tool_call_chunks if body.tools and body.tool_choice != "none" else completion_chunks
         return await answer_stream(request, place, start, partial(shape, model=name), ndjson=False)

@@ -1,4 +1,4 @@
-"""What the routes share (the model, settings, queue, counters) and two helpers over the model."""
+"""What the routes share (the model, settings, queue, counters) and helpers over the model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..kv_store import KVStore
 from ..messages import MediaPolicy
 from ..model import Model
 from ..reply import Reply
+from ..tools import toolbox
 from .gate import Gate
 from .http_errors import HTTPError
 from .metrics import Metrics
@@ -76,6 +77,17 @@ def model_stream(state: State, messages: list[dict[str, Any]], options: dict[str
                                          truncate=state.truncate, **options)
     assert isinstance(stream, Stream)
     return stream
+
+
+def check_output(model: Model, options: dict[str, Any]) -> None:
+    """Make the answer's grammar now, before the request waits for the model (run it on a
+    thread): a bad schema or tool is a 400 at once, and no conversion holds a slot.
+    The conversion is cached, so the answer does not repeat it."""
+    box = toolbox(options.get("tools"), options.get("tool_choice"))
+    if box is not None:
+        model.checked(box.constraint())
+    elif options.get("schema") is not None or options.get("format"):
+        model.constraint(options.get("schema"), options.get("format"))
 
 
 def dropped_turns_header(reply: Reply) -> dict[str, str]:
