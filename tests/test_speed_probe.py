@@ -60,12 +60,12 @@ def test_a_changed_machine_or_build_is_probed_again(tmp_path: Path, monkeypatch,
     if change == "threads":
         threads = 4
     elif change == "cpu":
-        monkeypatch.setattr(speed_probe, "_cpu_identity", lambda: "another CPU | flags=sse2")
+        monkeypatch.setattr(speed_probe, "cpu_identity", lambda: "another CPU | flags=sse2")
     elif change == "probe_version":
         monkeypatch.setattr(speed_probe, "PROBE_VERSION", speed_probe.PROBE_VERSION + 1)
     else:
-        real = speed_probe._version
-        monkeypatch.setattr(speed_probe, "_version", lambda d: "99.0" if d == change else real(d))
+        real = speed_probe.dist_version
+        monkeypatch.setattr(speed_probe, "dist_version", lambda d: "99.0" if d == change else real(d))
     speed_probe.rates(probe=True, threads=threads, cache=cache, measure_fn=fake)
     assert fake.calls == 2
     speed_probe.rates(probe=True, threads=threads, cache=cache, measure_fn=fake)
