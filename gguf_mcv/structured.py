@@ -8,9 +8,8 @@ validates the answer. The converter does not enforce numeric bounds; this module
 adds that one rule (see :class:`_Converter`), everything else is the converter's.
 
 Validation: pydantic for model classes and dataclasses; ``jsonschema`` for dict
-schemas when it is installed (with a registry that retrieves nothing, and patterns
-matched in linear time by :mod:`gguf_mcv.patterns`), else :func:`check_value`, which
-checks exactly the keywords a schema may use here (others are refused up front).
+schemas (with a registry that retrieves nothing, and patterns matched in linear time by
+:mod:`gguf_mcv.patterns`).
 """
 
 from __future__ import annotations
@@ -477,13 +476,11 @@ def _alternation(values: list[str]) -> str:
 
 
 def validate(value: Any, schema: dict[str, Any]) -> None:
-    """Raise ``ValueError`` unless ``value`` matches ``schema`` (with ``jsonschema`` when installed)."""
-    try:
-        import jsonschema
-        import referencing
-    except ImportError:
-        check_value(value, schema)
-        return
+    """Raise ``ValueError`` unless ``value`` matches ``schema`` (jsonschema, with a registry that
+    retrieves nothing and ``pattern`` matched in linear time)."""
+    import jsonschema  # lazy: only answers under a schema need it
+    import referencing
+
     kind = jsonschema.validators.validator_for(schema)
     safe = jsonschema.validators.extend(kind, {"pattern": _pattern_keyword})
     try:
@@ -500,89 +497,3 @@ def _pattern_keyword(validator: Any, pattern: str, instance: Any, schema: Any) -
 
     if validator.is_type(instance, "string") and not patterns.matches(pattern, instance):
         yield jsonschema.ValidationError(f"{instance!r:.60} does not match {pattern!r}")
-
-
-def check_value(value: Any, schema: dict[str, Any], root: dict[str, Any] | None = None,
-                path: str = "$") -> None:
-    """A light JSON-schema check of the keywords :func:`check_schema` accepts; ``ValueError`` naming
-    the path of the first mismatch. ``oneOf`` is checked as ``anyOf`` (so is the grammar)."""
-    root = schema if root is None else root
-    if "$ref" in schema:
-        check_value(value, _resolve(schema["$ref"], root, path), root, path)
-    for sub in schema.get("allOf", []):
-        check_value(value, sub, root, path)
-    alternatives = schema.get("anyOf") or schema.get("oneOf")
-    if alternatives and not any(_matches(value, sub, root, path) for sub in alternatives):
-        raise ValueError(f"{path}: {value!r:.60} matches none of the alternatives")
-    if "enum" in schema and value not in schema["enum"]:
-        raise ValueError(f"{path}: {value!r:.60} is not one of {schema['enum']!r:.80}")
-    if "const" in schema and value != schema["const"]:
-        raise ValueError(f"{path}: {value!r:.60} is not {schema['const']!r:.60}")
-    if "type" in schema:
-        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_is_type(value, k) for k in kinds):
-            raise ValueError(f"{path}: {value!r:.60} is not of type {schema['type']}")
-    if isinstance(value, dict):
-        _check_object(value, schema, root, path)
-    elif isinstance(value, list):
-        _check_array(value, schema, root, path)
-    elif isinstance(value, str):
-        _check_string(value, schema, path)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check_bounds(value, schema, path)
-
-
-def _matches(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str) -> bool:
-    try:
-        check_value(value, schema, root, path)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_type(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    expected = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}[kind]
-    return isinstance(value, expected)
-
-
-def _check_object(value: dict[str, Any], schema: dict[str, Any], root: dict[str, Any], path: str) -> None:
-    properties = schema.get("properties", {})
-    for name in schema.get("required", []):
-        if name not in value:
-            raise ValueError(f"{path}: the required property {name!r} is missing")
-    extra = schema.get("additionalProperties", True)
-    for name, item in value.items():
-        if name in properties:
-            check_value(item, properties[name], root, f"{path}.{name}")
-        elif extra is False:
-            raise ValueError(f"{path}: property {name!r} is not allowed")
-        elif isinstance(extra, dict):
-            check_value(item, extra, root, f"{path}.{name}")
-
-
-def _check_array(value: list[Any], schema: dict[str, Any], root: dict[str, Any], path: str) -> None:
-    if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", math.inf):
-        raise ValueError(f"{path}: {len(value)} items is outside minItems/maxItems")
-    items = schema.get("prefixItems", schema.get("items"))
-    for i, item in enumerate(value):
-        sub = items[i] if isinstance(items, list) and i < len(items) else items
-        if isinstance(sub, dict):
-            check_value(item, sub, root, f"{path}[{i}]")
-
-
-def _check_string(value: str, schema: dict[str, Any], path: str) -> None:
-    if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
-        raise ValueError(f"{path}: a string of {len(value)} characters is outside minLength/maxLength")
-    if "pattern" in schema and not patterns.matches(schema["pattern"], value):
-        raise ValueError(f"{path}: {value!r:.60} does not match the pattern {schema['pattern']!r}")
-
-
-def _check_bounds(value: float, schema: dict[str, Any], path: str) -> None:
-    low, low_open, high, high_open = _bounds(schema)
-    if value < low or value > high or (low_open and value == low) or (high_open and value == high):
-        raise ValueError(f"{path}: {value} is outside the bounds of the schema")
