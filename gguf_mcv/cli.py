@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import constants
 from .errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError
-from .options import VISION_BACKENDS
+from .options import DETAILS, KV_CACHE_TYPES, VISION_BACKENDS
 from .units import format_size
 
 
@@ -51,10 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
-    p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
+    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX,
+                   help=f"context size (default {constants.DEFAULT_N_CTX})")
+    p.add_argument("--kv", choices=KV_CACHE_TYPES, default="f16", help="KV cache type")
     p.add_argument("--quant", help="evaluate this quant only")
-    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto",
+    p.add_argument("--detail", choices=DETAILS, default="auto",
                    help="image detail the first-answer prediction assumes (default auto)")
     p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
                    help="the vision encoder whose memory the plan counts (default auto, as load)")
@@ -70,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="catalog name or Hub repo id")
     p.add_argument("--quant", help="e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX)
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _speed_args(p)
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("args", nargs="+", metavar="IMAGE... PROMPT", help="image files, then the question")
     p.add_argument("--example", action="store_true", help="ask about the bundled example image")
-    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
+    p.add_argument("--detail", choices=DETAILS, default="auto")
     _answer_args(p)
     _cache_args(p)
     p.set_defaults(func=_ask)
@@ -137,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time a first question, a follow-up and decoding")
     _model_args(p)
     p.add_argument("image", nargs="?", help="image to ask about (default: the bundled example)")
-    p.add_argument("--detail", choices=("auto", "low", "high"), default="auto")
+    p.add_argument("--detail", choices=DETAILS, default="auto")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--no-probe", action="store_true",
                    help="predict from default constants instead of measuring this machine once")
@@ -151,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
                    "rows with a prompt column use theirs)")
     p.add_argument("--out", required=True, help="results file (JSONL); a rerun skips what it holds")
     p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
-    p.add_argument("--detail", choices=("auto", "low", "high"), help="image detail (default auto)")
+    p.add_argument("--detail", choices=DETAILS, help="image detail (default auto)")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float)
     p.add_argument("--seed", type=int)
@@ -174,13 +176,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--quant", help="quantization, e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
+    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX,
+                   help=f"context size (default {constants.DEFAULT_N_CTX})")
     p.add_argument("--threads", type=int, help="CPU threads (default: performance cores)")
     p.add_argument("--gpu-layers", default="0", help="layers to offload to a GPU: N, -1 (all) or auto")
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
                    help="who runs the vision encoder (default auto: ONNX Runtime int8 on a CPU)")
-    p.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16", help="KV cache type")
+    p.add_argument("--kv", choices=KV_CACHE_TYPES, default="f16", help="KV cache type")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     _speed_args(p)
 

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 from .errors import ConfigError
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+#: how much of an image the encoder sees (gguf_mcv.slicing)
+DETAILS = ("auto", "low", "high")
 #: who runs the vision encoder: libmtmd, or ONNX Runtime on a graph converted from the mmproj
 VISION_BACKENDS = ("auto", "llama.cpp", "onnx-int8", "onnx-fp32")
 #: the weights libmtmd encodes with: "auto" (a BF16 copy where the CPU has AVX512-BF16), the

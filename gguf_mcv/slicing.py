@@ -17,9 +17,9 @@ import numpy as np
 
 from .errors import ConfigError
 from .media import Image
+from .options import DETAILS
 
 MAX_SLICES = 9  # hard-coded in libmtmd for MiniCPM-V
-DETAILS = ("auto", "low", "high")
 #: slice budget of detail="auto": each slice is one vision-encoder pass (~9 s for
 #: MiniCPM-V's SigLIP on 2 CPU cores), so on a CPU large images get at most 4 slices
 #: plus the overview; with the encoder on a GPU, libmtmd's own maximum of 9.
