@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
+from . import progress
 from .batch_input import Item, collect, for_model, load_schema, model_identity
 from .batch_output import ResultsFile
 from .errors import ModelClosedError
@@ -155,26 +155,10 @@ def _unrecordable(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
                                       "ask again, or change the schema so that it gives finite numbers."))
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self) -> "_NoBar":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 def progress_bar(total: int, initial: int, show: bool | None) -> Any:
-    """A tqdm bar on stderr (items/s, ETA) starting at ``initial`` of ``total``; a no-op one
-    when ``show`` is False, or None and stderr is not a terminal."""
-    if show is False or (show is None and not sys.stderr.isatty()):
-        return _NoBar()
-    from tqdm import tqdm  # lazy: batch jobs only
-
-    return tqdm(total=total, initial=initial, unit="item", desc="batch", file=sys.stderr,
-                dynamic_ncols=True, smoothing=0.1)
+    """The job's bar on stderr (items/s, ETA) starting at ``initial`` of ``total``, drawn when
+    ``show``, or when it is None and stderr is a terminal (:func:`gguf_mcv.progress.bar`)."""
+    return progress.bar(total, initial=initial, desc="batch", unit="item", show=show)
 
 
 def _jsonable(value: Any) -> Any:

@@ -589,22 +589,11 @@ def _print_answer(reply_or_stream, as_json: bool) -> None:
 
 
 def _progress_line(args: argparse.Namespace, unit: str = "image slice"):
-    """An ``on_progress`` callback showing one line on stderr while images are encoded:
-    slice i of N, elapsed, ETA (cached slices count as done); cleared before the answer.
-    None when stderr is not a terminal or ``--quiet`` was given."""
-    if getattr(args, "quiet", False) or not sys.stderr.isatty():
-        return None
+    """An ``on_progress`` callback drawing the slices being encoded on stderr (cleared before
+    the answer); None when stderr is not a terminal or ``--quiet`` was given."""
+    from .progress import encoding  # lazy: per command
 
-    def show(p) -> None:
-        if p.done >= p.total:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
-            return
-        eta = f", about {p.eta_s:.0f} s left" if p.eta_s is not None else ""
-        cached = f" ({p.cached} from the cache)" if p.cached else ""
-        print(f"\r\033[Kencoding {unit} {p.done + 1} of {p.total}{cached}: {p.elapsed_s:.0f} s{eta}",
-              end="", file=sys.stderr, flush=True)
-
-    return show
+    return None if getattr(args, "quiet", False) else encoding(unit)
 
 
 def _int(text: str, flag: str) -> int:

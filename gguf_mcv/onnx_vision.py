@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import constants
+from . import constants, progress
 from .cache_files import (
     DamagedManifest,
     folder_lock,
@@ -370,19 +370,5 @@ def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
 
 
 def progress_bar() -> Callable[[str, int, int], None]:
-    """A tqdm progress callback for :func:`prepare` (shown on a terminal only)."""
-    from tqdm.auto import tqdm
-
-    bars: dict[str, Any] = {}
-
-    def update(what: str, done: int, total: int) -> None:
-        bar = bars.get(what)
-        if bar is None:
-            bar = bars[what] = tqdm(total=total, desc=f"ONNX vision: {what}", unit="step", disable=None,
-                                    leave=False)
-        bar.n = done
-        bar.refresh()
-        if done >= total:
-            bar.close()
-
-    return update
+    """A progress callback for :func:`prepare` (bars shown on a terminal only)."""
+    return progress.steps("ONNX vision")
