@@ -426,7 +426,7 @@ def repacked_bytes(model_size: int, text: TextShape, quant: str | None, cpu: str
     Exact from ``tensors`` -- (name, ggml type name, bytes) for every tensor in the file,
     as a GGUF header lists them -- else from :data:`QUANT_TYPE_MIX` for ``quant``.
     """
-    types = REPACKED_TYPES[cpu or local_cpu_family()]
+    types = REPACKED_TYPES[cpu or this_machines_repacking()]
     if tensors is not None:
         return sum(n for name, typ, n in tensors
                    if typ.upper() in types and name != "token_embd.weight" and not name.endswith(".bias"))
@@ -446,6 +446,15 @@ def cpu_family(machine: str) -> str:
     if m in ("aarch64", "arm64"):
         return "arm-dotprod"
     return "none"
+
+
+def this_machines_repacking() -> str:
+    """The repack family loads on this machine get: its CPU's (:func:`local_cpu_family`), or
+    ``"none"`` where the native check found the extra buffer types crashing, so that loads
+    leave them off (:func:`gguf_mcv.native_check.extra_bufts_known_to_crash`)."""
+    from .native_check import extra_bufts_known_to_crash  # a kept verdict is read, no check is run
+
+    return "none" if extra_bufts_known_to_crash() else local_cpu_family()
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -349,6 +350,19 @@ def decide(text_types: Iterable[str], vision_backend: str | None = None, *, visi
     return Decision(extra_bufts=not text_crashed, vision_backend=backend, notices=tuple(notices))
 
 
+def extra_bufts_known_to_crash() -> bool:
+    """Whether a verdict already kept for this machine and build (in memory or on disk) says some
+    type crashes with the extra buffer types: loads here then run without them, and without the
+    repacked copies they make. Runs no check (the planner asks this, and plans without I/O)."""
+    key = fingerprint()
+    with _lock:
+        known = _memo.get(key)
+        if not known:
+            known = _memo[key] = read_verdict(constants.cache_dir() / FOLDER / f"{key}.json", key)
+        known = dict(known)
+    return any(p.startswith("text:") and p.endswith(":extra") and not o.safe for p, o in known.items())
+
+
 def crashing_extra_bufts(text_types: Iterable[str]) -> str:
     """Which of ``text_types`` crash with llama.cpp's extra buffer types here ('' if none)."""
     found = outcomes([text_path(t, True) for t in sorted(set(text_types))])
@@ -412,7 +426,13 @@ def weight_types(model_path: str | os.PathLike) -> set[str]:
 
 def fingerprint() -> str:
     """A digest of what a verdict depends on: CPU, kernel, Python, builds, native libraries
-    (and ``$GGUF_MCV_NATIVE_FAULT``, so simulated faults never mix with real verdicts)."""
+    (and ``$GGUF_MCV_NATIVE_FAULT``, so simulated faults never mix with real verdicts); worked
+    out once per process (and value of that variable)."""
+    return _fingerprint(os.environ.get(ENV_FAULT, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(fault: str) -> str:
     parts = {
         "version": CHECK_VERSION,
         "cpu": cpu_identity(),
@@ -422,7 +442,7 @@ def fingerprint() -> str:
         "llama_cpp_python": dist_version("llama_cpp_python"),
         "onnxruntime": dist_version("onnxruntime"),
         "libraries": _native_libraries(),
-        "fault": os.environ.get(ENV_FAULT, ""),
+        "fault": fault,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 

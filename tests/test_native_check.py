@@ -244,3 +244,18 @@ def test_plan_and_selftest_lines_name_the_fallback(fresh: Path, monkeypatch: pyt
     from gguf_mcv import selftest
 
     assert "SIGILL" in selftest._kernels({})  # the self-test's step reports the same notice
+
+
+def test_the_plan_counts_no_repacked_copy_where_loads_leave_the_extra_buffer_types_off(
+        fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gguf_mcv import memory
+
+    _fault(monkeypatch, "text:Q4_K:extra=SIGILL")
+    assert memory.this_machines_repacking() == memory.local_cpu_family()  # nothing known yet: no check run
+    assert not list(fresh.glob("*.json"))
+    native_check.decide({"Q4_K"})
+    assert memory.this_machines_repacking() == "none"
+    tensors = [("blk.0.ffn_up.weight", "Q4_K", 1000)]
+    assert memory.repacked_bytes(0, None, None, tensors=tensors) == 0  # type: ignore[arg-type]
+    native_check.forget()  # a new process: the kept verdict says the same
+    assert memory.this_machines_repacking() == "none"
