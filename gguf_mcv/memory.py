@@ -43,6 +43,7 @@ from typing import Any, Iterable
 from .errors import ConfigError
 from .headers import parse_header
 from .options import VISION_BACKENDS as ASKABLE_BACKENDS
+from .options import check_vision_backend
 from .quants import normalize_quant
 from .shapes import TextShape, VisionShape
 
@@ -512,9 +513,7 @@ def estimate(
     with :func:`gguf_mcv.vision_backends.choose_backend`).
     """
     t, v = text, vision or VisionShape()
-    if vision_backend not in VISION_BACKENDS:
-        raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)} here "
-                          f"(resolve 'auto' first), not {vision_backend!r}.")
+    check_vision_backend(vision_backend, resolved=True)
     onnx = vision_backend != "llama.cpp"
     if onnx and vision_on_gpu:
         raise ConfigError(f"vision_backend={vision_backend!r} runs the encoder on the CPU; "

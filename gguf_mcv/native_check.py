@@ -62,7 +62,6 @@ ENV_TIMEOUT = "GGUF_MCV_NATIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 #: A verdict file larger than this is not ours (ours is under 4 KB): it is checked again.
 MAX_VERDICT_BYTES = 256 * 1024
-VISION_BACKENDS = ("llama.cpp", "onnx-fp32", "onnx-int8")
 #: What ``vision_backend="auto"`` falls back to when its choice crashes, in order.
 VISION_FALLBACKS = {"onnx-int8": ("onnx-fp32", "llama.cpp"), "onnx-fp32": ("llama.cpp",), "llama.cpp": ()}
 #: The kernels each vision backend runs: int8 is validated against fp32 when converted.

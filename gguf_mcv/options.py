@@ -85,6 +85,16 @@ def check_sampling(**settings: Any) -> dict[str, Any]:
     return settings
 
 
+def check_vision_backend(value: Any, *, resolved: bool = False) -> str:
+    """``value`` when it names a vision backend (:data:`VISION_BACKENDS`; with ``resolved``, not
+    ``"auto"``: who runs the encoder once the rule has been applied); ConfigError otherwise."""
+    allowed = tuple(b for b in VISION_BACKENDS if not (resolved and b == "auto"))
+    if not isinstance(value, str) or value not in allowed:
+        resolve = " here (resolve 'auto' first)" if resolved and value == "auto" else ""
+        raise ConfigError(f"vision_backend must be one of {', '.join(allowed)}{resolve}, not {value!r}.")
+    return value
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an int within [low, high]; ConfigError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -186,9 +196,7 @@ class LoadOptions:
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ConfigError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, "
                               f"not {self.kv_cache_type!r}.")
-        if self.vision_backend not in VISION_BACKENDS:
-            raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)}, "
-                              f"not {self.vision_backend!r}.")
+        check_vision_backend(self.vision_backend)
         if self.mmproj_precision not in MMPROJ_PRECISIONS:
             raise ConfigError(f"mmproj_precision must be one of {', '.join(MMPROJ_PRECISIONS)}, "
                               f"not {self.mmproj_precision!r}.")

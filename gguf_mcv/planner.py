@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from . import memory, speed
 from .errors import ConfigError, NoQuantFitsError
 from .hardware import Hardware
-from .options import MAX_N_CTX, MIN_N_CTX, VISION_BACKENDS, check_int
+from .options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend
 from .quants import normalize_quant, quality_rank
 from .shapes import TextShape, VisionShape
 from .speed import Rates, SpeedPrediction
@@ -265,8 +265,7 @@ def choose(
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
-    if not isinstance(vision_backend, str) or vision_backend not in VISION_BACKENDS:
-        raise ConfigError(f"vision_backend must be one of {', '.join(VISION_BACKENDS)}, not {vision_backend!r}.")
+    check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     evaluated = _evaluate_all(cands, ctx)
