@@ -34,6 +34,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import platform
 import queue
@@ -52,6 +53,8 @@ from . import constants
 from .cache_files import DamagedManifest, read_manifest, write_manifest
 from .errors import NativeKernelError
 from .hardware import cpu_identity, dist_version
+
+logger = logging.getLogger(__name__)
 
 #: Bumped when what a path runs changes: older verdicts are then checked again.
 CHECK_VERSION = 1
@@ -72,7 +75,9 @@ _PROTOCOL = "gguf-mcv-native-check:"
 @dataclass(frozen=True)
 class Outcome:
     """What one path did in the child: ``ok``, ``error`` (a Python error, not a crash),
-    ``crashed`` (killed by a signal or an abnormal exit) or ``hung``."""
+    ``crashed`` (killed by a signal or an abnormal exit), ``hung``, or ``unchecked`` (the check
+    itself could not run: no child could be started, or it failed before any path; such an
+    outcome is never kept on disk, so the next process checks again)."""
 
     status: str
     detail: str = ""
@@ -80,7 +85,7 @@ class Outcome:
     @property
     def safe(self) -> bool:
         """The path did not take its process down."""
-        return self.status in ("ok", "error")
+        return self.status in ("ok", "error", "unchecked")
 
     def to_dict(self) -> dict[str, str]:
         return {"status": self.status, "detail": self.detail}
@@ -171,7 +176,7 @@ def write_verdict(path: Path, key: str, known: dict[str, Outcome]) -> None:
     """Keep the outcomes (atomically, with a digest of the content: see :mod:`gguf_mcv.cache_files`)."""
     try:
         write_manifest(path, {"version": CHECK_VERSION, "key": key, "written": time.time(),
-                              "paths": {p: o.to_dict() for p, o in sorted(known.items())}})
+                              "paths": {p: o.to_dict() for p, o in sorted(known.items()) if o.status != "unchecked"}})
     except OSError:
         pass  # a read-only cache folder costs a check per process, nothing else
 
@@ -234,10 +239,20 @@ def death(returncode: int, stderr_tail: Iterable[str] = ()) -> str:
     return f"{what}" + (f" ({said[-1][:200]})" if said else "")
 
 
+def _unchecked(paths: list[str], results: dict[str, Outcome], why: str) -> None:
+    logger.warning("The native check could not run (%s): loading without it.", why)
+    for p in paths:
+        results.setdefault(p, Outcome("unchecked", why))
+
+
 def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[str, Outcome]) -> None:
-    proc = subprocess.Popen(child_command("gguf_mcv.native_check", str(workdir), *paths),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env(), start_new_session=True)
+    try:
+        proc = subprocess.Popen(child_command("gguf_mcv.native_check", str(workdir), *paths),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=child_env(), start_new_session=True)
+    except OSError as exc:  # no process could be made (out of memory, no Python executable)
+        _unchecked(paths, results, f"no child process: {exc}")
+        return
     lines: queue.Queue[str | None] = queue.Queue()
     stderr_tail: collections.deque[str] = collections.deque(maxlen=8)
     threads = [threading.Thread(target=_read_protocol, args=(proc.stdout, lines), daemon=True),
@@ -255,8 +270,7 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
                 if current is not None:
                     results[current] = Outcome("hung", f"no result after {timeout:.0f} s")
                 else:  # the child never started a path: it cannot import what it needs
-                    for p in paths:
-                        results.setdefault(p, Outcome("error", f"the check's process hung for {timeout:.0f} s"))
+                    _unchecked(paths, results, f"its process hung for {timeout:.0f} s before starting")
                 return
             if line is None:
                 break
@@ -267,7 +281,11 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
             elif kind in ("ok", "error") and name:
                 results[name] = Outcome(kind, detail)
                 current = None
-        code = proc.wait(timeout=timeout)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # it closed its output but does not end
+            proc.kill()
+            code = proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -277,9 +295,7 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
     if current is not None and current not in results:
         results[current] = Outcome("crashed", death(code, stderr_tail))
     elif not any(p in results for p in paths):
-        why = f"the check's process failed ({death(code, stderr_tail)}) before it ran anything"
-        for p in paths:
-            results[p] = Outcome("error", why)
+        _unchecked(paths, results, f"its process {death(code, stderr_tail)} before it ran anything")
 
 
 def _read_protocol(stream: Any, lines: queue.Queue[str | None]) -> None:
