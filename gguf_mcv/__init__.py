@@ -9,7 +9,6 @@ import logging as _logging
 from importlib import metadata as _metadata
 
 from .chat_handler import MiniCPMVChatHandler
-from .embed_cache import EmbeddingCache
 from .errors import (
     AnswerCancelled,
     BatchInputError,
@@ -35,19 +34,20 @@ from .errors import (
     OutputError,
     SavedChatError,
 )
-from .generation import Stream
 from .hardware import Hardware, probe
 from .loader import checked_llama, load
-from .media import Image, load_image
-from .messages import MediaPolicy
 from .model import Chat, Model, ModelInfo
 from .options import Sampling
-from .planner import Plan
+from .planning.planner import Plan
+from .prompt.messages import MediaPolicy
+from .prompt.request import Turn, VideoOptions
 from .reply import Progress, Reply, Timings, Usage, VideoStats
-from .request import Turn, VideoOptions
 from .resolver import ModelFiles, plan, pull
+from .runtime.generation import Stream
 from .units import format_size, parse_size
-from .video import Frame, Frames, sample_frames
+from .vision.embed_cache import EmbeddingCache
+from .vision.media import Image, load_image
+from .vision.video import Frame, Frames, sample_frames
 
 try:
     __version__ = _metadata.version("gguf-mcv")

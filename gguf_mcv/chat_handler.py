@@ -12,7 +12,7 @@ optionally with a ``"schema"``, as llama-cpp-python takes it, or ``{"type": "jso
 "json_schema": {"schema": ...}}``) and ``grammar`` (a ``LlamaGrammar``) constrain the answer.
 ``tools`` and ``tool_choice`` work as in llama-cpp-python's function-calling handlers: the
 answer's ``message.tool_calls`` holds the calls, and ``role: "tool"`` messages carry results
-back (see :mod:`gguf_mcv.tools` for how tools are shown to the model).
+back (see :mod:`gguf_mcv.prompt.tools` for how tools are shown to the model).
 ``vision_backend`` and ``mmproj_precision`` are :func:`gguf_mcv.load`'s; the default backend
 is libmtmd (``"llama.cpp"``), as in the handler this one replaces; ``"auto"`` takes ONNX
 Runtime int8 on a CPU.
@@ -24,21 +24,21 @@ import os
 import threading
 from typing import Any, Iterator
 
-from . import native_check
-from . import tools as tooling
-from .embed_cache import EmbeddingCache
-from .engine import Engine
 from .errors import ConfigError, ModelNotFoundError, NativeKernelError
-from .generation import AnswerLock, Stream, respond
-from .headers import read_projector_header
-from .llama_load import uses_extra_bufts
 from .loader import vision_setup
-from .messages import MediaPolicy, convert
+from .models.headers import read_projector_header
 from .openai_compat import completion, completion_chunks, tool_call_chunks
 from .options import LoadOptions, Sampling, stop_list
-from .request import TurnBuilder
-from .structured import Constraint, constraint, grammar_constraint
-from .templates import choose_template
+from .output.structured import Constraint, constraint, grammar_constraint
+from .prompt import tools as tooling
+from .prompt.messages import MediaPolicy, convert
+from .prompt.request import TurnBuilder
+from .prompt.templates import choose_template
+from .runtime import native_check
+from .runtime.engine import Engine
+from .runtime.generation import AnswerLock, Stream, respond
+from .runtime.llama_load import uses_extra_bufts
+from .vision.embed_cache import EmbeddingCache
 
 _UNSUPPORTED = {"functions": "use tools", "function_call": "use tool_choice",
                 "logits_processor": "use grammar or response_format"}
@@ -139,7 +139,7 @@ class MiniCPMVChatHandler:
 
 def _refuse_crashing_kernels(llama) -> None:
     """A ``Llama`` built by the caller cannot change its buffers: when its extra buffer types'
-    kernels crash on this machine (:mod:`gguf_mcv.native_check`), refuse before the first decode."""
+    kernels crash on this machine (:mod:`gguf_mcv.runtime.native_check`), refuse before the first decode."""
     if not uses_extra_bufts(llama):
         return
     crashed = native_check.crashing_extra_bufts(native_check.weight_types(llama.model_path))

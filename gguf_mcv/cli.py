@@ -214,8 +214,8 @@ def _answer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from .catalog import load_catalog  # lazy: per command
-    from .hub import cached_models  # lazy: per command
+    from .models.catalog import load_catalog  # lazy: per command
+    from .models.hub import cached_models  # lazy: per command
 
     cached = {repo.lower(): (repo, files) for repo, files in cached_models().items()}
     rows: list[dict[str, Any]] = []
@@ -271,9 +271,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _native_lines(result: Any, local: tuple[Path, Path] | None, vision_backend: str) -> list[str]:
-    """What the native check (gguf_mcv.native_check) changes for this plan's load, or refuses."""
-    from . import native_check  # lazy: per command
-    from .memory import QUANT_TYPE_MIX, output_type
+    """What the native check (gguf_mcv.runtime.native_check) changes for this plan's load, or refuses."""
+    from .planning.memory import QUANT_TYPE_MIX, output_type
+    from .runtime import native_check  # lazy: per command
 
     if local is not None:
         types = native_check.weight_types(local[0])
@@ -447,10 +447,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
-    from . import speed  # lazy: per command
     from .hardware import probe as hardware_probe  # lazy: per command
-    from .headers import read_projector_header, read_tensors, read_text_header  # lazy: per command
-    from .memory import tensor_list  # lazy: per command
+    from .models.headers import read_projector_header, read_tensors, read_text_header  # lazy: per command
+    from .planning import speed  # lazy: per command
+    from .planning.memory import tensor_list  # lazy: per command
     from .resolver import machine_rates  # lazy: per command
 
     text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)
@@ -472,7 +472,7 @@ def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from . import batch  # lazy: per command
+    from .jobs import batch  # lazy: per command
 
     schema = batch.load_schema(args.schema) if args.schema else None
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
@@ -480,7 +480,7 @@ def _batch(args: argparse.Namespace) -> int:
     items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
     show = False if args.no_progress else None
     if args.ray:
-        from . import batch_ray  # lazy: per command, and an optional extra
+        from .jobs import batch_ray  # lazy: per command, and an optional extra
 
         summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
                                       progress=show)
@@ -541,8 +541,8 @@ def _local_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
 def _embed_cache(args: argparse.Namespace):
     """The embedding cache the command's options ask for: a disk tier unless --no-disk-cache
     (None for commands without those options: the model's own, in memory)."""
-    from .embed_cache import EmbeddingCache, default_disk_dir  # lazy: per command
     from .units import parse_size  # lazy: per command
+    from .vision.embed_cache import EmbeddingCache, default_disk_dir  # lazy: per command
 
     if not hasattr(args, "no_disk_cache"):
         return None

@@ -47,7 +47,7 @@ def hardware_root() -> Path:
 
 
 #: Set (to anything but 0/false/no) to skip the speed probe: the speed model then uses
-#: :data:`gguf_mcv.speed.DEFAULT_RATES`.
+#: :data:`gguf_mcv.planning.speed.DEFAULT_RATES`.
 ENV_NO_PROBE = "GGUF_MCV_NO_PROBE"
 
 

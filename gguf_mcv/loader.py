@@ -3,7 +3,7 @@
 The path a request travels: :mod:`gguf_mcv.resolver` turns the name into two local
 files (catalog, plan, Hub); their headers are checked as a pair before llama.cpp
 sees them; then the text model and the vision projector are loaded into an
-:class:`~gguf_mcv.engine.Engine`.
+:class:`~gguf_mcv.runtime.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import constants, native, native_check
-from .catalog import CatalogEntry, lookup
-from .embed_cache import EmbeddingCache
-from .engine import Engine, VisionEncoder, file_identity
+from . import constants
 from .errors import ConfigError, CorruptModelError, EngineError
 from .hardware import probe
-from .headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
-from .memory import estimate_files, parallel_for_budget, slot_bytes
 from .model import Model, ModelInfo
+from .models.catalog import CatalogEntry, lookup
+from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .options import LoadOptions, Sampling
-from .planner import Plan, resolve_budget
+from .planning.memory import estimate_files, parallel_for_budget, slot_bytes
+from .planning.planner import Plan, resolve_budget
+from .prompt.templates import FAMILIES, ChatTemplate, choose_template
 from .resolver import plan_local, pull
-from .slots import Scheduler
-from .templates import FAMILIES, ChatTemplate, choose_template
-from .vision_backends import choose_backend
+from .runtime import native, native_check
+from .runtime.engine import Engine, VisionEncoder, file_identity
+from .runtime.slots import Scheduler
+from .vision.embed_cache import EmbeddingCache
+from .vision.vision_backends import choose_backend
 
 
 def load(
@@ -74,13 +75,13 @@ def load(
     make the plan keep only quants (and, for ``"auto"``, models) predicted to meet them
     (:func:`gguf_mcv.plan`). ``vision_backend`` picks who runs the vision encoder:
     ``"llama.cpp"`` (libmtmd), ``"onnx-int8"`` / ``"onnx-fp32"`` (ONNX Runtime, a graph
-    converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.vision_backends.choose_backend``);
+    converted once from the mmproj) or ``"auto"`` (see ``gguf_mcv.vision.vision_backends.choose_backend``);
     ``model.info`` says which and why. ``mmproj_precision`` is for the ``llama.cpp`` backend:
     ``"auto"`` encodes with a BF16 copy of a large F16 mmproj (made once in the cache) when the
     CPU has AVX512-BF16 and the encoder runs on it, ``"bf16"`` always, ``"as-is"`` never
-    (:mod:`gguf_mcv.mmproj_bf16`); ``model.info.vision_backend_reason`` says which.
+    (:mod:`gguf_mcv.vision.mmproj_bf16`); ``model.info.vision_backend_reason`` says which.
     ``parallel=N`` answers up to N questions at once (N slots of ``n_ctx`` positions each in
-    one llama.cpp context, decoded together: see :mod:`gguf_mcv.slots`); ``"auto"`` takes as
+    one llama.cpp context, decoded together: see :mod:`gguf_mcv.runtime.slots`); ``"auto"`` takes as
     many as the memory budget holds (at most 8).
     """
     options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
@@ -201,13 +202,13 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
 def checked_llama(model_path: str | os.PathLike, **llama_kwargs: Any) -> Any:
     """A ``llama_cpp.Llama`` for ``model_path`` loaded the way that works on this machine.
 
-    Its matrix kernels are first tried in a child process (:mod:`gguf_mcv.native_check`);
+    Its matrix kernels are first tried in a child process (:mod:`gguf_mcv.runtime.native_check`);
     when llama.cpp's extra buffer types (AMX, repacking) crash there, the model is loaded
     without them and a notice says so once. Use it where you would call ``llama_cpp.Llama``
     for :class:`gguf_mcv.MiniCPMVChatHandler`. Raises
     :class:`~gguf_mcv.errors.NativeKernelError` when no kernel set is safe.
     """
-    from .llama_load import open_llama
+    from .runtime.llama_load import open_llama
 
     decision = native_check.decide(native_check.weight_types(model_path), what=os.fspath(model_path))
     return open_llama(model_path, extra_bufts=decision.extra_bufts, **llama_kwargs)
@@ -264,7 +265,7 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
     """(backend, reason, encoder, the mmproj libmtmd loads): for an ONNX backend the converted
     encoder and a stand-in mmproj without the tower's weights (no double loading). ``chosen``
     is the (backend, reason) already decided, else the rule's."""
-    from . import onnx_vision
+    from .vision import onnx_vision
 
     backend, reason = chosen or _choose_vision_backend(options, projector, vision_gpu)
     if backend == "llama.cpp":
@@ -295,8 +296,8 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
 
 
 def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool) -> tuple[str, str]:
-    """(backend, reason) by the rule the planner uses too (:mod:`gguf_mcv.vision_backends`)."""
-    from .onnx_vision import onnxruntime_version
+    """(backend, reason) by the rule the planner uses too (:mod:`gguf_mcv.vision.vision_backends`)."""
+    from .vision.onnx_vision import onnxruntime_version
 
     # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
     may_use = options.vision_backend != "llama.cpp" and not vision_gpu
@@ -307,8 +308,8 @@ def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vis
 def _precision(options: LoadOptions, mmproj_path: str | os.PathLike,
                vision_gpu: bool) -> tuple[str | os.PathLike, str]:
     """(the mmproj libmtmd loads, why) for ``options.mmproj_precision`` with the llama.cpp backend."""
-    from . import mmproj_bf16
     from .hardware import cpu_flags
+    from .vision import mmproj_bf16
 
     if options.mmproj_precision == "as-is":
         return mmproj_path, "as-is"
@@ -345,7 +346,7 @@ def _open_llama(model_path, n_ctx, n_threads, n_threads_batch, n_gpu_layers, fla
                 kv_cache_type, verbose, *, extra_bufts: bool = True):
     import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
 
-    from .llama_load import open_llama
+    from .runtime.llama_load import open_llama
 
     native.install_logging()
     native.clear_recent()

@@ -15,20 +15,21 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
 
-from . import kv_store, native, saved_chat, structured
-from . import tools as tooling
-from .engine import Engine, file_identity
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
-from .generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
-from .media import Image, ImageInput
-from .messages import MediaPolicy, convert
 from .options import DEFAULT_MAX_TOKENS, Sampling, check_int, check_max_tokens, check_text, stop_list
+from .output import structured
+from .output.structured import Constraint
+from .prompt import tools as tooling
+from .prompt.messages import MediaPolicy, convert
+from .prompt.request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
+from .prompt.templates import ChatTemplate
 from .reply import Reply, VideoStats
-from .request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
-from .slots import Scheduler
-from .structured import Constraint
-from .templates import ChatTemplate
-from .video import VideoInput
+from .runtime import kv_store, native, saved_chat
+from .runtime.engine import Engine, file_identity
+from .runtime.generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
+from .runtime.slots import Scheduler
+from .vision.media import Image, ImageInput
+from .vision.video import VideoInput
 
 __all__ = ["Chat", "Model", "ModelInfo", "VideoOptions", "DEFAULT_MAX_TOKENS"]
 
@@ -80,7 +81,7 @@ class Model:
         self.scheduler = scheduler
         self._lock = AnswerLock() if scheduler is None else SharedAnswerLock()
         self._identity: dict[str, Any] | None = None
-        #: builds the turns of every question (see :class:`gguf_mcv.request.TurnBuilder`)
+        #: builds the turns of every question (see :class:`gguf_mcv.prompt.request.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
                                  allow_remote_media=allow_remote_media, name=info.name, lock=self._lock)
@@ -185,7 +186,7 @@ class Model:
         """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
 
         Frames are sampled about ``fps`` per second (at most ``max_frames``, default from
-        :func:`~gguf_mcv.video.default_max_frames`), near-duplicates dropped
+        :func:`~gguf_mcv.vision.video.default_max_frames`), near-duplicates dropped
         (``dedupe``), each fed as one 448-pixel slice, with its time in the prompt when
         ``timestamps``. If the frames do not fit in the context they are thinned
         uniformly — unless ``max_frames`` was given, then :class:`ContextOverflowError`
@@ -242,9 +243,9 @@ class Model:
         (``reply.dropped_turns`` counts them) and, as :class:`Chat`'s default ``context_shift``
         does, shifted out of the KV cache instead of evaluating the kept ones again.
         ``schema``/``format`` as in :meth:`ask`;
-        ``grammar`` is an already-made :class:`~gguf_mcv.structured.Constraint`. ``tools``
+        ``grammar`` is an already-made :class:`~gguf_mcv.output.structured.Constraint`. ``tools``
         (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
-        a function) let the model call a function (:mod:`gguf_mcv.tools`): ``reply.tool_calls``;
+        a function) let the model call a function (:mod:`gguf_mcv.prompt.tools`): ``reply.tool_calls``;
         ``role: "tool"`` messages carry the results back.
         """
         settings = self.sampling.with_overrides(**sampling)
@@ -299,7 +300,7 @@ class Model:
         return Stream(pieces, cancel=cancel.set)
 
     def constraint(self, schema: Any = None, format: str | dict[str, Any] | None = None) -> Constraint | None:
-        """The checked :class:`~gguf_mcv.structured.Constraint` for ``schema`` or ``format``
+        """The checked :class:`~gguf_mcv.output.structured.Constraint` for ``schema`` or ``format``
         (None for neither); :class:`ConfigError` for an invalid schema, before anything runs."""
         made = structured.constraint(schema, format)
         return None if made is None else self.checked(made)
@@ -349,7 +350,7 @@ class Model:
                    min_positions: int = kv_store.MIN_POSITIONS) -> kv_store.KVStore:
         """Keep the KV state of a conversation in ``directory`` when another one is about to
         overwrite it (in a slot, or the single sequence), and restore it when a later prompt
-        starts with more of it than the cache holds (see :mod:`gguf_mcv.kv_store`). The folder
+        starts with more of it than the cache holds (see :mod:`gguf_mcv.runtime.kv_store`). The folder
         is capped at ``max_bytes`` (least recently used entries go first); states losing fewer
         than ``min_positions`` positions are not kept; :meth:`keep_idle` keeps what the cache
         holds now (a server calls it as it stops). Returns the store (its ``counts``);

@@ -6,8 +6,8 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from .generation import Stream
 from .reply import Reply
+from .runtime.generation import Stream
 
 
 def new_id() -> str:

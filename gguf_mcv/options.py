@@ -15,12 +15,12 @@ from typing import Any, Sequence
 from .errors import ConfigError
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
-#: how much of an image the encoder sees (gguf_mcv.slicing)
+#: how much of an image the encoder sees (gguf_mcv.vision.slicing)
 DETAILS = ("auto", "low", "high")
 #: who runs the vision encoder: libmtmd, or ONNX Runtime on a graph converted from the mmproj
 VISION_BACKENDS = ("auto", "llama.cpp", "onnx-int8", "onnx-fp32")
 #: the weights libmtmd encodes with: "auto" (a BF16 copy where the CPU has AVX512-BF16), the
-#: mmproj "as-is", or always a "bf16" copy (gguf_mcv.mmproj_bf16)
+#: mmproj "as-is", or always a "bf16" copy (gguf_mcv.vision.mmproj_bf16)
 MMPROJ_PRECISIONS = ("auto", "as-is", "bf16")
 #: Smallest context: one image alone takes 64 to 660 positions.
 MIN_N_CTX = 256

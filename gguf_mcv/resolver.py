@@ -1,8 +1,8 @@
 """From a model name to planned, fetched files: the layer above the planner and the Hub.
 
 A name (catalog name or alias, Hub repo id, or ``"auto"``) is looked up in the
-catalog, the repository's files are listed (:mod:`gguf_mcv.hub`), the quant is
-chosen for this machine (:func:`gguf_mcv.planner.choose`, which does no I/O) and
+catalog, the repository's files are listed (:mod:`gguf_mcv.models.hub`), the quant is
+chosen for this machine (:func:`gguf_mcv.planning.planner.choose`, which does no I/O) and
 the two files are fetched. :func:`plan`, :func:`pull` and :func:`gguf_mcv.load`
 all come through here; the planner and the Hub layer never call each other.
 """
@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from . import constants
-from .catalog import CatalogEntry, load_catalog
 from .errors import ConfigError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
-from .headers import read_projector_header, read_tensors, read_text_header
-from .hub import RepoFiles, fetch, list_files, remote_text_header
-from .memory import tensor_list
-from .planner import Plan, QuantCandidate, candidates_from, choose
-from .quants import classify_gguf, normalize_quant
-from .speed import Rates, weight_profile
+from .models.catalog import CatalogEntry, load_catalog
+from .models.headers import read_projector_header, read_tensors, read_text_header
+from .models.hub import RepoFiles, fetch, list_files, remote_text_header
+from .models.quants import classify_gguf, normalize_quant
+from .planning.memory import tensor_list
+from .planning.planner import Plan, QuantCandidate, candidates_from, choose
+from .planning.speed import Rates, weight_profile
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def plan(
     ``model="auto"`` picks the most capable catalog model that fits.
 
     Every row carries predicted speeds (a photo at ``detail``, a 16-frame video) from
-    ``rates``, by default this machine's (:func:`gguf_mcv.speed_probe.rates`: measured
+    ``rates``, by default this machine's (:func:`gguf_mcv.runtime.speed_probe.rates`: measured
     once, a few seconds; ``speed_probe=False`` or ``GGUF_MCV_NO_PROBE=1`` for the
     defaults). ``min_tokens_per_s`` and ``max_first_answer_s`` keep only quants (and,
     for ``"auto"``, models) predicted to meet them. ``vision_backend`` is ``load()``'s: the
@@ -104,15 +104,15 @@ def plan(
 def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refresh: bool = False) -> Rates:
     """The speed model's rates for ``hardware``'s recommended threads (cached probe or defaults;
     ``refresh`` probes again)."""
-    from .speed_probe import rates  # lazy: numpy, and llama.cpp when it probes
+    from .runtime.speed_probe import rates  # lazy: numpy, and llama.cpp when it probes
 
     return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
 
 
 def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
     """``vision_backend`` and the onnxruntime version that imports here, for
-    :func:`~gguf_mcv.planner.choose` (onnxruntime is imported only when it may be used)."""
-    from .onnx_vision import onnxruntime_version  # lazy: the loader's check, imports onnxruntime
+    :func:`~gguf_mcv.planning.planner.choose` (onnxruntime is imported only when it may be used)."""
+    from .vision.onnx_vision import onnxruntime_version  # lazy: the loader's check, imports onnxruntime
 
     ort = onnxruntime_version() if vision_backend != "llama.cpp" else None
     return {"vision_backend": vision_backend, "onnxruntime": ort}
@@ -120,7 +120,7 @@ def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
 
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
                hardware: Hardware | None = None, vision_backend: str = "auto", **options: Any) -> Plan:
-    """:func:`~gguf_mcv.planner.choose` for one local model file and its projector
+    """:func:`~gguf_mcv.planning.planner.choose` for one local model file and its projector
     (shapes from their headers). ``rates``, the speed limits and ``vision_backend`` work as
     in :func:`plan`."""
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
@@ -156,7 +156,7 @@ def pull(
     download bars (default: when stderr is a terminal). ``min_tokens_per_s`` and
     ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
     them, as in :func:`plan` (this machine is then probed once, see
-    :mod:`gguf_mcv.speed_probe`). ``vision_backend`` is ``load()``'s (the plan counts its memory).
+    :mod:`gguf_mcv.runtime.speed_probe`). ``vision_backend`` is ``load()``'s (the plan counts its memory).
     """
     planned = None
     limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)

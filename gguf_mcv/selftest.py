@@ -72,8 +72,8 @@ def _bindings(state: dict) -> str:
 
 
 def _kernels(state: dict) -> str:
-    from . import native_check  # lazy: the self-test alone needs it
-    from .memory import QUANT_TYPE_MIX, output_type
+    from .planning.memory import QUANT_TYPE_MIX, output_type
+    from .runtime import native_check  # lazy: the self-test alone needs it
 
     types = {*QUANT_TYPE_MIX["Q4_K_M"], output_type("Q4_K_M")}
     decision = native_check.decide(types, "onnx-int8", vision_auto=True, what="the self-test model")
@@ -81,7 +81,7 @@ def _kernels(state: dict) -> str:
 
 
 def _build(state: dict, model_dir: Path | None) -> str:
-    from .synthetic import build  # lazy: the self-test alone needs it
+    from .testing.synthetic import build  # lazy: the self-test alone needs it
 
     model = build(model_dir or constants.cache_dir() / "selftest-model", quants=("Q4_K_M",))
     state["files"] = model
@@ -129,7 +129,7 @@ def _bad_image(state: dict) -> str:
 
 def _default_generation(state: dict, model_dir: Path | None) -> str:
     from .loader import load  # lazy: the self-test alone needs it
-    from .synthetic import GENERATIONS, build  # lazy: the self-test alone needs it
+    from .testing.synthetic import GENERATIONS, build  # lazy: the self-test alone needs it
 
     folder = (model_dir or constants.cache_dir() / "selftest-model").with_name("selftest-model-4.6")
     files = build(folder, GENERATIONS["4.6"][0], quants=("Q4_K_M",))

@@ -138,7 +138,7 @@ def _private_caches(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     """The tiny synthetic ladder: ``.quants[...]``, ``.mmproj``, ``.spec``."""
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     return synthetic.build(tmp_path_factory.mktemp("tiny_model"))
 

@@ -10,8 +10,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from gguf_mcv import batch_input
-from gguf_mcv.batch_input import MAX_ROW_BYTES, collect
+from gguf_mcv.jobs import batch_input
+from gguf_mcv.jobs.batch_input import MAX_ROW_BYTES, collect
 from gguf_mcv.errors import BatchInputError, ConfigError, MediaError
 
 
@@ -253,13 +253,13 @@ def test_a_stray_quote_swallowing_rows_is_warned_about(tmp_path: Path, caplog: p
     lines = ["image,prompt"] + [f"a.png,question {i}" for i in range(52)]
     lines[2] = 'a.png,"question 1 with a stray quote'
     rows.write_text("\n".join(lines) + "\n")
-    with caplog.at_level("WARNING", logger="gguf_mcv.batch_input"):
+    with caplog.at_level("WARNING", logger="gguf_mcv.jobs.batch_input"):
         items = collect(rows)
     assert len(items) == 2  # what the CSV module reads: the quote runs to the end of the file
     assert any("stray quote" in r.getMessage() and "lines 3-53" in r.getMessage() for r in caplog.records)
     caplog.clear()
     rows.write_text("image,prompt\n" + "".join(f"a.png,q{i}\n" for i in range(5)))
-    with caplog.at_level("WARNING", logger="gguf_mcv.batch_input"):
+    with caplog.at_level("WARNING", logger="gguf_mcv.jobs.batch_input"):
         assert len(collect(rows)) == 5
     assert not caplog.records
 
@@ -269,7 +269,7 @@ def test_a_recursive_glob_does_not_follow_symlinked_folders(tmp_path: Path) -> N
     _png(tmp_path / "top" / "sub" / "b.png", 2)
     for name in ("loop1", "loop2"):  # two links back up: a search following them never ends
         (tmp_path / "top" / "sub" / name).symlink_to(tmp_path / "top")
-    code = ("import sys; from gguf_mcv.batch_input import collect\n"
+    code = ("import sys; from gguf_mcv.jobs.batch_input import collect\n"
             "print(sorted(i.input for i in collect(sys.argv[1], prompts=['q'])))\n"
             "print(len(collect(sys.argv[2], prompts=['q'])))\n")
     import subprocess

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gguf_mcv import batch_output
-from gguf_mcv.batch_output import ResultsFile
+from gguf_mcv.jobs import batch_output
+from gguf_mcv.jobs.batch_output import ResultsFile
 from gguf_mcv.errors import OutputBusyError, OutputError
 
 
@@ -71,7 +71,7 @@ def test_damaged_middle_line_is_refused_and_the_file_left_alone(tmp_path: Path) 
 
 def test_second_writer_in_another_process_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
-    code = ("import sys; from gguf_mcv.batch_output import ResultsFile; from gguf_mcv.errors import OutputBusyError\n"
+    code = ("import sys; from gguf_mcv.jobs.batch_output import ResultsFile; from gguf_mcv.errors import OutputBusyError\n"
             "try:\n    ResultsFile(sys.argv[1]).open()\nexcept OutputBusyError as e:\n    print('busy:', e)\n")
     with ResultsFile(out) as results:
         results.write(_row("a"))

@@ -15,8 +15,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from gguf_mcv import batch
-from gguf_mcv.batch_ray import Answerer, item_from, records
+from gguf_mcv.jobs import batch
+from gguf_mcv.jobs.batch_ray import Answerer, item_from, records
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is it?", "Which colours?"]
@@ -139,7 +139,7 @@ def test_ray_job_on_two_nodes_gives_the_local_rows(cluster: str, tiny, folder: P
 def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path, tmp_path: Path,
                                                                    address: str) -> None:
     pytest.importorskip("ray", reason="Ray is not installed here (pip install 'gguf-mcv[ray]')")
-    from gguf_mcv import batch_ray
+    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ClusterError
 
     items = batch.collect(folder, prompts=PROMPTS[:1])
@@ -151,7 +151,7 @@ def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path,
 
 
 def test_workers_must_be_positive(folder: Path, tmp_path: Path) -> None:
-    from gguf_mcv import batch_ray
+    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ConfigError
 
     for bad in (0, -1, 1.5):
@@ -161,7 +161,7 @@ def test_workers_must_be_positive(folder: Path, tmp_path: Path) -> None:
 
 def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv import batch_ray
+    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ConfigError
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
@@ -171,8 +171,8 @@ def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
 
 
 def test_a_ray_job_keys_local_files_as_a_local_job_and_names_by_name(tiny) -> None:
-    from gguf_mcv.batch_input import model_identity
-    from gguf_mcv.batch_ray import load_identity
+    from gguf_mcv.jobs.batch_input import model_identity
+    from gguf_mcv.jobs.batch_ray import load_identity
 
     local = dict(model_path=str(tiny.quants["Q4_K_M"]), mmproj_path=str(tiny.mmproj), n_threads=1)
     assert load_identity(local) == model_identity(tiny.quants["Q4_K_M"], tiny.mmproj)

@@ -1,4 +1,4 @@
-"""gguf_mcv.catalog: the bundled models.toml, user catalogs merged over it, and validation."""
+"""gguf_mcv.models.catalog: the bundled models.toml, user catalogs merged over it, and validation."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gguf_mcv.catalog import CHAT_TEMPLATES, Catalog, bundled_catalog_path, load_catalog
+from gguf_mcv.models.catalog import CHAT_TEMPLATES, Catalog, bundled_catalog_path, load_catalog
 from gguf_mcv.errors import CatalogError, ConfigError, ModelNotFoundError
-from gguf_mcv.quants import QUANT_ORDER, classify_gguf
+from gguf_mcv.models.quants import QUANT_ORDER, classify_gguf
 
 BUNDLED = {
     "minicpm-llama3-v-2.5", "minicpm-v-2.6", "minicpm-o-2.6", "minicpm-v-4.0",

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from damage import fifo
 
-from gguf_mcv import embed_cache
-from gguf_mcv.embed_cache import EmbeddingCache, cache_key
+from gguf_mcv.vision import embed_cache
+from gguf_mcv.vision.embed_cache import EmbeddingCache, cache_key
 from gguf_mcv.errors import ConfigError
 
 
@@ -236,7 +236,7 @@ def test_a_disk_folder_that_is_a_file_does_not_fail_the_put(tmp_path: Path) -> N
 
 _WRITER = """
 import sys, numpy as np
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 cache = EmbeddingCache(max_bytes=0, disk_dir=sys.argv[1], max_disk_bytes=2**21)
 me = int(sys.argv[2])
 for i in range(120):
@@ -326,7 +326,7 @@ def test_a_retuned_projector_of_the_same_size_never_gets_the_originals_embedding
 
 _READ_AFTER_DAMAGE = """
 import numpy as np
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 N = 10_000
 good = np.arange(N, dtype=np.float32)
 cache = EmbeddingCache(disk_dir=sys.argv[1])
@@ -372,7 +372,7 @@ def test_a_live_reader_survives_its_index_being_truncated(tmp_path: Path) -> Non
     # and no mmap it is an SQLite error: a miss for the reader, its memory tier unharmed
     code = """
 import os, numpy as np
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 cache = EmbeddingCache(max_bytes=0, disk_dir=sys.argv[1])
 for i in range(50):
     cache.put(f"k{i}", np.full(1000, i, np.float32))

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gguf_mcv
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.engine import ImageUnit, Sampling
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.runtime.engine import ImageUnit, Sampling
 from gguf_mcv.errors import ContextOverflowError
-from gguf_mcv.media import load_image
+from gguf_mcv.vision.media import load_image
 
 
 def picture(seed: int, size: tuple[int, int] = (320, 240)) -> np.ndarray:
@@ -120,7 +120,7 @@ def test_reused_answer_is_not_evaluated_again_even_when_retokenized_differently(
     # an answer made of them comes back in the next prompt as other tokens
     from dataclasses import replace
 
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     spec = replace(synthetic.TINY, visible_padding=True, n_vocab=4096)
     built = synthetic.build(tiny.out_dir.parent / "tiny_visible", spec, quants=["Q4_0"])
@@ -137,7 +137,7 @@ def test_reused_answer_is_not_evaluated_again_even_when_retokenized_differently(
 def test_penalty_shortcut_samples_exactly_like_the_full_vocabulary(model) -> None:
     import llama_cpp as lc
 
-    from gguf_mcv.engine import PENALTY_LAST_N
+    from gguf_mcv.runtime.engine import PENALTY_LAST_N
 
     engine, llama = model.engine, model.engine.llama
 
@@ -171,7 +171,7 @@ def test_penalty_shortcut_samples_exactly_like_the_full_vocabulary(model) -> Non
 
 def _old_shift_match(kv, new, common):
     """shift_match as it was (one scan per k, quadratic): the reference."""
-    from gguf_mcv.engine import MIN_SHIFT_MATCH, _common_prefix
+    from gguf_mcv.runtime.engine import MIN_SHIFT_MATCH, _common_prefix
 
     if common >= len(kv) or common >= len(new):
         return None
@@ -192,7 +192,7 @@ _UNITS = st.one_of(st.integers(0, 2), st.sampled_from([ImageUnit("a", 3), ImageU
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_UNITS, max_size=40), st.lists(_UNITS, max_size=40), st.integers(0, 42))
 def test_shift_match_is_the_quadratic_scan_s(kv, new, common) -> None:
-    from gguf_mcv.engine import shift_match
+    from gguf_mcv.runtime.engine import shift_match
 
     assert shift_match(kv, new, common) == _old_shift_match(kv, new, common)
 
@@ -201,7 +201,7 @@ def test_shift_match_is_the_quadratic_scan_s(kv, new, common) -> None:
 @given(st.lists(st.integers(0, 1), min_size=1, max_size=30), st.integers(0, 12), st.integers(0, 30))
 def test_shift_match_finds_a_dropped_span_s(body, drop, common) -> None:
     """A conversation with a stretch after ``common`` dropped: ``new`` repeats ``kv`` past the stretch."""
-    from gguf_mcv.engine import shift_match
+    from gguf_mcv.runtime.engine import shift_match
 
     kv = [7] * common + [5] * drop + body
     new = [7] * common + body
@@ -211,7 +211,7 @@ def test_shift_match_finds_a_dropped_span_s(body, drop, common) -> None:
 def test_shift_match_is_linear() -> None:
     import time
 
-    from gguf_mcv.engine import shift_match
+    from gguf_mcv.runtime.engine import shift_match
 
     kv = [1] * 16384  # the old scan's worst case: every k matches far
     start = time.perf_counter()

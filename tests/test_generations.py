@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv import plaintext, synthetic
-from gguf_mcv.catalog import lookup
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.prompt import plaintext
+from gguf_mcv.testing import synthetic
+from gguf_mcv.models.catalog import lookup
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.errors import IncompatibleProjectorError
 from gguf_mcv.model import Model
 from gguf_mcv.options import Sampling
@@ -200,7 +201,7 @@ def test_catalog_refuses_another_generations_projector(built: dict[str, syntheti
 
 
 def test_the_46_projector_names_its_output_width(built: dict[str, synthetic.SyntheticModel]) -> None:
-    from gguf_mcv.headers import read_projector_header
+    from gguf_mcv.models.headers import read_projector_header
 
     header = read_projector_header(built["4.6"].mmproj)
     assert header.projector_type == "minicpmv4_6" and header.n_embd_out == built["4.6"].spec.n_embd
@@ -311,7 +312,7 @@ def test_oracle_libmtmd_and_engine_give_the_same_greedy_tokens(
 def test_a_hybrid_follow_up_rewinds_to_a_checkpoint_not_to_the_start(model: Model) -> None:
     """llama.cpp cannot rewind a recurrent cache partly: the engine keeps a checkpoint of the
     recurrent state near the end of each prompt and goes back to it."""
-    from gguf_mcv.engine import CHECKPOINT_TAIL
+    from gguf_mcv.runtime.engine import CHECKPOINT_TAIL
 
     chat = model.chat()
     first = chat.send("Describe the picture.", WIDE, detail="high", max_tokens=4, temperature=0)
@@ -381,13 +382,13 @@ def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tm
 
     import PIL.Image
 
-    from gguf_mcv import memory
+    from gguf_mcv.planning import memory
 
     files = built[generation]
     if backend != "llama.cpp":  # converted here (or found in the session's cache), not in the measured child
         pytest.importorskip("onnxruntime")
-        from gguf_mcv import onnx_vision
-        from gguf_mcv.engine import file_identity
+        from gguf_mcv.vision import onnx_vision
+        from gguf_mcv.runtime.engine import file_identity
 
         onnx_vision.prepare(files.mmproj, file_identity(files.mmproj))
     image = tmp_path / "photo.png"
@@ -404,7 +405,7 @@ def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tm
 
 
 def test_regenerate_encodes_nothing_and_evaluates_at_most_the_checkpoint_tail(model: Model, generation: str) -> None:
-    from gguf_mcv.engine import CHECKPOINT_TAIL
+    from gguf_mcv.runtime.engine import CHECKPOINT_TAIL
 
     chat = model.chat()
     first = chat.send("Describe it.", WIDE, detail="high", max_tokens=4, temperature=0)

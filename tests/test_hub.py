@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv import hub as hubmod
+from gguf_mcv.models import hub as hubmod
 from gguf_mcv.errors import (
     DownloadError,
     HubAuthError,
@@ -184,7 +184,7 @@ def test_remote_header_is_read_with_a_small_ranged_request(hub, tiny) -> None:
 
 def test_a_download_is_identified_by_the_hubs_sha256_without_hashing_it_again(hub, hf_env, tiny,
                                                                               monkeypatch) -> None:
-    from gguf_mcv import identity
+    from gguf_mcv.models import identity
 
     publish(hub, tiny)
     served = {Path(rel).name: info.sha256 for rel, info in hub.files(REPO).items()}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import gguf_mcv
-from gguf_mcv import hub as hubmod
+from gguf_mcv.models import hub as hubmod
 from gguf_mcv.errors import NotEnoughDiskError
 
 REPO = "acme/flaky-gguf"

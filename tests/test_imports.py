@@ -91,13 +91,15 @@ def test_the_request_path_runs_one_way() -> None:
     graph = _graph()
     forbidden = {
         # the planner is pure: it chooses, it fetches nothing
-        "gguf_mcv.planner": {"gguf_mcv.hub", "gguf_mcv.resolver", "gguf_mcv.catalog", "gguf_mcv.loader"},
+        "gguf_mcv.planning.planner": {"gguf_mcv.models.hub", "gguf_mcv.resolver", "gguf_mcv.models.catalog",
+                                      "gguf_mcv.loader"},
         # the Hub layer lists and fetches files; it knows no model names and plans nothing
-        "gguf_mcv.hub": {"gguf_mcv.planner", "gguf_mcv.catalog", "gguf_mcv.resolver", "gguf_mcv.loader"},
-        "gguf_mcv.resolver": {"gguf_mcv.loader", "gguf_mcv.model", "gguf_mcv.engine"},
-        "gguf_mcv.memory": {"gguf_mcv.planner", "gguf_mcv.catalog", "gguf_mcv.hub"},
-        "gguf_mcv.engine": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.request"},
-        "gguf_mcv.request": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.messages"},
+        "gguf_mcv.models.hub": {"gguf_mcv.planning.planner", "gguf_mcv.models.catalog", "gguf_mcv.resolver",
+                                "gguf_mcv.loader"},
+        "gguf_mcv.resolver": {"gguf_mcv.loader", "gguf_mcv.model", "gguf_mcv.runtime.engine"},
+        "gguf_mcv.planning.memory": {"gguf_mcv.planning.planner", "gguf_mcv.models.catalog", "gguf_mcv.models.hub"},
+        "gguf_mcv.runtime.engine": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.request"},
+        "gguf_mcv.prompt.request": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.messages"},
     }
     for module, banned in forbidden.items():
         assert not graph[module] & banned, (module, graph[module] & banned)
@@ -106,7 +108,7 @@ def test_the_request_path_runs_one_way() -> None:
 def test_loader_reaches_the_hub_only_through_the_resolver() -> None:
     graph = _graph()
     assert "gguf_mcv.resolver" in graph["gguf_mcv.loader"]
-    assert "gguf_mcv.hub" not in graph["gguf_mcv.loader"]
+    assert "gguf_mcv.models.hub" not in graph["gguf_mcv.loader"]
 
 
 def test_import_gguf_mcv_stays_light() -> None:
@@ -114,3 +116,54 @@ def test_import_gguf_mcv_stays_light() -> None:
     code = "import sys, gguf_mcv; print(sorted(m for m in ('cv2', 'llama_cpp') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+#: The package's layers, lowest first: a module imports only from its own layer and those before it
+#: (so no path, however indirect, leads back up: the planner never reaches llama.cpp's runtime).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "hardware",
+                "native_verdict"}),
+    ("models", {"models"}),
+    ("vision", {"vision"}),
+    ("planning", {"planning"}),
+    ("output", {"output"}),
+    ("prompt", {"prompt"}),
+    ("testing", {"testing"}),
+    ("runtime", {"runtime"}),
+    ("api", {"model", "openai_compat", "loader", "resolver", "chat_handler", "selftest"}),
+    ("jobs", {"jobs"}),
+    ("server", {"server"}),
+    ("command", {"cli", "__main__", ""}),
+]
+
+
+def _layer(module: str) -> int:
+    name = module.split(".")[1] if "." in module else ""
+    for i, (_, members) in enumerate(LAYERS):
+        if name in members:
+            return i
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def test_every_import_points_down_the_layers() -> None:
+    upward = [f"{m} -> {t}" for m, targets in _graph().items() for t in targets if _layer(t) > _layer(m)]
+    assert upward == []
+
+
+def test_planning_reaches_neither_the_runtime_nor_the_vision_encoders_files_through_anything() -> None:
+    graph = _graph()
+    seen: set[str] = set()
+    todo = [m for m in graph if m.startswith("gguf_mcv.planning.")]
+    while todo:
+        m = todo.pop()
+        for t in graph[m] - seen:
+            seen.add(t)
+            todo.append(t)
+    assert not {m for m in seen if m.startswith(("gguf_mcv.runtime.", "gguf_mcv.testing."))}, seen
+
+
+def test_each_question_has_one_folder() -> None:
+    """Where to change the vision encoder, the quant choice, the HTTP API or the prompt."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert {"vision", "planning", "server", "prompt"} <= folders
+    assert (PACKAGE / "vision" / "onnx_vision.py").is_file() and (PACKAGE / "planning" / "planner.py").is_file()

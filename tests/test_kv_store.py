@@ -22,11 +22,11 @@ import pytest
 from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
-from gguf_mcv import kv_store, saved_chat
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.engine import KVState
+from gguf_mcv.runtime import kv_store, saved_chat
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.runtime.engine import KVState
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.media import load_image
+from gguf_mcv.vision.media import load_image
 
 N_CTX = 1024
 GREEDY = dict(temperature=0, repeat_penalty=1.0)
@@ -379,7 +379,7 @@ def test_a_conversation_that_drops_turns_is_shifted_not_kept(tiny, tmp_path, par
 @pytest.mark.slow  # builds a MiniCPM-V 4.6-shaped model (~5 s)
 @pytest.mark.parametrize("parallel", [1, 2])
 def test_a_hybrid_models_kept_state_comes_back_to_a_checkpoint(tmp_path_factory, parallel) -> None:
-    from gguf_mcv.synthetic import GENERATIONS, build
+    from gguf_mcv.testing.synthetic import GENERATIONS, build
 
     files = build(tmp_path_factory.mktemp("v46"), GENERATIONS["4.6"][0], quants=("Q8_0",))
     with gguf_mcv.load(model_path=files.quants["Q8_0"], mmproj_path=files.mmproj, n_ctx=N_CTX, n_threads=2,
@@ -400,8 +400,8 @@ def test_a_hybrid_models_kept_state_comes_back_to_a_checkpoint(tmp_path_factory,
 
 _FIND_AFTER_DAMAGE = """
 import numpy as np
-from gguf_mcv import kv_store
-from gguf_mcv.engine import KVState
+from gguf_mcv.runtime import kv_store
+from gguf_mcv.runtime.engine import KVState
 identity = {"name": "fake", "model": "m", "quant": "Q8_0", "projector": "p", "backend": "llama.cpp"}
 units, data = list(range(100)), np.random.default_rng(1).bytes(100_000)
 store = kv_store.KVStore(sys.argv[1], identity, n_vocab=1000, n_ctx=1024)

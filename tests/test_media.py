@@ -19,7 +19,7 @@ import pytest
 
 import gguf_mcv
 from gguf_mcv.errors import MediaError
-from gguf_mcv.media import MAX_PIXELS, Image, load_image
+from gguf_mcv.vision.media import MAX_PIXELS, Image, load_image
 
 
 def encode(img: PIL.Image.Image, fmt: str, **kw) -> bytes:
@@ -172,7 +172,7 @@ def test_resizing_helpers_keep_aspect() -> None:
 MEASURE = """
 import json, resource, sys, time
 from gguf_mcv.errors import MediaError
-from gguf_mcv.media import load_image
+from gguf_mcv.vision.media import load_image
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 try:
@@ -295,12 +295,12 @@ def test_extreme_aspect_ratio_is_answered_in_one_slice(tiny_model, size: tuple[i
 def test_a_12_megapixel_photo_decodes_in_few_copies_of_itself() -> None:
     """The memory model counts IMAGE_COPIES copies of W*H*3 while an image is decoded. An upright
     photo must not be copied by exif_transpose and convert (it peaked at 6 copies: 205 MiB)."""
-    from gguf_mcv import memory
+    from gguf_mcv.planning import memory
 
     code = """
 import io, numpy as np
 from PIL import Image as P
-from gguf_mcv.media import load_image
+from gguf_mcv.vision.media import load_image
 a = np.random.default_rng(0).integers(0, 255, (375, 500, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
 b = io.BytesIO(); P.fromarray(a).save(b, "JPEG"); data = b.getvalue(); del a
 def status(k): return int(open("/proc/self/status").read().split(k + ":")[1].split()[0]) * 1024

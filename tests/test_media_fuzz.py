@@ -1,7 +1,7 @@
 """Property-based fuzzing of the media layer: ``load_image`` and ``sample_frames``.
 
 The contract under test: whatever bytes or string arrive, ``load_image`` returns a valid
-:class:`~gguf_mcv.media.Image` (uint8, H×W×3, C-contiguous, the file's dimensions after
+:class:`~gguf_mcv.vision.media.Image` (uint8, H×W×3, C-contiguous, the file's dimensions after
 its EXIF orientation) or raises :class:`~gguf_mcv.errors.MediaError` — nothing else,
 ever; ``sample_frames`` returns valid frames or raises ``MediaError``.
 
@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from gguf_mcv.errors import MediaError
-from gguf_mcv.media import MAX_PIXELS, Image, load_image
-from gguf_mcv.video import sample_frames
+from gguf_mcv.vision.media import MAX_PIXELS, Image, load_image
+from gguf_mcv.vision.video import sample_frames
 
 # Pillow warns about the damaged files it still decodes (bad TIFF tags, short EXIF): expected here.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:PIL.*")

@@ -11,9 +11,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from gguf_mcv import memory
+from gguf_mcv.planning import memory
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.memory import TextShape, VisionShape
+from gguf_mcv.planning.memory import TextShape, VisionShape
 
 GB = 10**9
 MiB = 2**20
@@ -289,9 +289,9 @@ def _initializer_bytes(path) -> int:
 @pytest.mark.slow
 def test_onnx_weights_match_the_tiny_models_conversion(tiny) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv import onnx_vision
-    from gguf_mcv.engine import file_identity
-    from gguf_mcv.headers import read_projector_header, read_text_header
+    from gguf_mcv.vision import onnx_vision
+    from gguf_mcv.runtime.engine import file_identity
+    from gguf_mcv.models.headers import read_projector_header, read_text_header
 
     converted = onnx_vision.prepare(tiny.mmproj, file_identity(tiny.mmproj))  # cached per test session
     projector, text = read_projector_header(tiny.mmproj), read_text_header(tiny.quants["Q4_K_M"])

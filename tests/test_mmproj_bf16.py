@@ -14,13 +14,13 @@ import pytest
 from damage import run_child
 
 import gguf_mcv
-from gguf_mcv import mmproj_bf16
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.engine import file_identity
+from gguf_mcv.vision import mmproj_bf16
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.runtime.engine import file_identity
 from gguf_mcv.errors import ConfigError, CorruptModelError, NotEnoughDiskError
-from gguf_mcv.media import Image
-from gguf_mcv.mmproj_bf16 import AUTO_MIN_BYTES, CPU_FLAG, choose, prepare, write_bf16_copy
-from gguf_mcv.onnx_vision import token_cosines
+from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.mmproj_bf16 import AUTO_MIN_BYTES, CPU_FLAG, choose, prepare, write_bf16_copy
+from gguf_mcv.vision.onnx_vision import token_cosines
 
 gguf = pytest.importorskip("gguf")
 
@@ -187,7 +187,7 @@ def test_libmtmd_encodes_with_the_copy_close_to_f16(tiny) -> None:
 
 def test_a_retuned_projector_gets_its_own_copy_known_without_a_second_hash(tiny, retuned_mmproj: Path, cache: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv import identity
+    from gguf_mcv.models import identity
 
     original = prepare(tiny.mmproj, file_identity(tiny.mmproj))
     own = prepare(retuned_mmproj, file_identity(retuned_mmproj))
@@ -205,8 +205,8 @@ def test_a_retuned_projector_gets_its_own_copy_known_without_a_second_hash(tiny,
 # --- a damaged cache folder: made again with one warning, never a signal or an abort -----------
 
 _PREPARE_AFTER_DAMAGE = """
-from gguf_mcv import mmproj_bf16
-from gguf_mcv.headers import read_projector_header
+from gguf_mcv.vision import mmproj_bf16
+from gguf_mcv.models.headers import read_projector_header
 got = mmproj_bf16.prepare(sys.argv[1], "dmg")
 RESULT["hit"] = got.convert_s == 0.0
 a, b = read_projector_header(got.path), read_projector_header(sys.argv[1])
@@ -246,7 +246,7 @@ def test_a_damaged_copy_is_made_again_with_one_warning_in_a_child(tiny, good_cop
 
 def test_a_planted_copy_with_impossible_header_values_is_never_loaded(tiny, good_copy, cache, caplog) -> None:
     from gguf_mcv import cache_files
-    from gguf_mcv.mmproj_standin import copy_metadata
+    from gguf_mcv.vision.mmproj_standin import copy_metadata
 
     folder = _copy_of(good_copy, cache)
     copy = folder / "dmg-bf16.gguf"

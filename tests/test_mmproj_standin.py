@@ -9,8 +9,8 @@ import pytest
 from damage import run_child
 
 from gguf_mcv.errors import CorruptModelError
-from gguf_mcv.headers import read_fields
-from gguf_mcv.mmproj_standin import write_standin
+from gguf_mcv.models.headers import read_fields
+from gguf_mcv.vision.mmproj_standin import write_standin
 
 gguf = pytest.importorskip("gguf")
 
@@ -36,8 +36,8 @@ def test_a_damaged_mmproj_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
 
 
 _STANDIN_AFTER_DAMAGE = """
-from gguf_mcv import onnx_vision
-from gguf_mcv.headers import read_fields
+from gguf_mcv.vision import onnx_vision
+from gguf_mcv.models.headers import read_fields
 out = onnx_vision.standin(sys.argv[1], "dmg")
 RESULT["wrong"] = read_fields(out)[0] != read_fields(sys.argv[1])[0]
 RESULT["regular"] = out.is_file() and not out.is_symlink()
@@ -46,7 +46,7 @@ RESULT["regular"] = out.is_file() and not out.is_symlink()
 
 @pytest.mark.parametrize("damage", damages.DAMAGES, ids=lambda f: f.__name__)
 def test_a_damaged_standin_is_written_again_in_a_child(tiny, tmp_path: Path, monkeypatch, damage) -> None:
-    from gguf_mcv import onnx_vision
+    from gguf_mcv.vision import onnx_vision
 
     monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path / "cache"))
     out = onnx_vision.standin(tiny.mmproj, "dmg")
@@ -61,7 +61,7 @@ def test_a_damaged_standin_is_written_again_in_a_child(tiny, tmp_path: Path, mon
 
 
 def test_a_killed_writers_temporary_file_is_removed_by_the_next(tiny, tmp_path: Path, monkeypatch) -> None:
-    from gguf_mcv import onnx_vision
+    from gguf_mcv.vision import onnx_vision
 
     monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path / "cache"))
     out = onnx_vision.standin(tiny.mmproj, "dmg")

@@ -242,7 +242,7 @@ def test_bad_video_raises_media_error(tiny_model, tmp_path: Path) -> None:
 
 
 def test_chat_completion_with_parts_and_policy(tiny_model, image_file: Path) -> None:
-    from gguf_mcv.messages import MediaPolicy
+    from gguf_mcv.prompt.messages import MediaPolicy
 
     uri = "data:image/png;base64," + base64.b64encode(image_file.read_bytes()).decode()
     messages = [{"role": "system", "content": "Be brief."},
@@ -345,7 +345,7 @@ def test_pinned_turns_stay_and_a_question_too_big_alone_is_refused(small_ctx) ->
 def test_a_hybrid_model_drops_turns_without_encoding_again(tmp_path) -> None:
     """MiniCPM-V 4.6's qwen35 text model cannot shift its cache: the kept turns are evaluated
     again, their images fed from the embedding cache."""
-    from gguf_mcv.synthetic import GENERATIONS, build
+    from gguf_mcv.testing.synthetic import GENERATIONS, build
 
     files = build(tmp_path / "v46", GENERATIONS["4.6"][0], quants=("Q4_K_M",))
     with gguf_mcv.load("minicpm-v-4.6", model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,

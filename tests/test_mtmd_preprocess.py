@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gguf_mcv.mtmd_preprocess import PreprocessParams, best_resize, slice_boxes, slice_pixels
-from gguf_mcv.slicing import count_slices
+from gguf_mcv.vision.mtmd_preprocess import PreprocessParams, best_resize, slice_boxes, slice_pixels
+from gguf_mcv.vision.slicing import count_slices
 
 P = PreprocessParams()
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 import gguf_mcv
-from gguf_mcv import native_check
+from gguf_mcv.runtime import native_check
 from gguf_mcv.errors import NativeKernelError
-from gguf_mcv.llama_load import uses_extra_bufts
+from gguf_mcv.runtime.llama_load import uses_extra_bufts
 from gguf_mcv.selftest import EXAMPLE_IMAGE
-from gguf_mcv.synthetic import SyntheticModel
+from gguf_mcv.testing.synthetic import SyntheticModel
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def test_load_falls_back_to_fp32_when_int8_crashes(fresh: Path, monkeypatch: pyt
 
 def test_the_chat_handler_refuses_a_llama_whose_kernels_crash(
         fresh: Path, monkeypatch: pytest.MonkeyPatch, tiny: SyntheticModel) -> None:
-    from gguf_mcv.llama_load import open_llama
+    from gguf_mcv.runtime.llama_load import open_llama
 
     _fault(monkeypatch, "text:Q4_K:extra=SIGILL")
     handler = gguf_mcv.MiniCPMVChatHandler(str(tiny.mmproj))
@@ -203,7 +203,7 @@ def test_the_chat_handler_refuses_a_llama_whose_kernels_crash(
 
 
 def test_the_speed_probe_runs_in_a_child_that_may_die(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv import speed_probe
+    from gguf_mcv.runtime import speed_probe
     from gguf_mcv.errors import EngineError
 
     _fault(monkeypatch, "speed-probe=SIGSEGV")
@@ -249,7 +249,7 @@ def test_plan_and_selftest_lines_name_the_fallback(fresh: Path, monkeypatch: pyt
 
 def test_the_plan_counts_no_repacked_copy_where_loads_leave_the_extra_buffer_types_off(
         fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv import memory
+    from gguf_mcv.planning import memory
 
     _fault(monkeypatch, "text:Q4_K:extra=SIGILL")
     assert memory.this_machines_repacking() == memory.local_cpu_family()  # nothing known yet: no check run

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv import synthetic
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.testing import synthetic
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
-from gguf_mcv.media import Image
-from gguf_mcv.onnx_graph import (
+from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.onnx_graph import (
     Weights,
     build_model,
     fold_outliers,
@@ -26,7 +26,7 @@ from gguf_mcv.onnx_graph import (
     vit_positions,
     window_order,
 )
-from gguf_mcv.onnx_vision import OnnxEncoder, _save, token_cosines
+from gguf_mcv.vision.onnx_vision import OnnxEncoder, _save, token_cosines
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv import onnx_vision
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.engine import file_identity
+from gguf_mcv.vision import onnx_vision
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.runtime.engine import file_identity
 from gguf_mcv.errors import ConfigError, EngineError, NotEnoughDiskError
-from gguf_mcv.media import Image
-from gguf_mcv.onnx_vision import INT8_MIN_COSINE, choose_backend, prepare
+from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.onnx_vision import INT8_MIN_COSINE, choose_backend, prepare
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("llama_cpp")
@@ -232,7 +232,7 @@ def test_too_little_disk_is_refused_before_writing(tiny, tmp_path: Path, monkeyp
 def test_46_merger_end_to_end_with_the_standin(tmp_path_factory: pytest.TempPathFactory) -> None:
     """MiniCPM-V 4.6 (minicpmv4_6 merger, slices whose token count follows their shape): the
     stand-in tokenizes as the real mmproj does, and every slice is encoded by ONNX once."""
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     files = synthetic.build(tmp_path_factory.mktemp("v46"), synthetic.PRESETS["4.6"], ["Q4_K_M"])
     load = dict(model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=4096, n_threads=2)
@@ -273,7 +273,7 @@ def test_the_llama_cpp_backend_does_not_import_onnxruntime(tiny) -> None:
 
 
 def test_int8_columns_round_trip() -> None:
-    from gguf_mcv.onnx_graph import quantize_columns
+    from gguf_mcv.vision.onnx_graph import quantize_columns
 
     w = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
     w[:, 3] = 0.0  # an all-zero column gets scale 1, not a division by zero
@@ -352,9 +352,9 @@ def test_a_retuned_projector_of_the_same_size_gets_its_own_conversion(tiny, retu
 
 _PREPARE_AFTER_DAMAGE = """
 import dataclasses
-from gguf_mcv import onnx_vision
-from gguf_mcv.engine import file_identity
-from gguf_mcv.onnx_graph import Weights
+from gguf_mcv.vision import onnx_vision
+from gguf_mcv.runtime.engine import file_identity
+from gguf_mcv.vision.onnx_graph import Weights
 mmproj = sys.argv[1]
 got = onnx_vision.prepare(mmproj, file_identity(mmproj), validate_int8=False)
 RESULT["hit"] = got.convert_s == 0.0
@@ -424,7 +424,7 @@ def _edit(m: dict, what: str) -> None:
                                   "dotdot_graph", "cosine", "size_a_string"])
 def test_an_edited_manifest_is_never_trusted(tiny, onnx_folder, tmp_path, monkeypatch, what, digest, caplog) -> None:
     from gguf_mcv import cache_files
-    from gguf_mcv.onnx_graph import Weights
+    from gguf_mcv.vision.onnx_graph import Weights
 
     folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
     path = next(folder.glob("*.json"))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gguf_mcv import patterns
+from gguf_mcv.output import patterns
 from gguf_mcv.errors import ConfigError
 
 

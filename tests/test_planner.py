@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from gguf_mcv import hardware, memory, planner, speed
+from gguf_mcv import hardware
+
+from gguf_mcv.planning import memory, planner, speed
 from gguf_mcv.errors import ConfigError, NoQuantFitsError
 from gguf_mcv.hardware import Gpu, Hardware
-from gguf_mcv.memory import TextShape
-from gguf_mcv.planner import QuantCandidate, choose
-from gguf_mcv.quants import quality_rank
+from gguf_mcv.planning.memory import TextShape
+from gguf_mcv.planning.planner import QuantCandidate, choose
+from gguf_mcv.models.quants import quality_rank
 
 GB = 10**9
 GiB = 2**30
@@ -302,7 +304,7 @@ def test_to_dict_is_json() -> None:
     assert d["estimate"]["gpu"]["total"] > 0
 
 
-# --- speed predictions and limits (gguf_mcv.speed) --------------------------------------
+# --- speed predictions and limits (gguf_mcv.planning.speed) --------------------------------------
 
 RATES = speed.Rates(bandwidth=20e9, matvec=25e9, prefill_flops=100e9, vision_flops=100e9, threads=4,
                     source="test rates")
@@ -436,7 +438,7 @@ GENERATIONS = ["minicpm-llama3-v-2.5", "minicpm-v-2.6", "minicpm-o-2.6", "minicp
 
 
 def plan_entry(name: str, budget: int | str, **kw) -> planner.Plan:
-    from gguf_mcv.catalog import lookup
+    from gguf_mcv.models.catalog import lookup
 
     entry = lookup(name)
     assert entry is not None
@@ -519,7 +521,7 @@ def test_a_vision_tower_on_the_gpu_is_libmtmds_and_onnx_keeps_it_on_the_cpu() ->
 
 
 def test_the_planner_resolves_auto_by_the_loaders_rule() -> None:
-    from gguf_mcv import onnx_graph, onnx_vision, vision_backends
+    from gguf_mcv.vision import onnx_graph, onnx_vision, vision_backends
 
     assert onnx_vision.choose_backend is vision_backends.choose_backend  # the loader's rule
     assert vision_backends.ONNX_PROJECTORS == onnx_graph.PROJECTORS

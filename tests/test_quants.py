@@ -1,11 +1,11 @@
-"""gguf_mcv.quants: quant names, quality order, bits per weight, and GGUF file-name classification."""
+"""gguf_mcv.models.quants: quant names, quality order, bits per weight, and GGUF file-name classification."""
 
 from __future__ import annotations
 
 import pytest
 
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.quants import (
+from gguf_mcv.models.quants import (
     BITS_PER_WEIGHT,
     QUANT_ORDER,
     bits_per_weight,

@@ -105,7 +105,7 @@ def test_planned_load_runs_inside_a_real_memory_limit(hub, tiny) -> None:
 
 def test_auto_picks_the_most_capable_catalog_model_that_fits() -> None:
     import gguf_mcv
-    from gguf_mcv.catalog import load_catalog
+    from gguf_mcv.models.catalog import load_catalog
 
     hardware = _laptop_like()
     ranked = load_catalog().entries()
@@ -154,8 +154,8 @@ def test_auto_with_speed_limits_picks_the_most_capable_model_fast_enough() -> No
     """model='auto' with a decode floor: a model ranked lower than the memory-only choice, whose
     own predicted speed meets the floor; the limits excluding everything name each model's
     fastest option."""
-    from gguf_mcv.catalog import load_catalog
-    from gguf_mcv.speed import Rates
+    from gguf_mcv.models.catalog import load_catalog
+    from gguf_mcv.planning.speed import Rates
 
     rates = Rates(bandwidth=20e9, matvec=25e9, prefill_flops=100e9, vision_flops=100e9, threads=2, source="test")
     hardware = _laptop_like()
@@ -177,7 +177,7 @@ def test_auto_with_speed_limits_picks_the_most_capable_model_fast_enough() -> No
 
 
 def test_plan_predicts_from_the_default_rates_when_probing_is_off() -> None:
-    from gguf_mcv.speed import DEFAULT_RATES
+    from gguf_mcv.planning.speed import DEFAULT_RATES
 
     p = _plan("auto", ram_budget="8GB", hardware=_laptop_like(), speed_probe=False)
     assert p.rates == DEFAULT_RATES and all(r.decode_tokens_per_s for r in p.rows)
@@ -188,7 +188,7 @@ def test_a_fake_raspberry_pi_5_with_a_speed_floor_gets_minicpm_v_46(tmp_path) ->
     token or two a second; a floor of 8 tokens/s picks 4.6 (rates: the Pi 5's published
     17 GB/s at 60 %, arithmetic rates of its four A76 cores, as tools/bench_speed.py scales them)."""
     from gguf_mcv import hardware
-    from gguf_mcv.speed import Rates
+    from gguf_mcv.planning.speed import Rates
 
     files = {
         "proc/meminfo": f"MemTotal: {8 * 2**30 // 1024} kB\nMemAvailable: {int(7.4 * 2**30) // 1024} kB\n",
@@ -212,7 +212,7 @@ def test_a_fake_raspberry_pi_5_with_a_speed_floor_gets_minicpm_v_46(tmp_path) ->
 
 def test_a_local_plan_counts_the_vision_backend_load_would_use(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv import onnx_vision
+    from gguf_mcv.vision import onnx_vision
     from gguf_mcv.resolver import plan_local, vision_options
 
     files = (tiny.quants["Q4_K_M"], tiny.mmproj)
@@ -247,9 +247,9 @@ def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
     prediction, which the size-and-quant estimate alone could not know."""
     from dataclasses import replace
 
-    from gguf_mcv import speed
-    from gguf_mcv.headers import read_tensors, read_text_header
-    from gguf_mcv.memory import tensor_list
+    from gguf_mcv.planning import speed
+    from gguf_mcv.models.headers import read_tensors, read_text_header
+    from gguf_mcv.planning.memory import tensor_list
     from gguf_mcv.resolver import plan_local
 
     path = tiny.quants["Q4_K_M"]

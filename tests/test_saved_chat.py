@@ -13,7 +13,7 @@ import pytest
 from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
-from gguf_mcv import saved_chat
+from gguf_mcv.runtime import saved_chat
 from gguf_mcv.errors import SavedChatError
 
 GREEDY = dict(max_tokens=6, temperature=0)
@@ -338,7 +338,7 @@ def test_a_fifo_or_device_is_refused_without_reading(tmp_path) -> None:
     os.mkfifo(tmp_path / "fifo")
     code = ("import resource, sys, time\n"
             "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a read of /dev/zero fails early\n"
-            "from gguf_mcv import saved_chat\n"
+            "from gguf_mcv.runtime import saved_chat\n"
             "for path in sys.argv[1:]:\n"
             "    t = time.monotonic()\n"
             "    try:\n"
@@ -370,7 +370,7 @@ def _flat_png(width: int, height: int, seed: int) -> tuple[str, bytes]:
 
     import PIL.Image
 
-    from gguf_mcv.media import load_image
+    from gguf_mcv.vision.media import load_image
 
     out = io.BytesIO()
     PIL.Image.new("RGB", (width, height), (seed, 0, 0)).save(out, format="PNG")
@@ -401,7 +401,7 @@ def test_chat_json_is_capped_by_the_context(tmp_path) -> None:
 
 
 _READ_AFTER_DAMAGE = """
-from gguf_mcv import saved_chat
+from gguf_mcv.runtime import saved_chat
 from gguf_mcv.errors import SavedChatError
 try:
     got = saved_chat.read(sys.argv[1], n_vocab=1000, n_ctx=1024)
@@ -414,7 +414,7 @@ except SavedChatError as exc:
 
 @pytest.mark.parametrize("damage", damage.DAMAGES, ids=lambda f: f.__name__)
 def test_a_damaged_file_is_a_saved_chat_error_in_a_child(tmp_path, damage) -> None:
-    from gguf_mcv.engine import KVState
+    from gguf_mcv.runtime.engine import KVState
 
     folder = tmp_path / "chats"
     folder.mkdir()

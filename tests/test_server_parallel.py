@@ -20,7 +20,7 @@ requests = pytest.importorskip("requests")
 
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
-from gguf_mcv.embed_cache import EmbeddingCache  # noqa: E402
+from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
 from test_server import Running, data_uri, image_message, wait_for  # noqa: E402
 
 

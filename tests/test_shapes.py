@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gguf_mcv import memory, synthetic
-from gguf_mcv.catalog import load_catalog
-from gguf_mcv.headers import read_projector_header, read_text_header
-from gguf_mcv.shapes import FF_RATIO, TextShape, VisionShape
+from gguf_mcv.planning import memory
+
+from gguf_mcv.testing import synthetic
+from gguf_mcv.models.catalog import load_catalog
+from gguf_mcv.models.headers import read_projector_header, read_text_header
+from gguf_mcv.models.shapes import FF_RATIO, TextShape, VisionShape
 
 
 def test_text_shape_from_a_gguf_header(tiny) -> None:
@@ -93,13 +95,13 @@ def test_attention_only_models_have_no_recurrent_state(tiny) -> None:
 
 
 def test_the_memory_model_counts_as_many_checkpoints_as_the_engine_keeps() -> None:
-    from gguf_mcv import engine
+    from gguf_mcv.runtime import engine
 
     assert memory.RECURRENT_CHECKPOINTS == engine.MAX_CHECKPOINTS
 
 
 def test_the_catalog_46_entry_has_a_recurrent_state() -> None:
-    from gguf_mcv import catalog
+    from gguf_mcv.models import catalog
 
     entry = catalog.lookup("minicpm-v-4.6")
     assert entry is not None and entry.arch.kv_layers == 6 and entry.arch.recurrent_values > 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gguf_mcv.media import Image
-from gguf_mcv.slicing import count_slices, fit_slices, slice_grid
+from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.slicing import count_slices, fit_slices, slice_grid
 
 SIZES = [(448, 448), (449, 448), (640, 480), (1344, 1344), (1920, 1080), (1080, 1920),
          (4000, 20), (20, 4000), (900, 600), (3000, 1000), (500, 500), (1000, 1000), (2000, 1500)]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.engine import Prompt
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.runtime.engine import Prompt
 from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from gguf_mcv.options import Sampling
-from gguf_mcv.slots import Job
+from gguf_mcv.runtime.slots import Job
 
 N_CTX = 1024
 #: pure greedy: with a repeat penalty, near-equal penalised tokens make rare ~1e-2 logit
@@ -276,7 +276,7 @@ def test_a_failing_step_loop_fails_answers_instead_of_hanging(tiny, monkeypatch)
 
 @pytest.mark.slow  # builds a MiniCPM-V 4.6-shaped model (~5 s)
 def test_a_hybrid_model_answers_in_slots_and_rewinds_to_its_checkpoints(tmp_path_factory) -> None:
-    from gguf_mcv.synthetic import GENERATIONS, build
+    from gguf_mcv.testing.synthetic import GENERATIONS, build
 
     files = build(tmp_path_factory.mktemp("v46"), GENERATIONS["4.6"][0], quants=("Q8_0",))
     kw = dict(model_path=files.quants["Q8_0"], mmproj_path=files.mmproj, n_ctx=N_CTX, n_threads=2)

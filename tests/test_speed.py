@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from gguf_mcv import memory, speed
+from gguf_mcv.planning import memory, speed
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.shapes import TextShape, VisionShape
-from gguf_mcv.speed import Rates
+from gguf_mcv.models.shapes import TextShape, VisionShape
+from gguf_mcv.planning.speed import Rates
 
 QWEN2_7B = TextShape(n_layers=28, n_embd=3584, n_head=28, n_head_kv=4, head_dim=128, n_vocab=151666)
 BENCH = TextShape(n_layers=24, n_embd=896, n_head=14, n_head_kv=2, head_dim=64, n_vocab=151936, n_ff=4864)

@@ -12,9 +12,9 @@ import damage
 import pytest
 from damage import run_child  # tests/ is on sys.path
 
-from gguf_mcv import speed_probe
+from gguf_mcv.runtime import speed_probe
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.speed import DEFAULT_RATES, Rates
+from gguf_mcv.planning.speed import DEFAULT_RATES, Rates
 
 FAKE = Rates(bandwidth=12e9, matvec=9e9, prefill_flops=40e9, vision_flops=50e9,
              threads=3, source="fake probe")
@@ -288,8 +288,8 @@ def test_a_cache_path_that_is_not_a_small_file_is_probed_again_without_blocking(
 _PROBE_AFTER_DAMAGE = """
 from dataclasses import replace
 from pathlib import Path
-from gguf_mcv import speed_probe
-from gguf_mcv.speed import Rates
+from gguf_mcv.runtime import speed_probe
+from gguf_mcv.planning.speed import Rates
 calls = []
 def fake(threads):
     calls.append(threads)

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional
 import pydantic
 import pytest
 
-from gguf_mcv import structured
+from gguf_mcv.output import structured
 from gguf_mcv.errors import ConfigError
 
 SEEDS = range(6)
@@ -294,7 +294,7 @@ def byte_model(tmp_path_factory):
     """A random-weight model whose vocabulary is the 256 bytes (and one merge): every byte,
     continuation bytes and 0xF8-0xFF included, is a token the sampler may pick."""
     import gguf_mcv
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
     spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
@@ -405,7 +405,7 @@ def test_validating_a_catastrophic_pattern_takes_no_time(tiny_model) -> None:
     import sys
 
     schema = {"type": "string", "const": "a" * 40 + "!", "pattern": "^(a+)+$"}
-    code = ("from gguf_mcv import structured\n"
+    code = ("from gguf_mcv.output import structured\n"
             f"schema = {schema!r}\n"
             "for check in (structured.validate,):\n"
             "    try:\n"

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv import synthetic
+from gguf_mcv.testing import synthetic
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.synthetic import LADDER, TINY, SyntheticModel, build
+from gguf_mcv.testing.synthetic import LADDER, TINY, SyntheticModel, build
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")

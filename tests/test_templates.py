@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.templates import FAMILIES, ChatTemplate, choose_template
+from gguf_mcv.prompt.templates import FAMILIES, ChatTemplate, choose_template
 
 MESSAGES = [{"role": "user", "content": "<__media__>\nWhat is it?"},
             {"role": "assistant", "content": "A cat."},

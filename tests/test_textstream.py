@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gguf_mcv.textstream import ReasoningFilter, TextAssembler
+from gguf_mcv.runtime.textstream import ReasoningFilter, TextAssembler
 
 
 def feed_all(assembler: TextAssembler, chunks: list[bytes]) -> str:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gguf_mcv import tools
+from gguf_mcv.prompt import tools
 from gguf_mcv.errors import ConfigError
 
 WEATHER = {"type": "function", "function": {
@@ -100,7 +100,7 @@ def test_calls_whose_arguments_break_the_parameters_are_not_calls(arguments) -> 
 
 
 def test_every_call_the_model_makes_has_valid_arguments_or_says_why(tiny_model) -> None:
-    from gguf_mcv import structured
+    from gguf_mcv.output import structured
 
     calls = 0
     for seed in range(8):

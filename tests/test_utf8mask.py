@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gguf_mcv import utf8mask
+from gguf_mcv.output import utf8mask
 
 
 def _valid(data: bytes) -> bool:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Items per second for N images × 2 prompts: a plain loop over Model.ask, gguf_mcv.batch, and the
+"""Items per second for N images × 2 prompts: a plain loop over Model.ask, gguf_mcv.jobs.batch, and the
 Ray job on a 2-node local cluster (1 CPU and 1 thread per worker), with what each costs per item.
 
 Each way starts from a freshly loaded model (an empty embedding cache) and asks the same
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import gguf_mcv  # noqa: E402
-from gguf_mcv import batch, batch_ray  # noqa: E402
+from gguf_mcv.jobs import batch, batch_ray  # noqa: E402
 
 PROMPTS = ["What is in this picture?", "Which colours dominate?"]
 
@@ -141,8 +141,8 @@ def main() -> None:
         images = make_images(folder, args.images, args.size)
         results = {"plain loop over Model.ask": plain_loop(args, images)}
         print("plain loop:", results["plain loop over Model.ask"], flush=True)
-        results["gguf_mcv.batch"] = with_batch(args, folder, work)
-        print("batch:", results["gguf_mcv.batch"], flush=True)
+        results["gguf_mcv.jobs.batch"] = with_batch(args, folder, work)
+        print("batch:", results["gguf_mcv.jobs.batch"], flush=True)
         if not args.no_ray:
             results["Ray, 2 local nodes"] = with_ray(args, folder, work)
     finally:

@@ -163,7 +163,7 @@ def main() -> int:
 
     from dataclasses import replace
 
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     # visible padding tokens: random weights mostly emit padding, which must show as text
     # for the streamed pieces to be counted (see SyntheticSpec.visible_padding)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gguf_mcv import embed_cache
+from gguf_mcv.vision import embed_cache
 
 SETTINGS = {
     "before (WAL, mmap, fsync)": dict(embed_cache.SQLITE_SETTINGS, sqlite_journal_mode="wal",

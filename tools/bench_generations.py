@@ -23,7 +23,7 @@ CHILD = r"""
 import json, sys
 import numpy as np
 import gguf_mcv
-from gguf_mcv.embed_cache import EmbeddingCache
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 
 model_path, mmproj = sys.argv[1], sys.argv[2]
 threads, size, max_tokens = (int(a) for a in sys.argv[3:6])

@@ -28,7 +28,7 @@ import PIL.Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gguf_mcv  # noqa: E402
-from gguf_mcv.embed_cache import EmbeddingCache  # noqa: E402
+from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
 
 GREEDY = dict(temperature=0, repeat_penalty=1.0)
 

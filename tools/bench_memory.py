@@ -76,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             log_lines.append(record.getMessage())
 
-    native_log = logging.getLogger("gguf_mcv.native")
+    native_log = logging.getLogger("gguf_mcv.runtime.native")
     native_log.setLevel(logging.DEBUG)
     native_log.addHandler(Keep())
     native_log.propagate = False
@@ -147,7 +147,7 @@ def make_image(path: Path, side: int = IMAGE_SIDE) -> Path:
 
 def ensure_ladder(path: Path | None, preset: str, quants: list[str]) -> Path:
     """The ladder in ``path`` (built there if files are missing), or a fresh temp one."""
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     folder = path or Path(tempfile.gettempdir()) / f"gguf_mcv_bench_{preset}"
     missing = [q for q in quants if not (folder / synthetic.quant_filename(q)).is_file()]
@@ -173,7 +173,7 @@ def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, tim
 
 def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int, backend: str = "llama.cpp") -> dict:
     """The memory model's prediction for one run (headers read from the files)."""
-    from gguf_mcv import memory
+    from gguf_mcv.planning import memory
 
     est = memory.estimate_files(model, mmproj, n_ctx=n_ctx, image_tokens=image_tokens,
                                 image_pixels=IMAGE_SIDE * IMAGE_SIDE, vision_backend=backend)
@@ -181,7 +181,7 @@ def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int, backend: s
 
 
 def run_matrix(args: argparse.Namespace, image: Path) -> list[dict]:
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     ladders = [("tiny", args.tiny)] if not args.no_tiny else []
     ladders += [("bench", args.ladder)] if not args.no_bench else []
@@ -211,8 +211,8 @@ def run_matrix(args: argparse.Namespace, image: Path) -> list[dict]:
 
 def convert(mmproj: Path) -> None:
     """The mmproj's ONNX graphs in the cache (converted now when missing), so no child converts."""
-    from gguf_mcv import onnx_vision
-    from gguf_mcv.engine import file_identity
+    from gguf_mcv.vision import onnx_vision
+    from gguf_mcv.runtime.engine import file_identity
 
     print(f"ONNX graphs of {mmproj} ...", file=sys.stderr, flush=True)
     onnx_vision.prepare(mmproj, file_identity(mmproj))
@@ -250,7 +250,7 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ladder", type=Path, default=Path("/tmp/bench"),

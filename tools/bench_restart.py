@@ -97,7 +97,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.tiny:
-            from gguf_mcv import synthetic
+            from gguf_mcv.testing import synthetic
 
             built = synthetic.build(work / "tiny", quants=[args.quant])
             files = (built.quants[args.quant], built.mmproj)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Predicted vs measured speed on this machine, for every quant of a generated ladder.
 
-For each quant: the speed probe runs (:func:`gguf_mcv.speed_probe.measure`), then the
+For each quant: the speed probe runs (:func:`gguf_mcv.runtime.speed_probe.measure`), then the
 quant is loaded and timed the way the probe times its own models -- a text prompt's
 prefill and greedy decoding -- and the speed model's predictions from that probe (with
 the file's own weight types, read from its header) are printed beside the measurements.
 Then one 448-pixel slice through the ladder's vision tower with each encoder (libmtmd,
 ONNX fp32 and int8), against the last probe's predictions. Probe and measurement run
-back to back and both count wall time (:func:`gguf_mcv.speed_probe.clock`), so run it on a
+back to back and both count wall time (:func:`gguf_mcv.runtime.speed_probe.clock`), so run it on a
 quiet machine: on a machine shared with other work both are slowed, unevenly. Then the model's predictions for boards from their
 published figures (labelled predictions: nothing was run on them).
 
@@ -28,10 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from gguf_mcv import speed, speed_probe  # noqa: E402
-from gguf_mcv.headers import read_projector_header, read_tensors, read_text_header  # noqa: E402
-from gguf_mcv.memory import tensor_list  # noqa: E402
-from gguf_mcv.quants import classify_gguf, quality_rank  # noqa: E402
+from gguf_mcv.planning import speed  # noqa: E402
+
+from gguf_mcv.runtime import speed_probe
+from gguf_mcv.models.headers import read_projector_header, read_tensors, read_text_header  # noqa: E402
+from gguf_mcv.planning.memory import tensor_list  # noqa: E402
+from gguf_mcv.models.quants import classify_gguf, quality_rank  # noqa: E402
 
 # Published figures (peak DRAM bandwidth, cores x clock x FP32 FLOPs per cycle per core):
 # - Raspberry Pi 5: LPDDR4X-4267 on a 32-bit bus = 17.1 GB/s; 4x Cortex-A76 at 2.4 GHz,
@@ -55,7 +57,7 @@ BOARD_BANDWIDTH_SHARE = 0.6
 def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
     """Seconds for a 280-token prompt and each of 32 greedy tokens on ``path`` (libmtmd
     holds a stand-in of ``mmproj``: the text timings need no vision tower)."""
-    from gguf_mcv.mmproj_standin import write_standin
+    from gguf_mcv.vision.mmproj_standin import write_standin
 
     standin = write_standin(mmproj, Path(tempfile.mkdtemp(prefix="bench-speed-")) / "standin.gguf")
     try:
@@ -70,9 +72,9 @@ def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
     variant (converted once into the cache, as ``load`` does)."""
     import numpy as np
 
-    from gguf_mcv import onnx_vision
-    from gguf_mcv.engine import file_identity
-    from gguf_mcv.mtmd_preprocess import slice_pixels
+    from gguf_mcv.vision import onnx_vision
+    from gguf_mcv.runtime.engine import file_identity
+    from gguf_mcv.vision.mtmd_preprocess import slice_pixels
 
     with speed_probe._engine(model, mmproj, threads) as engine:
         out = {"llama.cpp": speed_probe._time_slice(engine, threads)}
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_boards(rates: speed.Rates, ghz: float, flop_per_cycle: int) -> dict:
     """Print (and return) predictions for the catalog's MiniCPM-V 4.6 and 2.6 at Q4_K_M on each board."""
-    from gguf_mcv.catalog import load_catalog
+    from gguf_mcv.models.catalog import load_catalog
 
     here_peak = rates.threads * ghz * 1e9 * flop_per_cycle
     out: dict = {}

@@ -9,7 +9,7 @@ llama.cpp's parse) and the first constrained sampling step.
     python tools/bench_structured.py --ladder /tmp/tiny --quant Q4_K_M --threads 2
 
 ``--utf8-mask`` instead measures what the UTF-8 mask under a grammar costs
-(:mod:`gguf_mcv.utf8mask`): the nested schema with the mask and without it, seed by seed
+(:mod:`gguf_mcv.output.utf8mask`): the nested schema with the mask and without it, seed by seed
 in turn, in the same run, and the one-time table for the vocabulary.
 """
 

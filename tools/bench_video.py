@@ -89,7 +89,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import gguf_mcv
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
     model_path, mmproj = built.quants[args.quant], built.mmproj

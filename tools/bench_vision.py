@@ -7,7 +7,7 @@ tower, 1152 wide, 27 blocks), each backend in a fresh process of its own:
 * ``convert``: the ONNX conversion (fp32 graph, int8 quantization, self-validation) into an
   empty cache folder, timed;
 * ``llama.cpp`` (libmtmd, the F16 mmproj as it is), ``llama.cpp-bf16`` (libmtmd with the
-  BF16 copy of ``gguf_mcv.mmproj_bf16``, made during its load: ``load_s`` includes it),
+  BF16 copy of ``gguf_mcv.vision.mmproj_bf16``, made during its load: ``load_s`` includes it),
   ``onnx-fp32`` and ``onnx-int8``: one
   ``detail="low"`` question per fresh random image (one 448-px slice each), ``--runs`` times
   after one warm-up image; the median ``reply.timings.encode_ms``; the embeddings of a fixed
@@ -46,15 +46,15 @@ def worker(args: argparse.Namespace) -> dict:
     ladder = Path(args.ladder)
     mmproj = ladder / "mmproj-model-f16.gguf"
     if args.worker == "convert":
-        from gguf_mcv.engine import file_identity
-        from gguf_mcv.onnx_vision import prepare
+        from gguf_mcv.runtime.engine import file_identity
+        from gguf_mcv.vision.onnx_vision import prepare
 
         start = time.perf_counter()
         converted = prepare(mmproj, file_identity(mmproj))
         return {"convert_s": time.perf_counter() - start, "int8_cosine": converted.int8_cosine,
                 "peak_rss": _vmhwm()}
     import gguf_mcv
-    from gguf_mcv.embed_cache import EmbeddingCache
+    from gguf_mcv.vision.embed_cache import EmbeddingCache
 
     cache = EmbeddingCache()
     start = time.perf_counter()
@@ -102,7 +102,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    from gguf_mcv.onnx_vision import token_cosines
+    from gguf_mcv.vision.onnx_vision import token_cosines
 
     backends = ["llama.cpp"] + [b for b in BACKENDS[1:] if b in args.backends.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

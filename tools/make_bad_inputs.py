@@ -613,7 +613,7 @@ _add("model_is_mmproj", "model_is_mmproj.gguf", "model",
 
 
 def _other_mmproj(ctx: Ctx, path: Path, **changes: int) -> None:
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     synthetic.write_mmproj(path, dataclasses.replace(synthetic.TINY, **changes))
 
@@ -746,7 +746,7 @@ for _name, _make, _what, _error in [
 
 def tiny_pair(tiny_model_dir: Path) -> tuple[Path, Path]:
     """The tiny Q4_K_M text model and its mmproj in ``tiny_model_dir`` (built there if missing)."""
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     model = tiny_model_dir / synthetic.quant_filename("Q4_K_M")
     mmproj = tiny_model_dir / synthetic.MMPROJ_NAME

@@ -11,7 +11,7 @@ Examples:
     python tools/make_test_model.py --preset 4.6 --out /tmp/v46 --quants Q4_K_M
     python tools/make_test_model.py --out /tmp/wide --n-embd 384 --minicpmv-version 2 --query-num 96
 
-Every field of ``gguf_mcv.synthetic.SyntheticSpec`` is a flag (``n_embd`` -> ``--n-embd``);
+Every field of ``gguf_mcv.testing.synthetic.SyntheticSpec`` is a flag (``n_embd`` -> ``--n-embd``);
 flags override the preset. A folder already holding a build of the same spec is reused.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from gguf_mcv.errors import GgufMcvError  # noqa: E402
-from gguf_mcv.synthetic import LADDER, MANIFEST_NAME, PRESETS, SyntheticSpec, build  # noqa: E402
+from gguf_mcv.testing.synthetic import LADDER, MANIFEST_NAME, PRESETS, SyntheticSpec, build  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,7 +47,7 @@ def model_files(model: str | None, mmproj: str | None) -> tuple[Path, Path]:
             raise SystemExit(f"name the projector with --mmproj ({len(found)} mmproj*.gguf beside {path})")
         return path, found[0]
     sys.path.insert(0, str(REPO))
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     built = synthetic.build(Path(tempfile.gettempdir()) / "gguf_mcv_load_model", quants=["Q4_K_M"])
     return Path(built.quants["Q4_K_M"]), Path(built.mmproj)

@@ -282,7 +282,7 @@ class Workload:
 
 def model_files(name: str, mmproj: str | None) -> tuple[Path, Path]:
     """The (text model, mmproj) pair for ``--model``: tiny, bench or a path."""
-    from gguf_mcv import synthetic
+    from gguf_mcv.testing import synthetic
 
     if name in ("tiny", "bench"):
         folder = (Path(tempfile.gettempdir()) / "gguf_mcv_soak_tiny") if name == "tiny" else BENCH_DIR

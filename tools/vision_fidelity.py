@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How close the onnx-fp32 vision encoder is to libmtmd, next to libmtmd's own variation.
 
-For each tiny generation (``gguf_mcv.synthetic`` presets, built into ``--out``), on a few
+For each tiny generation (``gguf_mcv.testing.synthetic`` presets, built into ``--out``), on a few
 random images (every slice): the embeddings of libmtmd with flash attention off and with one
 thread, of the plain fp32 ONNX graph and of the graph that rounds as ggml does (what
 ``vision_backend="onnx-fp32"`` converts), each against libmtmd's default (flash attention
@@ -28,11 +28,12 @@ from pathlib import Path
 import numpy as np
 
 import gguf_mcv
-from gguf_mcv import onnx_vision, synthetic
-from gguf_mcv.embed_cache import EmbeddingCache
-from gguf_mcv.media import Image
-from gguf_mcv.onnx_graph import Weights, build_model
-from gguf_mcv.onnx_vision import OnnxEncoder, _save, token_cosines
+from gguf_mcv.vision import onnx_vision
+from gguf_mcv.testing import synthetic
+from gguf_mcv.vision.embed_cache import EmbeddingCache
+from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.onnx_graph import Weights, build_model
+from gguf_mcv.vision.onnx_vision import OnnxEncoder, _save, token_cosines
 
 NAMES = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
          "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}

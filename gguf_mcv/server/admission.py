@@ -17,8 +17,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..errors import AnswerCancelled
-from ..generation import Stream
 from ..reply import Reply
+from ..runtime.generation import Stream
 from .bodies import read_body, require_json
 from .gate import Place
 from .http_errors import ClientGone, HTTPError, as_http_error, openai_error

@@ -17,10 +17,10 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..errors import ConfigError
-from ..kv_store import DEFAULT_MAX_BYTES as DEFAULT_KEEP_CHATS_BYTES
-from ..kv_store import KVStore
-from ..messages import MediaPolicy
 from ..model import Model
+from ..prompt.messages import MediaPolicy
+from ..runtime.kv_store import DEFAULT_MAX_BYTES as DEFAULT_KEEP_CHATS_BYTES
+from ..runtime.kv_store import KVStore
 from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate

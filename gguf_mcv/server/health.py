@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from .. import native_check
+from ..runtime import native_check
 from . import prometheus
 from .bodies import authorize
 from .http_errors import HTTPError

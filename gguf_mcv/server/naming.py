@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..catalog import CatalogEntry, lookup
 from ..errors import GgufMcvError
 from ..model import Model
-from ..quants import is_known_quant
+from ..models.catalog import CatalogEntry, lookup
+from ..models.quants import is_known_quant
 
 
 def model_names(model: Model, model_name: str | None) -> tuple[str, frozenset[str]]:

@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import MediaError
-from ..generation import Stream
 from ..options import check_sampling, stop_list
 from ..reply import Reply
+from ..runtime.generation import Stream
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
@@ -141,7 +141,7 @@ def _ollama_model(state: State) -> dict[str, Any]:
 
 
 def _details(state: State) -> dict[str, Any]:
-    from ..quants import quant_from_name
+    from ..models.quants import quant_from_name
 
     info = state.model.info
     quant = info.quant or quant_from_name(Path(info.model_path).name) or ""

@@ -9,12 +9,12 @@ from typing import Any
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
-from ..generation import Stream
-from ..kv_store import KVStore
-from ..messages import MediaPolicy
 from ..model import Model
+from ..prompt.messages import MediaPolicy
+from ..prompt.tools import toolbox
 from ..reply import Reply
-from ..tools import toolbox
+from ..runtime.generation import Stream
+from ..runtime.kv_store import KVStore
 from .gate import Gate
 from .http_errors import HTTPError
 from .metrics import Metrics

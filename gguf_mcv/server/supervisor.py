@@ -41,9 +41,9 @@ from uvicorn import Config
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process
 
-from .. import native_check
 from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
+from ..runtime import native_check
 from .app import API_KEY_ENV, _bind_failure, _is_loopback, addresses_to_bind, build_app
 from .logs import log_config
 from .malloc import return_large_buffers_to_os

@@ -1,0 +1,632 @@
+"""Choose the quantization, context and GPU split that fit a machine.
+
+:func:`choose` is pure: it takes the quant files a model offers (name, file, size),
+the model's shape and a :class:`~gguf_mcv.hardware.Hardware`, predicts each quant's
+memory with :func:`gguf_mcv.planning.memory.estimate` and returns a :class:`Plan`: the best
+quant that fits, the settings to load it with, and one row per quant saying why it
+was or was not chosen. It does no I/O: :func:`gguf_mcv.resolver.plan` gathers those
+inputs for a model name (the machine, the Hub's file list, the shapes) and calls it.
+
+Rules, in order:
+
+* **Budget**: ``ram_budget`` when given (bytes or ``"6GB"``), taken as is; else the
+  machine's available RAM less a safety reserve of max(10 %, 300 MB) -- the OS, page
+  cache and whatever else starts later need room, and predictions are within ~5 %.
+* **Fit**: a quant fits when the memory model's ``needed`` (peak RSS less page cache
+  the kernel can drop, plus a long prompt's compute) is at most the budget, and its
+  GPU share fits the GPU.
+* **Pick**: ``prefer="quality"`` takes the best quality that fits
+  (:data:`gguf_mcv.models.quants.QUANT_ORDER`); ``"size"`` and ``"speed"`` the smallest file
+  that fits (token generation is memory-bound: fewer bytes per token, faster tokens).
+* **GPU** (discrete, llama.cpp built with offload): the vision tower goes to the GPU
+  first when it fits -- on a CPU it takes ~9 s per 448-pixel slice, ~90 s for one
+  full-detail image -- then as many text layers as fit with 5 % headroom
+  (:func:`gguf_mcv.planning.memory.fit_gpu_layers`). When some quants fit the GPU entirely,
+  the pick is made among those only: layers left on the CPU cost far more speed than
+  one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
+  offloaded and the GPU's allocations count against the one RAM budget; if no quant
+  fits that way (device copies cost RAM there), the plan is for the CPU alone.
+* **Vision backend** (``vision_backend``, resolved per quant by the loader's rule,
+  :func:`gguf_mcv.vision.vision_backends.choose_backend`): ``"auto"`` is ``onnx-int8`` when the
+  encoder stays on the CPU and ``onnxruntime`` (its version passed as ``onnxruntime``)
+  imports, else ``llama.cpp``; the memory of the backend each row assumes is what is fitted.
+  On a CPU, ``auto``'s int8 tower is smaller than libmtmd's F16 one, so a tight budget keeps
+  the better text quant rather than the larger encoder.
+* **Speed limits** (``min_tokens_per_s``, ``max_first_answer_s``, with ``rates``): among
+  the quants that fit, only those the speed model (:mod:`gguf_mcv.planning.speed`) predicts to
+  meet them; none meeting them is a :class:`~gguf_mcv.errors.NoQuantFitsError` naming the
+  fastest quant that fits. Without limits the choice is the same as without ``rates``.
+* **Explicit quant**: honoured even when it does not fit; the plan then has
+  ``fits=False`` and a warning instead of raising, since the caller asked for it.
+* **Nothing fits**: :class:`~gguf_mcv.errors.NoQuantFitsError` naming the smallest
+  need, the budget, the ``n_ctx`` that would fit, what a q8_0 KV cache saves, and
+  smaller models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import ConfigError, NoQuantFitsError
+from ..hardware import Hardware
+from ..models.quants import normalize_quant, quality_rank
+from ..models.shapes import TextShape, VisionShape
+from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend
+from ..units import format_size, parse_size
+from ..vision.vision_backends import choose_backend
+from . import memory, speed
+from .speed import Rates, SpeedPrediction
+
+PREFERENCES = ("quality", "speed", "size")
+#: Share of available RAM kept free when no budget is given, and its floor in bytes.
+RESERVE_FRACTION = 0.10
+RESERVE_MIN = 300_000_000
+#: Share of free VRAM left unused (fragmentation, the display, other processes).
+GPU_HEADROOM = 0.05
+#: The smallest context worth suggesting: one full-detail image plus a short exchange.
+MIN_SUGGESTED_CTX = 1024
+#: Models to suggest when nothing fits (catalog names, smallest first).
+SMALLER_MODELS = ("minicpm-v-4.6",)
+DEFAULT_MMPROJ_FILE = "mmproj-model-f16.gguf"
+#: Types the planner does not pick on its own (see :func:`_pick`).
+UNQUANTIZED = ("F16", "BF16", "F32")
+
+
+@dataclass(frozen=True)
+class QuantCandidate:
+    """One quant file a model offers."""
+
+    quant: str
+    file: str
+    size: int  #: bytes
+    exact: bool = True  #: False when ``size`` is an estimate (a catalog figure, not the Hub's)
+    #: bytes by ggml weight type, when the file's header was read (speed predictions)
+    weights: speed.WeightProfile | None = None
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """What the planner concluded about one quant."""
+
+    quant: str
+    file: str
+    size: int
+    needed: int | None  #: predicted RAM need (None: not evaluated)
+    peak_rss: int | None  #: predicted peak RSS on a machine with RAM to spare
+    fits: bool
+    note: str
+    n_gpu_layers: int = 0
+    chosen: bool = False
+    decode_tokens_per_s: float | None = None  #: predicted (None: no rates given)
+    first_answer_s: float | None = None  #: predicted seconds to the first token, a photo
+    video_first_answer_s: float | None = None  #: the same for a 16-frame video
+    vision_backend: str = "llama.cpp"  #: who runs the encoder in this row's memory figures
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen quant and how to load it, with the reasoning for every quant."""
+
+    quant: str
+    files: tuple[str, str]  #: (model file, mmproj file)
+    predicted_bytes: int  #: RAM the chosen setup needs (``MemoryEstimate.needed``)
+    budget: int
+    n_ctx: int
+    n_threads: int
+    n_gpu_layers: int  #: llama.cpp's count (output matrix first); -1 = everything
+    vision_on_gpu: bool
+    kv_cache_type: str
+    rows: tuple[PlanRow, ...]
+    estimate: memory.MemoryEstimate
+    gpu_budget: int | None = None
+    fits: bool = True  #: False only for an explicit quant that does not fit
+    warnings: tuple[str, ...] = ()
+    budget_note: str = ""
+    model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
+    #: what ``parallel="auto"`` would load: the slots (answers at once) the budget holds
+    slots: int = 1
+    slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache, batch row, a waiting image)
+    speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
+    rates: Rates | None = None  #: the machine rates the predictions used
+    vision_backend: str = "llama.cpp"  #: who runs the encoder in the chosen setup
+    vision_backend_reason: str = ""  #: why (the loader's rule for ``vision_backend="auto"``)
+
+    def table(self) -> str:
+        """An aligned, readable table of the rows, with the budget above it."""
+        timed = self.speed is not None
+        head: tuple[str, ...] = ("", "quant", "file size", "needs", "peak RSS")
+        head += ("tok/s", "photo", "video") if timed else ()
+        body = [("->" if r.chosen else "", r.quant, format_size(r.size), format_size(r.needed),
+                 format_size(r.peak_rss)) + (_speed_cells(r) if timed else ()) for r in self.rows]
+        head, body = head + ("verdict",), [row + (r.note,) for row, r in zip(body, self.rows, strict=True)]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        right = range(2, len(head) - 1)
+        fmt = lambda row: "  ".join(  # noqa: E731
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        lines = [f"Model: {self.model}"] if self.model else []
+        lines += [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
+        lines += [fmt(row) for row in body]
+        gpu = "no GPU offload"
+        if self.n_gpu_layers or self.vision_on_gpu:
+            layers = "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers)
+            gpu = f"n_gpu_layers={layers}, vision on {'GPU' if self.vision_on_gpu else 'CPU'}"
+        if self.slot_bytes:
+            lines.append(f"Parallel slots (parallel=\"auto\"): {self.slots}, "
+                         f"{format_size(self.slot_bytes)} each beyond the first.")
+        lines.append(f"Vision encoder: {self.vision_backend} ({self.vision_backend_reason}); "
+                     "its weights and working memory are in the figures above.")
+        lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
+                     f"n_threads={self.n_threads}, {gpu}.")
+        if self.speed is not None and self.rates is not None:
+            lines.append(f"Speed predicted from {self.rates.source}: tok/s = decode tokens per second; "
+                         f"photo = seconds to the first token for a 12 MP photo at detail="
+                         f"{self.speed.detail!r} ({self.speed.photo_slices} encoder passes); "
+                         f"video = the same for {speed.VIDEO_FRAMES} frames.")
+        lines += [f"Warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        return {
+            "model": self.model, "quant": self.quant, "files": list(self.files),
+            "predicted_bytes": self.predicted_bytes,
+            "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
+            "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
+            "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
+            "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
+            "slot_bytes": self.slot_bytes, "vision_backend": self.vision_backend,
+            "vision_backend_reason": self.vision_backend_reason,
+            "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
+            "speed": self.speed.to_dict() if self.speed is not None else None,
+            "rates": self.rates.to_dict() if self.rates is not None else None,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Where things run, for one quant."""
+
+    n_gpu_layers: int = 0  # llama.cpp's count; -1 = everything
+    vision_on_gpu: bool = False
+    backend: str | None = None
+    unified: bool = False
+    vision_backend: str = "llama.cpp"  #: who runs the vision encoder (resolved, never "auto")
+    vision_reason: str = "asked for"
+
+
+_Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
+
+
+@dataclass
+class _Context:
+    """Everything about the request that is the same for every quant."""
+
+    arch: TextShape
+    vision: VisionShape
+    mmproj_size: int
+    hardware: Hardware
+    n_ctx: int
+    kv_cache_type: str
+    image_tokens: int
+    budget: int
+    gpu_free: int | None = None
+    backend: str | None = None
+    unified: bool = False
+    cpu_only: bool = False  #: unified memory too small for a full offload: CPU alone
+    rates: speed.Rates | None = None
+    detail: str = "auto"
+    min_tokens_per_s: float | None = None
+    max_first_answer_s: float | None = None
+    speeds: dict[str, speed.SpeedPrediction] | None = None  #: per quant, when rates are known
+    vision_request: str = "auto"  #: the ``vision_backend`` asked for
+    onnxruntime: str | None = None  #: onnxruntime's version where it imports, else None
+
+    @property
+    def limited(self) -> bool:
+        return self.min_tokens_per_s is not None or self.max_first_answer_s is not None
+
+
+def choose(
+    candidates: Iterable[QuantCandidate],
+    *,
+    arch: TextShape,
+    vision: VisionShape | None = None,
+    mmproj_size: int,
+    hardware: Hardware,
+    ram_budget: int | str | None = None,
+    n_ctx: int = 4096,
+    kv_cache_type: str = "f16",
+    quant: str | None = None,
+    prefer: str = "quality",
+    image_tokens: int | None = None,
+    mmproj_file: str = DEFAULT_MMPROJ_FILE,
+    rates: speed.Rates | None = None,
+    detail: str = "auto",
+    min_tokens_per_s: float | None = None,
+    max_first_answer_s: float | None = None,
+    vision_backend: str = "auto",
+    onnxruntime: str | None = None,
+) -> Plan:
+    """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
+
+    ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
+    With ``rates`` (:func:`gguf_mcv.runtime.speed_probe.rates`) every row carries predicted
+    speeds for a photo at ``detail``, and the speed limits can be used.
+    ``vision_backend`` is ``load()``'s option; ``onnxruntime`` the version that imports
+    on the machine planned for (None: it does not, so ``"auto"`` means llama.cpp).
+    """
+    if prefer not in PREFERENCES:
+        raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
+    check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+    cands = _dedupe(candidates)
+    if not cands:
+        raise ConfigError("No quant files to choose from.")
+    budget, budget_note = resolve_budget(hardware, ram_budget)
+    ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
+    check_vision_backend(vision_backend)
+    ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
+    _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
+    evaluated = _evaluate_all(cands, ctx)
+    _predict_all(evaluated, ctx)
+    if quant is not None:
+        return _forced(quant, evaluated, ctx, mmproj_file, budget_note)
+    best = _pick(evaluated, ctx, prefer)
+    rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
+    return _plan(best, rows, ctx, mmproj_file, budget_note)
+
+
+def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
+    """Candidates from ``{quant: file}`` such as ``CatalogEntry.quants`` (objects with
+    ``file``, ``size`` and optionally ``exact``)."""
+    return [QuantCandidate(q, f.file, int(f.size), bool(getattr(f, "exact", True)))
+            for q, f in quants.items()]
+
+
+def resolve_budget(hardware: Hardware, ram_budget: int | str | None) -> tuple[int, str]:
+    """(budget in bytes, a sentence saying where it came from)."""
+    if ram_budget is not None:
+        budget = parse_size(ram_budget)
+        return budget, f"RAM budget {format_size(budget)} (given)."
+    reserve = max(int(hardware.available_ram * RESERVE_FRACTION), RESERVE_MIN)
+    budget = max(0, hardware.available_ram - reserve)
+    return budget, (f"RAM budget {format_size(budget)}: {format_size(hardware.available_ram)} available "
+                    f"less a {format_size(reserve)} safety reserve.")
+
+
+def default_image_tokens(vision: VisionShape | None = None) -> int:
+    """Tokens of one full-detail image: overview + 9 slices of ``query_tokens`` (640 for 2.6)."""
+    return 10 * (vision or VisionShape()).query_tokens
+
+
+# --- evaluation -----------------------------------------------------------------------
+
+
+def _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget) -> _Context:
+    if kv_cache_type not in memory.KV_BYTES_PER_ELEMENT:
+        raise ConfigError(f"kv_cache_type must be one of {', '.join(memory.KV_BYTES_PER_ELEMENT)}.")
+    ctx = _Context(arch=arch, vision=vision or VisionShape(),
+                   mmproj_size=mmproj_size, hardware=hardware, n_ctx=n_ctx,
+                   kv_cache_type=kv_cache_type,
+                   image_tokens=image_tokens if image_tokens is not None else default_image_tokens(vision),
+                   budget=budget)
+    gpu = hardware.gpu
+    if hardware.gpu_offload and gpu is not None:
+        ctx.backend, ctx.unified = gpu.backend, gpu.unified
+        if not gpu.unified and gpu.free_memory > 0:
+            ctx.gpu_free = gpu.free_memory
+    return ctx
+
+
+def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None = None,
+              kv_cache_type: str | None = None) -> memory.MemoryEstimate:
+    return memory.estimate(
+        model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size, vision=ctx.vision,
+        quant=c.quant, n_ctx=n_ctx or ctx.n_ctx, kv_cache_type=kv_cache_type or ctx.kv_cache_type,
+        image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
+        vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
+        unified_memory=setup.unified, cpu=memory.cpu_family(ctx.hardware.machine),
+        vision_backend=setup.vision_backend,
+    )
+
+
+def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated]:
+    """Each quant with its estimate and GPU split on this machine."""
+    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_with_vision_backend(_setup(c, ctx), ctx)]]
+    if ctx.unified and not any(_fits(e, s, ctx) for _, e, s in evaluated):
+        # a full offload costs RAM here (device copies, CUDA context, device compute
+        # buffer); when no quant fits that way, plan for the CPU alone
+        ctx.cpu_only = True
+        cpu = _with_vision_backend(_Setup(backend=ctx.backend), ctx)
+        evaluated = [(c, _estimate(c, ctx, cpu), cpu) for c in cands]
+    return evaluated
+
+
+def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated:
+    fitting = [(c, e, s) for c, e, s in evaluated if _fits(e, s, ctx)]
+    if not fitting:
+        raise NoQuantFitsError(_nothing_fits_message(evaluated, ctx))
+    if ctx.limited:
+        fast = [x for x in fitting if not _too_slow(x[0], ctx)]
+        if not fast:
+            raise NoQuantFitsError(_too_slow_message(fitting, ctx))
+        fitting = fast
+    whole = [x for x in fitting if _on_gpu_whole(x[2])]
+    if whole:
+        # with a GPU, "quality" means the best quant the GPU holds entirely: layers left
+        # on the CPU (or a vision tower at ~9 s a slice) cost far more speed than one
+        # quant step costs quality
+        fitting = whole
+    quantized = [x for x in fitting if x[0].quant not in UNQUANTIZED]
+    if quantized:
+        # F16/BF16/F32 double the bytes read per token for no visible gain over Q8_0: they
+        # are planned only when asked for, or when a repo offers nothing else
+        fitting = quantized
+    if prefer == "quality":
+        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
+    return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
+
+
+def _with_vision_backend(s: _Setup, ctx: _Context) -> _Setup:
+    """``s`` with the vision backend the loader would pick for it (the same rule)."""
+    backend, reason = choose_backend(ctx.vision_request, vision_gpu=s.vision_on_gpu,
+                                     projector_type=ctx.vision.projector, ort_version=ctx.onnxruntime)
+    return replace(s, vision_backend=backend, vision_reason=reason)
+
+
+def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
+    # an ONNX backend asked for runs the encoder on the CPU (load() refuses it on the GPU)
+    tower_may_offload = not ctx.vision_request.startswith("onnx")
+    if ctx.backend is None:
+        return _Setup()
+    if ctx.unified:  # one pool for both: offload everything, it is what makes these fast
+        return _Setup(-1, tower_may_offload, ctx.backend, True)
+    if ctx.gpu_free is None:
+        return _Setup(backend=ctx.backend)
+    usable = int(ctx.gpu_free * (1 - GPU_HEADROOM))
+    vision = memory.estimate(model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size,
+                             vision=ctx.vision, quant=c.quant, n_ctx=ctx.n_ctx,
+                             kv_cache_type=ctx.kv_cache_type, vision_on_gpu=True,
+                             gpu_backend=ctx.backend, cpu="none")
+    vision_on_gpu = tower_may_offload and vision.gpu is not None and vision.gpu.total <= usable
+    n = memory.fit_gpu_layers(ctx.gpu_free, model_size=c.size, text=ctx.arch, quant=c.quant,
+                              n_ctx=ctx.n_ctx, kv_cache_type=ctx.kv_cache_type,
+                              mmproj_size=ctx.mmproj_size, vision=ctx.vision,
+                              vision_on_gpu=vision_on_gpu, gpu_backend=ctx.backend,
+                              headroom=GPU_HEADROOM)
+    return _Setup(-1 if n > ctx.arch.n_layers else n, vision_on_gpu, ctx.backend)
+
+
+def _on_gpu_whole(s: _Setup) -> bool:
+    return s.n_gpu_layers < 0 and s.vision_on_gpu
+
+
+def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
+    if e.needed > ctx.budget:
+        return False
+    if e.gpu is not None and not s.unified and ctx.gpu_free is not None:
+        return e.gpu.total <= ctx.gpu_free * (1 - GPU_HEADROOM)
+    return True
+
+
+# --- speed ----------------------------------------------------------------------------
+
+
+def _speed_context(ctx: _Context, rates: speed.Rates | None, detail: str, min_tokens_per_s: Any,
+                   max_first_answer_s: Any) -> None:
+    ctx.min_tokens_per_s = speed.check_limit("min_tokens_per_s", min_tokens_per_s)
+    ctx.max_first_answer_s = speed.check_limit("max_first_answer_s", max_first_answer_s)
+    if rates is not None and not isinstance(rates, speed.Rates):
+        raise ConfigError(f"rates must be a gguf_mcv.planning.speed.Rates, not {type(rates).__name__}.")
+    if ctx.limited and rates is None:
+        raise ConfigError("Speed limits need the machine's rates: pass rates= "
+                          "(gguf_mcv.runtime.speed_probe.rates()).")
+    speed.photo_slices(detail)  # checks detail
+    ctx.rates, ctx.detail = rates, detail
+
+
+def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
+    """Each quant's predicted speed with its own GPU split, when rates are known."""
+    if ctx.rates is None:
+        return
+    ctx.speeds = {}
+    for c, _, s in evaluated:
+        layers = ctx.arch.n_layers + 1  # llama.cpp counts the output matrix as a layer
+        share = 1.0 if s.n_gpu_layers < 0 else s.n_gpu_layers / layers
+        gpu = speed.gpu_rates_for(s.backend, ctx.hardware.board_kind) if (share or s.vision_on_gpu) else None
+        ctx.speeds[c.quant] = speed.predict(
+            model_size=c.size, text=ctx.arch, quant=c.quant, vision=ctx.vision, rates=ctx.rates,
+            detail=ctx.detail, kv_cache_type=ctx.kv_cache_type, gpu_share=share,
+            vision_on_gpu=s.vision_on_gpu, gpu=gpu, weights=c.weights, vision_backend=s.vision_backend)
+
+
+def _too_slow(c: QuantCandidate, ctx: _Context) -> str:
+    """Why ``c`` misses the speed limits ("" when it meets them or there are none)."""
+    p = (ctx.speeds or {}).get(c.quant)
+    if p is None:
+        return ""
+    why = []
+    if ctx.min_tokens_per_s is not None and p.decode_tokens_per_s < ctx.min_tokens_per_s:
+        why.append(f"{p.decode_tokens_per_s:.1f} tok/s < {ctx.min_tokens_per_s:g}")
+    if ctx.max_first_answer_s is not None and p.first_answer_s > ctx.max_first_answer_s:
+        why.append(f"first answer {p.first_answer_s:.0f} s > {ctx.max_first_answer_s:g} s")
+    return ", ".join(why)
+
+
+def _too_slow_message(fitting: list[_Evaluated], ctx: _Context) -> str:
+    speeds = ctx.speeds or {}
+    fastest = max(fitting, key=lambda x: (speeds[x[0].quant].decode_tokens_per_s,
+                                          -speeds[x[0].quant].first_answer_s))[0]
+    quickest = min(fitting, key=lambda x: speeds[x[0].quant].first_answer_s)[0]
+    p, q = speeds[fastest.quant], speeds[quickest.quant]
+    limits = " and ".join(x for x in (
+        f"at least {ctx.min_tokens_per_s:g} tokens/s" if ctx.min_tokens_per_s is not None else "",
+        f"a first answer within {ctx.max_first_answer_s:g} s" if ctx.max_first_answer_s is not None else "",
+    ) if x)
+    lines = [
+        f"No quantization that fits is predicted to give {limits}: the fastest that fits is "
+        f"{fastest.quant} at {p.decode_tokens_per_s:.1f} tokens/s, first answer to a photo in "
+        f"{p.first_answer_s:.0f} s (detail={ctx.detail!r}).",
+        "Ways out:",
+    ]
+    if quickest is not fastest:
+        lines.append(f"- the quickest first answer is {quickest.quant}'s, {q.first_answer_s:.0f} s.")
+    if ctx.detail != "low":
+        lines.append("- detail='low' encodes a photo in one slice instead of several.")
+    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)}, or relax the limits.")
+    return "\n".join(lines)
+
+
+def _speed_cells(r: PlanRow) -> tuple[str, str, str]:
+    if r.decode_tokens_per_s is None or r.first_answer_s is None or r.video_first_answer_s is None:
+        return "", "", ""
+    return f"{r.decode_tokens_per_s:.1f}", f"{r.first_answer_s:.0f} s", f"{r.video_first_answer_s:.0f} s"
+
+
+# --- outcomes -------------------------------------------------------------------------
+
+
+def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) -> tuple[PlanRow, ...]:
+    rows = []
+    chosen_whole = any(_on_gpu_whole(s) for c, _, s in evaluated if c is chosen)
+    for c, e, s in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)):
+        fits = _fits(e, s, ctx)
+        slow = _too_slow(c, ctx) if ctx.limited else ""
+        if c is chosen:
+            note = "chosen: " + _spare(e, ctx)
+        elif fits and slow:
+            note = f"fits ({_spare(e, ctx)}) but too slow: {slow}"
+        elif fits and not _on_gpu_whole(s) and chosen_whole:
+            note = f"fits ({_spare(e, ctx)}) but not wholly on the GPU; a quant that is was preferred"
+        elif fits and c.quant in UNQUANTIZED and chosen.quant not in UNQUANTIZED:
+            note = f"fits ({_spare(e, ctx)}); unquantized: only when asked for (quant=)"
+        elif fits:
+            note = f"fits ({_spare(e, ctx)}); {passed_over}"
+        elif e.needed > ctx.budget:
+            note = f"needs {format_size(e.needed)}, budget {format_size(ctx.budget)}"
+        else:
+            note = f"GPU share {format_size(e.gpu.total)} exceeds free VRAM"
+        if s.n_gpu_layers:
+            total = ctx.arch.n_layers + 1  # llama.cpp counts the output matrix as a layer
+            note += f"; {total if s.n_gpu_layers < 0 else s.n_gpu_layers}/{total} layers on GPU"
+        if not c.exact:
+            note += "; size estimated"
+        p = (ctx.speeds or {}).get(c.quant)
+        rows.append(PlanRow(c.quant, c.file, c.size, e.needed, e.total, fits, note,
+                            s.n_gpu_layers, c is chosen,
+                            p.decode_tokens_per_s if p else None, p.first_answer_s if p else None,
+                            p.video_first_answer_s if p else None, s.vision_backend))
+    return tuple(rows)
+
+
+def _spare(e: memory.MemoryEstimate, ctx: _Context) -> str:
+    return f"{format_size(ctx.budget - e.needed)} to spare"
+
+
+def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits: bool = True,
+          warnings: Sequence[str] = ()) -> Plan:
+    c, e, s = best
+    if ctx.cpu_only:
+        warnings = [*warnings, "no quant fits with everything offloaded to the GPU, which on "
+                    "unified memory copies the weights; planned for the CPU alone"]
+    per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type, vision=ctx.vision,
+                                 vision_backend=s.vision_backend)
+    return Plan(
+        slots=memory.parallel_for_budget(e.needed, per_slot, ctx.budget), slot_bytes=per_slot,
+        quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
+        n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
+        vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
+        gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
+        speed=(ctx.speeds or {}).get(c.quant), rates=ctx.rates,
+        vision_backend=s.vision_backend, vision_backend_reason=s.vision_reason,
+    )
+
+
+def _forced(quant: str, evaluated, ctx: _Context, mmproj_file: str, budget_note: str) -> Plan:
+    want = normalize_quant(quant)
+    match = next((x for x in evaluated if x[0].quant == want), None)
+    if match is None:
+        have = ", ".join(c.quant for c, _, _ in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)))
+        raise ConfigError(f"Quant {want} is not available for this model; available: {have}.")
+    c, e, s = match
+    fits = _fits(e, s, ctx)
+    warnings = [] if fits else [
+        f"{c.quant} needs about {format_size(e.needed)} but the budget is "
+        f"{format_size(ctx.budget)}: expect swapping, or the process being killed."
+    ]
+    slow = _too_slow(c, ctx) if ctx.limited else ""
+    if slow:
+        warnings.append(f"{c.quant} is predicted to miss the speed limits: {slow}.")
+    rows = tuple(replace(r, note="chosen: asked for" + ("" if r.fits else " (does not fit)")) if r.chosen else r
+                 for r in _rows(evaluated, c, ctx, "not asked for"))
+    return _plan(match, rows, ctx, mmproj_file, budget_note, fits=fits, warnings=warnings)
+
+
+def _nothing_fits_message(evaluated, ctx: _Context) -> str:
+    c, e, s = min(evaluated, key=lambda x: x[1].needed)
+    lines = [
+        f"No quantization fits: the smallest, {c.quant} ({format_size(c.size)} file), needs about "
+        f"{format_size(e.needed)} of RAM with n_ctx={ctx.n_ctx}, but the budget is "
+        f"{format_size(ctx.budget)}.",
+        "Ways out:",
+    ]
+    fitting_ctx = _largest_fitting_ctx(c, ctx, s)
+    if fitting_ctx is not None:
+        lines.append(f"- a smaller context: n_ctx={fitting_ctx} fits with {c.quant}.")
+    if ctx.kv_cache_type == "f16":
+        q8 = _estimate(c, ctx, s, kv_cache_type="q8_0")
+        verdict = "fits" if q8.needed <= ctx.budget else "still does not fit"
+        lines.append(f"- kv_cache_type='q8_0' halves the KV cache: {c.quant} then needs "
+                     f"{format_size(q8.needed)} ({verdict}).")
+    int8 = _smaller_vision(c, ctx, s)
+    if int8 is not None:
+        verdict = "fits" if int8.needed <= ctx.budget else "still does not fit"
+        lines.append(f"- vision_backend='onnx-int8' (or 'auto') runs the encoder in int8: {c.quant} then "
+                     f"needs {format_size(int8.needed)} ({verdict}).")
+    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)} (about 0.5 GB in Q4_K_M).")
+    lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
+    return "\n".join(lines)
+
+
+def _smaller_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:
+    """``c``'s estimate with the int8 ONNX encoder, when the plan used libmtmd's on the CPU
+    although onnx-int8 could run here (None otherwise)."""
+    if s.vision_backend != "llama.cpp" or s.vision_on_gpu or ctx.onnxruntime is None:
+        return None
+    try:
+        choose_backend("onnx-int8", vision_gpu=False, projector_type=ctx.vision.projector,
+                       ort_version=ctx.onnxruntime)
+    except ConfigError:
+        return None
+    int8 = _estimate(c, ctx, replace(s, vision_backend="onnx-int8"))
+    return int8 if int8.needed < _estimate(c, ctx, s).needed else None
+
+
+def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup) -> int | None:
+    """The largest n_ctx (a multiple of 256 below the asked one) with which ``c`` fits.
+
+    Memory grows with n_ctx, so a bisection finds it in a few dozen estimates even for
+    an absurd ``n_ctx`` (a linear walk down from 10**10 would take hours).
+    """
+    fits = lambda steps: _estimate(c, ctx, s, n_ctx=steps * 256).needed <= ctx.budget  # noqa: E731
+    low, high = -(-MIN_SUGGESTED_CTX // 256), (ctx.n_ctx - 1) // 256
+    if high < low or not fits(low):
+        return None
+    while low < high:  # invariant: fits(low)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * 256
+
+
+def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
+    """Candidates with canonical quant names, one per quant (the first), unknown ones dropped."""
+    seen: dict[str, QuantCandidate] = {}
+    for c in candidates:
+        try:
+            q = normalize_quant(c.quant)
+        except ConfigError:
+            continue
+        seen.setdefault(q, QuantCandidate(q, c.file, int(c.size), c.exact, getattr(c, "weights", None)))
+    return list(seen.values())
+

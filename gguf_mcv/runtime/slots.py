@@ -1,0 +1,641 @@
+"""Parallel slots: N sequences of one llama.cpp context, answered together (continuous batching).
+
+A :class:`Scheduler` owns the sequences of a context loaded with ``parallel=N`` and one
+thread that runs the step loop. Each step evaluates, in one ``llama_batch``, the last
+sampled token of every slot that is answering, plus at most one chunk of one new prompt
+(:data:`PREFILL_CHUNK` tokens) — or, where that prompt has an image next, one image
+slice instead (encoded by the vision tower, or taken from the embedding cache). So
+running answers stall for at most one chunk or one slice while a new one starts, and a
+cancelled answer stops within one too. Between two slices the running answers decode for
+as long as the last slice took (:data:`VISION_SHARE`).
+
+Each slot remembers what its sequence holds, as the engine does for sequence 0: a
+follow-up goes to the free slot holding the longest prefix of its prompt; when a busy
+slot holds a longer one (a shared system prompt, an image another conversation asked
+about), that prefix is copied into the chosen slot (``llama_memory_seq_cp``: in the
+unified KV cache the cells are shared, not evaluated or copied again).
+
+A prompt that dropped its oldest turns (``Job.shift``) has the dropped stretch removed from
+its slot's sequence and the rest shifted back, as the engine does for sequence 0. With a
+``store`` (:mod:`gguf_mcv.runtime.kv_store`), a slot's state is kept before another conversation
+overwrites it, and a prompt that starts with more of a kept state than any slot holds gets
+that state put back into its slot.
+
+Only the scheduler's thread touches the context. Callers tokenize on their own thread,
+:meth:`Scheduler.submit` a :class:`Job` and read its events.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterator, Sequence, cast
+
+from ..errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
+from ..options import Sampling
+from .engine import (
+    MAX_CHECKPOINTS,
+    Engine,
+    ImageUnit,
+    KVState,
+    PrefillStats,
+    Prompt,
+    StateStore,
+    Unit,
+    _Checkpoint,
+    _common_prefix,
+    _n_pos,
+    checkpoints_of,
+    copy_seq_state,
+    set_seq_state,
+    shift_match,
+    usable_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+#: Most prompt tokens evaluated in one step beside the running answers' tokens: a new
+#: prompt delays running answers by at most one such chunk (or one image slice).
+PREFILL_CHUNK = 256
+#: While answers are running, an image slice (seconds of the encoder on a CPU, during which
+#: no answer advances) waits until they have decoded for this many times as long as the last
+#: slice took: decoding keeps at least half the time instead of one token per slice.
+VISION_SHARE = 1.0
+#: How long the step loop sleeps waiting for work before it checks whether it should stop.
+IDLE_POLL_S = 0.5
+
+
+@dataclass
+class Job:
+    """One answer for the scheduler: a tokenized prompt and how to generate.
+
+    The scheduler reports through :attr:`events`, in order: ``("progress", (done, total,
+    cached))`` per image slice, ``("prefilled", PrefillStats)``, ``("token", int)`` per
+    generated token, then ``("end", finish_reason)`` or ``("error", exception)``.
+    """
+
+    prompt: Prompt
+    sampling: Sampling
+    max_tokens: int
+    generate: dict[str, Any] = field(default_factory=dict)  #: keywords for Engine.generate
+    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    #: a stretch of a slot's cache this prompt skips (dropped turns) may be shifted out
+    shift: bool = False
+    stored: KVState | None = None  #: a kept state that holds more of the prompt (see Scheduler.store)
+
+    def cancel(self) -> None:
+        """Stop this job at the scheduler's next step (within one chunk or image slice)."""
+        self.cancelled.set()
+
+
+class _Slot:
+    """One sequence of the context: what it holds, and the job it is answering."""
+
+    def __init__(self, seq: int, n_ctx: int) -> None:
+        self.seq = seq
+        self._n_ctx = n_ctx
+        self.units: list[Unit] = []
+        self.n_past = 0
+        self.job: Job | None = None
+        self.cursor = 0  # next prompt unit to evaluate
+        self.stats = PrefillStats()
+        self.started = 0.0
+        self.served = 0  # the scheduler's turn count when this slot's prompt was last served
+        self.todo_images = 0
+        self.done_images = 0
+        self.checkpoints: list[_Checkpoint] = []  # recurrent state saved along the way
+        self.checkpoint_at = -1  # where the prompt being evaluated gets its checkpoint
+        self.tokens: Generator[int, None, None] | None = None
+        self.pending: int | None = None  # the last sampled token
+        self.evaluated = False  # whether ``pending`` is in the sequence (not yet counted)
+        self.logits_index = -1
+        self.finish_reason = "length"
+        self.last_used = 0.0
+        self.dirty = False  # holds evaluated units that no store has yet
+
+    # -- the SequenceView that Engine.generate sees ---------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def eval_token(self, token: int) -> None:
+        # the scheduler evaluated it in the step's batch before resuming the generator; it is
+        # counted only now, so the generator's "is the context full" check before this call
+        # sees the count it would see alone
+        assert self.evaluated and token == self.pending, "a token was resumed before it was evaluated"
+        self.record_pending()
+
+    def record_pending(self) -> None:
+        """Count the pending token as held, once the batch holding it was evaluated."""
+        if self.evaluated:
+            self.units.append(cast(int, self.pending))
+            self.n_past += 1
+            self.evaluated = False
+            self.dirty = True
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def free(self) -> bool:
+        return self.job is None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.job is not None and self.tokens is None
+
+
+@dataclass
+class _KeepIdle:
+    """A request to the step loop: give every idle slot's state to the store."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Scheduler:
+    """Run up to ``n_slots`` answers at once on ``engine``'s context (loaded with that many
+    sequences); see the module docstring. ``n_ctx`` is each slot's context window."""
+
+    def __init__(self, engine: Engine, n_slots: int, n_ctx: int, *,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if n_slots < 1:
+            raise ConfigError(f"parallel must be at least 1, not {n_slots}.")
+        self.engine = engine
+        self._lc = engine._lc
+        self._mt = engine._mt
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self.n_batch = int(engine.llama.n_batch)
+        self.prefill_chunk = max(1, min(prefill_chunk, self.n_batch - n_slots))
+        self._slots = [_Slot(i, n_ctx) for i in range(n_slots)]
+        self._inbox: "queue.Queue[Job | _KeepIdle | None]" = queue.Queue()
+        self._waiting: deque[Job] = deque()
+        self._batch = self._lc.llama_batch_init(self.n_batch, 0, 1)
+        self._mem = self._lc.llama_get_memory(engine.llama.ctx)
+        self._can_rewind = not engine._recurrent  # recurrent state cannot go back partly
+        self._closed = False
+        self._died = ""
+        self.steps = 0  #: batches evaluated (for tests and benchmarks)
+        self.steps_taken = 0  # prompt turns handed out
+        # seconds the last image slice took, and seconds of other steps since: while answers
+        # run, a slice waits until they have had as long (VISION_SHARE), so decoding goes on
+        # at half speed or more instead of one token per slice (seconds per slice on a CPU)
+        self._slice_s = 0.0
+        self._since_slice_s = 0.0
+        self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
+        self.restored_checkpoints = 0  #: rewinds of a recurrent slot served by a checkpoint
+        self.shifted_positions = 0  #: positions removed by shifting a slot's cache (dropped turns)
+        self.restored_states = 0  #: prompts started from a state the store kept
+        #: keeps a slot's state before another conversation overwrites it, and gives kept ones back
+        self.store: StateStore | None = None
+        self._can_shift = self._can_rewind and bool(self._lc.llama_memory_can_shift(self._mem))
+        self._thread = threading.Thread(target=self._loop, name="gguf_mcv-slots", daemon=True)
+        self._thread.start()
+
+    # -- callers ---------------------------------------------------------------------
+
+    def submit(self, job: Job) -> Job:
+        """Queue ``job``; it starts when a slot is free. Checks what can be checked now."""
+        units = job.prompt.units
+        if not units or not isinstance(units[-1], int):
+            raise ConfigError("A prompt must end with text (the assistant's turn marker).")
+        if job.prompt.n_pos + 1 > self.n_ctx:
+            raise ContextOverflowError(
+                f"The prompt needs {job.prompt.n_pos} positions ({job.prompt.image_tokens} of them "
+                f"image tokens) plus 1 for the answer, but each of the {self.n_slots} parallel slots "
+                f"has n_ctx {self.n_ctx}. Load the model with a larger n_ctx, use fewer or "
+                "lower-detail images, or start a new conversation."
+            )
+        if self._closed:
+            raise ModelClosedError("This model has been closed; load it again.")
+        self._check_alive()
+        store = self.store
+        if store is not None and job.stored is None:  # read on the caller's thread, not the loop's
+            held = max(_common_prefix(list(s.units), units) for s in self._slots)
+            job.stored = store.find(units, better_than=held, partial=self._can_rewind)
+        self._inbox.put(job)
+        return job
+
+    def keep_idle(self, timeout: float = 60.0) -> bool:
+        """Give every idle slot's state to the store (as the server stops); whether that was done
+        within ``timeout`` seconds."""
+        if self.store is None or self._closed or not self._thread.is_alive():
+            return False
+        request = _KeepIdle()
+        self._inbox.put(request)
+        return request.done.wait(timeout)
+
+    def events(self, job: Job, on_progress: Callable[[int, int, int], None] | None = None
+               ) -> Iterator[tuple[str, Any]]:
+        """``job``'s events as they come, up to its end (progress handed to ``on_progress``);
+        raises its error, or :class:`EngineError` if the step loop died without answering it."""
+        while True:
+            try:
+                kind, value = job.events.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if kind == "progress":
+                if on_progress is not None:
+                    on_progress(*value)
+                continue
+            if kind == "error":
+                raise value
+            yield kind, value
+            if kind == "end":
+                return
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive() and not self._closed:
+            raise EngineError(f"The parallel-slot scheduler stopped ({self._died or 'no reason known'}); "
+                              "load the model again.")
+
+    @property
+    def active(self) -> int:
+        """Slots answering now (prefilling or generating)."""
+        return sum(not s.free for s in self._slots)
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for a slot."""
+        return len(self._waiting) + self._inbox.qsize()
+
+    def slot_units(self) -> list[tuple[Unit, ...]]:
+        """What each slot's sequence holds (a snapshot; for tests and diagnostics)."""
+        return [tuple(s.units) for s in self._slots]
+
+    def close(self) -> None:
+        """Stop the loop (jobs still queued or running get :class:`ModelClosedError`) and
+        free the batch. The context itself belongs to the engine's ``Llama``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._lc.llama_batch_free(self._batch)
+
+    # -- the step loop ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        gone: Exception = ModelClosedError("The model was closed while this answer was running.")
+        try:
+            while not self._closed:
+                self._take_inbox(block=not any(not s.free for s in self._slots) and not self._waiting)
+                self._drop_cancelled()
+                self._assign()
+                if any(not s.free for s in self._slots):
+                    self._step()
+        except Exception as exc:  # a fault of this loop: every answer learns of it, none waits forever
+            self._died = f"{type(exc).__name__}: {exc}"
+            log.error("The parallel-slot scheduler failed", exc_info=exc)
+            gone = EngineError(f"The parallel-slot scheduler failed: {self._died}.")
+        finally:
+            for slot in self._slots:
+                if slot.job is not None:
+                    self._finish(slot, "error", gone)
+            while self._waiting:
+                self._fail(self._waiting.popleft(), gone)
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(job, _KeepIdle):
+                    job.done.set()
+                elif job is not None:
+                    self._fail(job, gone)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            job = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if job is None:
+                self._closed = True
+                return
+            if isinstance(job, _KeepIdle):
+                for slot in self._slots:
+                    if slot.free:
+                        self._keep(slot, 0)
+                job.done.set()
+            else:
+                self._waiting.append(job)
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for slot in self._slots:
+            if slot.job is not None and slot.job.cancelled.is_set():
+                self._finish(slot, "error", AnswerCancelled("The answer was cancelled."))
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._fail(job, AnswerCancelled("The answer was cancelled before it started."))
+
+    def _assign(self) -> None:
+        """Give waiting jobs (oldest first) the free slot that holds most of their prompt."""
+        while self._waiting:
+            free = [s for s in self._slots if s.free]
+            if not free:
+                return
+            job = self._waiting.popleft()
+            slot = max(free, key=lambda s: (self._reusable(s, job)[0], -s.last_used))
+            self._start(slot, job)
+
+    def _reusable(self, slot: _Slot, job: Job) -> tuple[int, tuple[int, int] | None]:
+        """How many leading units of ``job``'s prompt ``slot`` can keep — with a dropped stretch
+        shifted out, where the job allows it and the cache can shift — and that shift's match."""
+        units = job.prompt.units
+        keep = _common_prefix(slot.units, units)
+        match = shift_match(slot.units, units, keep) if job.shift and self._can_shift else None
+        return (keep + match[1] if match is not None else keep), match
+
+    def _start(self, slot: _Slot, job: Job) -> None:
+        units = job.prompt.units
+        slot.job, slot.cursor, slot.tokens, slot.pending = job, 0, None, None
+        slot.started, slot.served = time.perf_counter(), 0
+        slot.stats = PrefillStats(prompt_tokens=job.prompt.n_pos, image_tokens=job.prompt.image_tokens)
+        keep, match = self._reusable(slot, job)
+        source = max((s for s in self._slots if s is not slot), default=None,
+                     key=lambda s: _common_prefix(s.units, units))
+        shared = _common_prefix(source.units, units) if source is not None else 0
+        limit = len(units) - 1  # the last prompt token is evaluated again: sampling needs its logits
+        stored, job.stored = job.stored, None
+        from_store = usable_prefix(stored, units, self._can_rewind) if stored is not None else 0
+        # (the stretch a shift drops is dropped for good: the conversation goes on without it)
+        self._keep(slot, _n_pos(slot.units[:keep if match is None else sum(match)]))  # before it is overwritten
+        if min(from_store, limit) > max(keep, shared if self._can_rewind else 0) \
+                and self._restore(slot, cast(KVState, stored)):
+            self._truncate(slot, min(from_store, limit))
+        elif self._can_rewind and source is not None and min(shared, limit) > keep:
+            shared = min(shared, limit)
+            pos = _n_pos(source.units[:shared])
+            self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+            self._lc.llama_memory_seq_cp(self._mem, source.seq, slot.seq, 0, pos)
+            slot.units, slot.n_past = list(source.units[:shared]), pos
+            slot.checkpoints.clear()
+            self.copied_positions += pos
+        else:
+            if match is not None:
+                self._shift_out(slot, keep - match[1], *match)
+            self._truncate(slot, min(keep, limit))
+        slot.cursor = len(slot.units)
+        slot.checkpoint_at = Engine._checkpoint_point(units) if not self._can_rewind else -1
+        slot.stats.reused_tokens = slot.n_past
+        slot.todo_images = sum(1 for u in units[slot.cursor:] if isinstance(u, ImageUnit))
+        slot.done_images = 0
+        if slot.todo_images:
+            job.events.put(("progress", (0, slot.todo_images, 0)))
+
+    def _truncate(self, slot: _Slot, n_units: int) -> None:
+        """Keep the first ``n_units`` units of ``slot``'s sequence — or, where the cache cannot
+        go back partly (recurrent state), the units up to its latest checkpoint before them,
+        or nothing."""
+        slot.checkpoints = [c for c in slot.checkpoints if c.n_units <= n_units]
+        if n_units >= len(slot.units):
+            return
+        pos = _n_pos(slot.units[:n_units])
+        if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, pos, -1):
+            n_units, pos = self._restore_checkpoint(slot)
+        del slot.units[n_units:]
+        slot.n_past = pos
+
+    def _shift_out(self, slot: _Slot, common: int, k: int, n: int) -> None:
+        """Remove ``slot.units[common:k]`` from the slot's sequence and shift ``k:k+n`` back to
+        follow ``common`` (llama.cpp's sequence remove + add, as the engine's ``_shift_out``)."""
+        self._truncate(slot, k + n)  # what follows the reused stretch goes first
+        start, stop = _n_pos(slot.units[:common]), _n_pos(slot.units[:k])
+        if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, start, stop):
+            self._truncate(slot, common)
+            return
+        self._lc.llama_memory_seq_add(self._mem, slot.seq, stop, -1, start - stop)
+        del slot.units[common:k]
+        slot.n_past -= stop - start
+        self.shifted_positions += stop - start
+
+    def _keep(self, slot: _Slot, reused: int) -> None:
+        """Give ``slot``'s state to the store when the prompt it starts reuses only ``reused``
+        of its positions and drops at least the store's ``min_positions``."""
+        store = self.store
+        if store is None or not slot.dirty or slot.n_past - reused < store.min_positions:
+            return
+        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq)
+        if data:
+            store.keep(KVState(list(slot.units), bytes(data),
+                               [(c.n_units, c.n_pos, bytes(c.data)) for c in slot.checkpoints]))
+            slot.dirty = False
+
+    def _restore(self, slot: _Slot, state: KVState) -> bool:
+        """Make ``slot``'s sequence hold ``state`` (kept by the store); False (and an empty
+        sequence) when llama.cpp or the checks refuse it."""
+        lc, ctx = self._lc, self.engine.llama.ctx
+        n_pos = _n_pos(state.units)
+        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+        slot.units, slot.n_past, slot.checkpoints = [], 0, []
+        try:
+            checkpoints = checkpoints_of(state)
+            if n_pos > slot.n_ctx:
+                raise EngineError(f"it holds {n_pos} positions, more than a slot's {slot.n_ctx}")
+            if (not set_seq_state(lc, ctx, slot.seq, state.data)
+                    or int(lc.llama_memory_seq_pos_max(self._mem, slot.seq)) != n_pos - 1):
+                raise EngineError("llama.cpp did not accept it")
+        except EngineError as exc:
+            lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+            cast(StateStore, self.store).refused(state, str(exc))
+            return False
+        slot.units, slot.n_past, slot.checkpoints = list(state.units), n_pos, checkpoints
+        slot.dirty = False
+        self.restored_states += 1
+        cast(StateStore, self.store).restored(state)
+        return True
+
+    def _save_checkpoint(self, slot: _Slot) -> None:
+        """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
+        del slot.checkpoints[:-(MAX_CHECKPOINTS - 1) or None]  # the oldest goes first (memory.recurrent_bytes)
+        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq, partial=True)
+        if data is not None:
+            slot.checkpoints.append(_Checkpoint(len(slot.units), slot.n_past, data))
+
+    def _restore_checkpoint(self, slot: _Slot) -> tuple[int, int]:
+        """Go back to ``slot``'s latest usable checkpoint: (units kept, positions kept)."""
+        lc, ctx = self._lc, self.engine.llama.ctx
+        while slot.checkpoints:
+            c = slot.checkpoints.pop()
+            if (set_seq_state(lc, ctx, slot.seq, c.data, partial=True)
+                    and lc.llama_memory_seq_rm(self._mem, slot.seq, c.n_pos, -1)):
+                slot.checkpoints.append(c)
+                self.restored_checkpoints += 1
+                return c.n_units, c.n_pos
+        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+        return 0, 0
+
+    def _step(self) -> None:
+        """One batch: every answering slot's pending token, plus one chunk of one prompt
+        (an image slice only once the running answers have had their share of time)."""
+        began = time.perf_counter()
+        # prompts take turns (the least recently served first): a short question is not kept
+        # waiting behind every slice of another one's big image
+        answering = any(s.tokens is not None for s in self._slots)
+        slice_due = not answering or self._since_slice_s >= self._slice_s * VISION_SHARE
+        prefill = min((s for s in self._slots if s.prefilling and (slice_due or not self._at_image(s))),
+                      default=None, key=lambda s: (s.served, s.started))
+        if prefill is not None:
+            prefill.served = self.steps_taken = self.steps_taken + 1
+        if prefill is not None and self._at_image(prefill):
+            ok = self._image_step(prefill)
+            self._slice_s, self._since_slice_s = time.perf_counter() - began, 0.0
+            if not ok:
+                return
+            prefill = None  # one slice per step: the running answers go on meanwhile
+            began = time.perf_counter()
+        decoding = [s for s in self._slots if s.tokens is not None]
+        full = [s for s in decoding if s.n_past >= s.n_ctx]  # its generator ends without evaluating
+        decoding = [s for s in decoding if s.n_past < s.n_ctx]
+        batch, n = self._batch, 0
+        for slot in decoding:
+            self._put(n, cast(int, slot.pending), slot.n_past, slot.seq, True)
+            slot.logits_index, n = n, n + 1
+        chunk: Sequence[int] = ()
+        if prefill is not None:
+            units = cast(Job, prefill.job).prompt.units
+            end = prefill.cursor
+            if prefill.cursor == prefill.checkpoint_at:  # the next turn re-renders what follows
+                self._save_checkpoint(prefill)
+            stop_at = prefill.checkpoint_at if prefill.checkpoint_at > prefill.cursor else len(units)
+            while (end < min(len(units), stop_at) and isinstance(units[end], int)
+                   and end - prefill.cursor < self.prefill_chunk):
+                end += 1
+            chunk = cast(Sequence[int], units[prefill.cursor:end])
+            last = end == len(units)
+            for k, token in enumerate(chunk):
+                self._put(n + k, token, prefill.n_past + k, prefill.seq, last and k == len(chunk) - 1)
+            if last:
+                prefill.logits_index = n + len(chunk) - 1
+            n += len(chunk)
+        if n:
+            batch.n_tokens = n
+            rc = self._lc.llama_decode(self.engine.llama.ctx, batch)
+            if rc != 0:
+                self._decode_failed(rc, decoding + ([prefill] if prefill is not None else []))
+                return
+            self.steps += 1
+        for slot in decoding:
+            slot.evaluated = True
+        if prefill is not None:
+            prefill.units.extend(chunk)
+            prefill.n_past += len(chunk)
+            prefill.dirty = True
+            prefill.cursor += len(chunk)
+            if prefill.cursor == len(cast(Job, prefill.job).prompt.units):
+                self._prefilled(prefill)
+        for slot in decoding + full:
+            self._advance(slot)
+        self._since_slice_s += time.perf_counter() - began
+
+    @staticmethod
+    def _at_image(slot: _Slot) -> bool:
+        """Whether ``slot``'s prompt goes on with an image slice."""
+        return isinstance(cast(Job, slot.job).prompt.units[slot.cursor], ImageUnit)
+
+    def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        b = self._batch
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+        b.seq_id[i][0] = seq
+
+    def _image_step(self, slot: _Slot) -> bool:
+        """Evaluate the image slice at ``slot``'s cursor; False if that failed (job ended)."""
+        job = cast(Job, slot.job)
+        unit = cast(ImageUnit, job.prompt.units[slot.cursor])
+        chunk = job.prompt._image_chunks[slot.cursor]
+        mt, engine, stats = self._mt, self.engine, slot.stats
+        n_values = int(mt.mtmd_input_chunk_get_n_tokens(chunk)) * engine.n_embd
+        try:
+            embd = engine.embed_cache.get(unit.key, n_values=n_values)
+            if embd is None:
+                began = time.perf_counter()
+                embd = engine._encode(chunk, unit, job.prompt._image_sources.get(slot.cursor))
+                stats.encode_ms += (time.perf_counter() - began) * 1000.0
+                stats.slices_encoded += 1
+                stats.encoded_keys.append(unit.key)
+            else:
+                stats.slices_from_cache += 1
+        except Exception as exc:
+            self._finish(slot, "error", exc)
+            return False
+        if slot.n_past + unit.n_pos > slot.n_ctx:
+            self._finish(slot, "error", ContextOverflowError(f"The slot's {slot.n_ctx} positions are full."))
+            return False
+        new_n_past = self._lc.llama_pos(0)
+        rc = mt.mtmd_helper_decode_image_chunk(
+            engine._ctx, engine.llama.ctx, chunk, embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            slot.n_past, slot.seq, self.n_batch, ctypes.byref(new_n_past),
+            mt.mtmd_helper_post_decode_callback(), None,
+        )
+        if rc != 0:
+            self._decode_failed(rc, [slot])
+            return False
+        slot.units.append(unit)
+        slot.n_past = int(new_n_past.value)
+        slot.dirty = True
+        slot.cursor += 1
+        slot.done_images += 1
+        job.events.put(("progress", (slot.done_images, slot.todo_images, stats.slices_from_cache)))
+        return True
+
+    def _prefilled(self, slot: _Slot) -> None:
+        """The prompt is in: report it, and sample the first token."""
+        job = cast(Job, slot.job)
+        slot.stats.evaluated_tokens = job.prompt.n_pos - slot.stats.reused_tokens
+        slot.stats.prefill_ms = (time.perf_counter() - slot.started) * 1000.0
+        job.events.put(("prefilled", slot.stats))
+        slot.finish_reason = "length"
+        slot.tokens = self.engine.generate(job.sampling, job.max_tokens, seq=slot, **job.generate)
+        self._advance(slot)
+
+    def _advance(self, slot: _Slot) -> None:
+        """Resume ``slot``'s generator: its next token, or its end."""
+        job = cast(Job, slot.job)
+        try:
+            token = next(cast(Generator[int, None, None], slot.tokens))
+        except StopIteration:
+            self._finish(slot, "end", slot.finish_reason)
+            return
+        except Exception as exc:
+            self._finish(slot, "error", exc)
+            return
+        slot.pending = token
+        job.events.put(("token", token))
+
+    def _decode_failed(self, rc: int, slots: list[_Slot]) -> None:
+        """llama.cpp refused a batch: the jobs in it fail, their sequences are cleared."""
+        error = EngineError(f"llama.cpp failed to evaluate a batch (code {rc}).")
+        for slot in slots:
+            self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
+            slot.units.clear()
+            slot.checkpoints.clear()
+            slot.n_past = 0
+            self._finish(slot, "error", error)
+
+    def _finish(self, slot: _Slot, kind: str, value: Any) -> None:
+        job = cast(Job, slot.job)
+        if slot.tokens is not None:
+            slot.tokens.close()  # frees its samplers, on this thread
+        slot.record_pending()  # evaluated but never resumed: the sequence holds it all the same
+        slot.job, slot.tokens, slot.pending = None, None, None
+        slot.last_used = time.perf_counter()
+        job.prompt.close()
+        job.events.put((kind, value))
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        job.prompt.close()
+        job.events.put(("error", error))

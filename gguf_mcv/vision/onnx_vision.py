@@ -1,0 +1,374 @@
+"""The vision encoder on ONNX Runtime: converted once from the mmproj, cached, self-validated.
+
+:func:`prepare` converts an mmproj (``gguf_mcv.vision.onnx_graph``) into ``<cache>/onnx/`` —
+fp32 (rounding where ggml's CPU kernels round, so its embeddings follow libmtmd's closely),
+and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
+blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded into the
+weights first;
+the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
+and the onnxruntime version, written into a temporary folder and moved into place; a
+manifest with each file's size and SHA-256 and a digest of its own content is written last
+and checked on every load (the projector's numbers are read again from the mmproj), so a
+killed conversion, a damaged file or an edited manifest is rebuilt, never used. At conversion the int8
+graph's embeddings are compared with the fp32 graph's on the bundled example image and
+synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8.
+:class:`OnnxEncoder` runs one slice: libmtmd's preprocessing (``mtmd_preprocess``) and the
+position inputs for that slice's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import constants, progress
+from ..cache_files import (
+    DamagedManifest,
+    folder_lock,
+    is_regular,
+    open_regular,
+    read_manifest,
+    set_aside,
+    sweep,
+    write_manifest,
+)
+from ..errors import ConfigError, EngineError, NotEnoughDiskError
+from ..units import format_size
+from .media import Image
+from .mtmd_preprocess import PreprocessParams, slice_pixels
+from .onnx_graph import Projector, Weights, build_model, graph_inputs
+from .vision_backends import choose_backend  # noqa: F401  (the rule lives there; imported from here too)
+
+logger = logging.getLogger(__name__)
+
+#: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
+#: (mean over tokens of the per-token cosine, on the validation images)
+INT8_MIN_COSINE = 0.995
+VARIANTS = ("fp32", "int8")
+#: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content
+MANIFEST_VERSION = 3
+#: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
+#: 0.6x, with room to spare
+DISK_FACTOR = 3
+#: temporary entries a conversion writes (``tempfile``'s 8 random characters after the stem):
+#: those of a killed conversion are removed when its lock is next taken
+TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}(?:\.json\.part)?|(?P<old>.+)\.json\.part")
+#: the same for a stand-in's temporary file (:func:`gguf_mcv.vision.mmproj_standin.write_standin`)
+STANDIN_TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}\.part")
+#: the bundled example photo (also the self-test's)
+EXAMPLE_IMAGE = Path(__file__).resolve().parent.parent / "assets" / "example.png"
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A validated conversion: the ONNX files and what self-validation measured."""
+
+    fp32: Path
+    int8: Path
+    projector: Projector
+    #: mean per-token cosine of int8 vs fp32 on the validation images; None: not validated
+    #: (int8's kernels crash on the machine that converted it)
+    int8_cosine: float | None
+    convert_s: float  #: how long the conversion took (0 when it came from the cache)
+
+    @property
+    def int8_ok(self) -> bool:
+        return self.int8_cosine is not None and self.int8_cosine >= INT8_MIN_COSINE
+
+    def path(self, variant: str) -> Path:
+        return self.int8 if variant == "int8" else self.fp32
+
+
+def onnxruntime_version() -> str | None:
+    """onnxruntime's version, or None when it cannot be imported here."""
+    try:
+        import onnxruntime  # lazy: ~0.2 s and a native library
+    except ImportError:
+        return None
+    return str(onnxruntime.__version__)
+
+
+def cache_folder() -> Path:
+    return constants.cache_dir() / "onnx"
+
+
+def _stem(identity: str, ort_version: str) -> str:
+    return f"{identity}-ort{ort_version}"
+
+
+def prepare(mmproj_path: str | os.PathLike, identity: str, *,
+            progress: Callable[[str, int, int], None] | None = None, validate_int8: bool = True) -> Converted:
+    """The validated conversion of ``mmproj_path`` (identity ``identity``): from the cache when
+    its manifest checks out, else converted now (under a lock, so two processes convert once).
+    ``validate_int8=False`` (int8's kernels crash here) leaves the int8 graph unvalidated
+    (``int8_cosine`` None); a later call that validates does so then and keeps the result.
+
+    A damaged conversion (a file or the manifest changed, a folder or a symlink in a file's
+    place) is rebuilt with one warning; temporary files of killed conversions are removed."""
+    version = onnxruntime_version()
+    if version is None:
+        raise ConfigError("onnxruntime is not installed: pip install onnxruntime onnx, or use "
+                          "vision_backend='llama.cpp'.")
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = _stem(identity, version)
+    with folder_lock(folder / f"{stem}.lock"):
+        sweep(folder, TEMP_NAME, stem)
+        try:
+            found = _load_manifest(folder, stem, Path(mmproj_path))
+        except DamagedManifest as exc:
+            logger.warning("the ONNX conversion of %s in %s is unusable (%s): converting it again",
+                           os.fspath(mmproj_path), folder, exc)
+            found = None
+        if found is not None and (found.int8_cosine is not None or not validate_int8):
+            return found
+        if found is not None:
+            cosine = validate(found.fp32, found.int8, found.projector, progress=_step(progress, "validation"))
+            _update_manifest(folder, stem, int8_cosine=cosine)
+            return dataclasses.replace(found, int8_cosine=cosine)
+        return _convert(Path(mmproj_path), folder, stem, progress, validate_int8)
+
+
+def _step(progress: Callable[[str, int, int], None] | None, what: str) -> Callable[[int, int], None]:
+    return lambda done, total: progress(what, done, total) if progress else None
+
+
+def _update_manifest(folder: Path, stem: str, **changes: Any) -> None:
+    path = folder / f"{stem}.json"
+    manifest = read_manifest(path, MANIFEST_VERSION)
+    if manifest is not None:
+        write_manifest(path, {**manifest, **changes})
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a regular file (never through a symlink, never blocking), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open_regular(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_names(stem: str) -> set[str]:
+    """The files a conversion writes: each graph and its external data."""
+    return {f"{stem}-{v}.onnx{data}" for v in VARIANTS for data in ("", ".data")}
+
+
+def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
+    """The conversion described by ``<stem>.json``, every file it lists intact and its projector
+    the mmproj's own; None when there is none; :class:`DamagedManifest` when it is unusable."""
+    m = read_manifest(folder / f"{stem}.json", MANIFEST_VERSION)
+    if m is None:
+        return None
+    try:
+        names = _file_names(stem)
+        files = m["files"]
+        if (m["fp32"], m["int8"]) != (f"{stem}-fp32.onnx", f"{stem}-int8.onnx") or set(files) != names:
+            raise DamagedManifest("it names files a conversion does not write")
+        cosine = m["int8_cosine"]
+        if cosine is not None and (isinstance(cosine, bool) or not isinstance(cosine, (int, float))
+                                   or not -1.0 <= cosine <= 1.0):
+            raise DamagedManifest(f"int8_cosine {cosine!r} is not a cosine")
+        for name in sorted(names):
+            size, digest = files[name]
+            f = folder / name
+            if not is_regular(f) or f.stat().st_size != size or sha256_file(f) != digest:
+                raise DamagedManifest(f"{name} is missing, not a regular file or not the file converted")
+        projector = Weights(mmproj).projector()  # the mmproj's numbers, never the manifest's
+        if json.loads(json.dumps(dataclasses.asdict(projector))) != m["projector"]:
+            raise DamagedManifest("its projector values are not the mmproj's")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DamagedManifest(f"{type(exc).__name__}: {exc}") from None
+    return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=projector,
+                     int8_cosine=None if cosine is None else float(cosine), convert_s=0.0)
+
+
+def _convert(mmproj: Path, folder: Path, stem: str,
+             progress: Callable[[str, int, int], None] | None, validate_int8: bool = True) -> Converted:
+    import onnx
+
+    need = DISK_FACTOR * mmproj.stat().st_size
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotEnoughDiskError(
+            f"Converting {mmproj.name} for ONNX Runtime needs about {format_size(need)} free in {folder} "
+            f"(the fp32 graph, a temporary copy and the int8 graph); {format_size(free)} is free. Free some "
+            f"space, point GGUF_MCV_CACHE elsewhere, or use vision_backend='llama.cpp'.")
+    start = time.perf_counter()
+    weights = Weights(mmproj)
+    projector = weights.projector()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=folder))
+    try:
+        names = {v: f"{stem}-{v}.onnx" for v in VARIANTS}
+
+        # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
+        # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
+        for variant in VARIANTS:
+            path = tmp / names[variant]
+            # fp32 follows libmtmd's roundings (ggml=True) and is not folded (folding is exact
+            # only in exact arithmetic); int8 folds the outliers its activation quantization hates
+            int8 = variant == "int8"
+            model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8,
+                                   external=path.with_name(path.name + ".data"),
+                                   progress=_step(progress, f"{variant} graph"))
+            onnx.save_model(model, str(path))
+            del model
+        del weights  # unmaps the mmproj: its pages would count on top of the fp32 session's
+        cosine = (validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=_step(progress, "validation"))
+                  if validate_int8 else None)
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            files[f.name] = [f.stat().st_size, sha256_file(f)]
+        for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
+            if os.path.isdir(folder / f.name) and not os.path.islink(folder / f.name):
+                set_aside(folder / f.name, "a folder where a converted file belongs", warn=False)  # warned
+            os.replace(f, folder / f.name)
+        _forget_other_versions(folder, stem)
+        manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
+                    "int8_cosine": cosine, "threshold": INT8_MIN_COSINE, "files": files,
+                    "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
+        write_manifest(folder / f"{stem}.json", manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Converted(fp32=folder / names["fp32"], int8=folder / names["int8"], projector=projector,
+                     int8_cosine=cosine, convert_s=time.perf_counter() - start)
+
+
+def _forget_other_versions(folder: Path, stem: str) -> None:
+    """Delete this mmproj's conversions for other onnxruntime versions (never used again)."""
+    identity = stem.rsplit("-ort", 1)[0]
+    for f in folder.glob(f"{identity}-ort*"):
+        if not f.name.startswith(stem + "-") and not f.name.startswith(stem + ".") and f.is_file():
+            f.unlink(missing_ok=True)
+
+
+def _save(onnx: Any, model: Any, path: Path) -> None:
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def validation_images() -> list[np.ndarray]:
+    """The bundled example photo and synthetic patterns (a gradient, a checkerboard), one slice each."""
+    from .media import load_image
+
+    photo = load_image(EXAMPLE_IMAGE).resized_to(448, 448).rgb
+    y, x = np.mgrid[0:448, 0:448]
+    gradient = np.stack([x * 255 // 447, y * 255 // 447, (x + y) * 255 // 894], axis=-1).astype(np.uint8)
+    checker = (((x // 32 + y // 32) % 2) * 255).astype(np.uint8)[..., None].repeat(3, axis=-1)
+    return [photo, gradient, checker]
+
+
+def token_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each token (row) of two (tokens × width) embeddings."""
+    a = a.reshape(-1, a.shape[-1]).astype(np.float64)
+    b = b.reshape(-1, b.shape[-1]).astype(np.float64)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-30), 1.0)
+
+
+def validate(fp32: Path, int8: Path, projector: Projector, *,
+             progress: Callable[[int, int], None] | None = None, n_threads: int | None = None) -> float:
+    """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's."""
+    images = validation_images()
+    outputs: dict[str, list[np.ndarray]] = {}
+    for n, path in enumerate((fp32, int8)):  # one session at a time: the fp32 one is the size of the tower
+        encoder = OnnxEncoder(path, projector, n_threads=n_threads)
+        outputs[path.name] = [encoder.encode_rgb(rgb, 0) for rgb in images]
+        del encoder
+        if progress:
+            progress(n + 1, 2)
+    scores = [float(token_cosines(a, b).mean()) for a, b in zip(outputs[fp32.name], outputs[int8.name], strict=True)]
+    return min(scores) if scores else 0.0
+
+
+class OnnxEncoder:
+    """One ONNX Runtime session of the vision encoder; encodes slices of an image."""
+
+    def __init__(self, path: str | os.PathLike, projector: Projector, *, n_threads: int | None = None) -> None:
+        import onnxruntime as ort  # lazy: a native library
+
+        self.path = Path(path)
+        self.projector = projector
+        self.params = PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
+                                       mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if n_threads:
+            options.intra_op_num_threads = int(n_threads)
+        options.inter_op_num_threads = 1
+        # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
+            raise EngineError(f"ONNX Runtime could not load {self.path}: {exc}") from exc
+        self._last: tuple[str, list[np.ndarray]] | None = None
+        self.calls = 0
+
+    def encode_rgb(self, rgb: np.ndarray, index: int, digest: str | None = None) -> np.ndarray:
+        """Embeddings (tokens × width, float32) of slice ``index`` (0 = the overview) of ``rgb``."""
+        if digest is None or self._last is None or self._last[0] != digest:
+            slices = slice_pixels(rgb, self.params)
+            self._last = (digest, slices) if digest is not None else None
+        else:
+            slices = self._last[1]
+        if not 0 <= index < len(slices):
+            raise EngineError(f"libmtmd asked for slice {index} of an image that has {len(slices)}; "
+                              "the ONNX preprocessing disagrees with libmtmd's slicing.")
+        return self.encode_pixels(slices[index])
+
+    def encode_pixels(self, pixels: np.ndarray) -> np.ndarray:
+        """Embeddings of one normalised 3×H×W slice."""
+        h, w = pixels.shape[1] // self.projector.patch_size, pixels.shape[2] // self.projector.patch_size
+        feeds = {"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(self.projector, h, w)}
+        try:
+            (out,) = self._session.run(["embeddings"], feeds)
+        except Exception as exc:  # onnxruntime's own error classes
+            raise EngineError(f"The ONNX vision encoder failed: {exc}") from exc
+        self.calls += 1
+        return np.ascontiguousarray(out[0], dtype=np.float32)
+
+
+class OnnxVision:
+    """The engine's view of an ONNX encoder (:class:`gguf_mcv.runtime.engine.VisionEncoder`)."""
+
+    def __init__(self, converted: Converted, variant: str, mmproj_identity: str, *,
+                 n_threads: int | None = None) -> None:
+        if variant not in VARIANTS:
+            raise ConfigError(f"ONNX variant must be one of {', '.join(VARIANTS)}, not {variant!r}.")
+        self.name = f"onnx-{variant}"
+        self.key_tag = f"{mmproj_identity}+{self.name}"
+        self.encoder = OnnxEncoder(converted.path(variant), converted.projector, n_threads=n_threads)
+
+    def encode(self, image: Image, index: int) -> np.ndarray:
+        return self.encoder.encode_rgb(image.rgb, index, image.digest)
+
+
+def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
+    """The stand-in of ``mmproj_path`` (``gguf_mcv.vision.mmproj_standin``) in the cache folder: written
+    on every load (a few KB, atomically), so a damaged or stale copy is never used."""
+    from .mmproj_standin import write_standin
+
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{identity}-standin.gguf"
+    with folder_lock(folder / f"{name}.lock"):
+        sweep(folder, STANDIN_TEMP_NAME, name)
+        return write_standin(mmproj_path, folder / name)
+
+
+def progress_bar() -> Callable[[str, int, int], None]:
+    """A progress callback for :func:`prepare` (bars shown on a terminal only)."""
+    return progress.steps("ONNX vision")
