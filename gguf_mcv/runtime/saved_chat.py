@@ -195,13 +195,19 @@ def _damaged(source: Path, why: str) -> SavedChatError:
                           "truncated or not a gguf_mcv chat file. Save the conversation again.")
 
 
-def _member(zf: zipfile.ZipFile, name: str, limit: int, source: Path) -> bytes:
+def _entry(zf: zipfile.ZipFile, name: str, limit: int, source: Path) -> zipfile.ZipInfo:
+    """The archive's entry ``name``, if it is there and claims at most ``limit`` bytes."""
     try:
         info = zf.getinfo(name)
     except KeyError:
         raise _damaged(source, f"{name} is missing") from None
     if info.file_size > limit:
         raise _damaged(source, f"{name} claims {info.file_size} bytes, more than the {limit} allowed")
+    return info
+
+
+def _member(zf: zipfile.ZipFile, name: str, limit: int, source: Path) -> bytes:
+    info = _entry(zf, name, limit, source)
     with zf.open(info) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
@@ -312,13 +318,7 @@ def _blob(zf: zipfile.ZipFile, name: str, meta: dict[str, Any], source: Path, li
 
 def _declared_pixels(zf: zipfile.ZipFile, digest: str, source: Path) -> int:
     """The pixels image ``digest``'s header declares (Pillow reads only the header)."""
-    name = f"images/{digest}.png"
-    try:
-        info = zf.getinfo(name)
-    except KeyError:
-        raise _damaged(source, f"{name} is missing") from None
-    if info.file_size > MAX_IMAGE_BYTES:
-        raise _damaged(source, f"{name} claims {info.file_size} bytes, more than the {MAX_IMAGE_BYTES} allowed")
+    info = _entry(zf, f"images/{digest}.png", MAX_IMAGE_BYTES, source)
     with zf.open(info) as f, open_pil(f) as pil:
         width, height = pil.size
     return int(width) * int(height)
