@@ -40,7 +40,7 @@ from .model import Chat, Model, ModelInfo
 from .options import Sampling
 from .planning.planner import Plan
 from .prompt.messages import MediaPolicy
-from .prompt.request import Turn, VideoOptions
+from .prompt.turns import Turn, VideoOptions
 from .reply import Progress, Reply, Timings, Usage, VideoStats
 from .resolver import ModelFiles, plan, pull
 from .runtime.generation import Stream

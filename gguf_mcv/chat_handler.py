@@ -32,8 +32,8 @@ from .options import LoadOptions, Sampling, stop_list
 from .output.structured import Constraint, constraint, grammar_constraint
 from .prompt import tools as tooling
 from .prompt.messages import MediaPolicy, convert
-from .prompt.request import TurnBuilder
 from .prompt.templates import choose_template
+from .prompt.turns import TurnBuilder
 from .runtime import native_check
 from .runtime.engine import Engine
 from .runtime.generation import AnswerLock, Stream, respond

@@ -21,8 +21,8 @@ from .output import structured
 from .output.structured import Constraint
 from .prompt import tools as tooling
 from .prompt.messages import MediaPolicy, convert
-from .prompt.request import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .prompt.templates import ChatTemplate
+from .prompt.turns import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .reply import Reply, VideoStats
 from .runtime import kv_store, native, saved_chat
 from .runtime.engine import Engine, file_identity
@@ -81,7 +81,7 @@ class Model:
         self.scheduler = scheduler
         self._lock = AnswerLock() if scheduler is None else SharedAnswerLock()
         self._identity: dict[str, Any] | None = None
-        #: builds the turns of every question (see :class:`gguf_mcv.prompt.request.TurnBuilder`)
+        #: builds the turns of every question (see :class:`gguf_mcv.prompt.turns.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
                                  allow_remote_media=allow_remote_media, name=info.name, lock=self._lock)

@@ -98,8 +98,8 @@ def test_the_request_path_runs_one_way() -> None:
                                 "gguf_mcv.loader"},
         "gguf_mcv.resolver": {"gguf_mcv.loader", "gguf_mcv.model", "gguf_mcv.runtime.engine"},
         "gguf_mcv.planning.memory": {"gguf_mcv.planning.planner", "gguf_mcv.models.catalog", "gguf_mcv.models.hub"},
-        "gguf_mcv.runtime.engine": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.request"},
-        "gguf_mcv.prompt.request": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.messages"},
+        "gguf_mcv.runtime.engine": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.turns"},
+        "gguf_mcv.prompt.turns": {"gguf_mcv.model", "gguf_mcv.loader", "gguf_mcv.prompt.messages"},
     }
     for module, banned in forbidden.items():
         assert not graph[module] & banned, (module, graph[module] & banned)

@@ -5,7 +5,7 @@ A message's ``content`` is a string or a list of parts: ``{"type": "text",
 (``image_url`` may also be a plain string) and ``{"type": "video_url",
 "video_url": {"url": ...}}``. Image URLs may be ``data:`` URIs, local paths,
 ``file://`` URLs and — only when allowed — ``http(s)`` URLs. Parts keep their
-order; :class:`~gguf_mcv.prompt.request.TurnBuilder` turns them into a turn.
+order; :class:`~gguf_mcv.prompt.turns.TurnBuilder` turns them into a turn.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import ConfigError, MediaError
 from ..vision.media import Image
-from .request import ROLES, Part, Video
+from .turns import ROLES, Part, Video
 
 #: URL schemes an image or video may be named by (besides a plain local path)
 _LOCAL_SCHEMES = ("", "file")
@@ -63,7 +63,7 @@ def convert(
     """Turn OpenAI-style ``messages`` into ``(role, parts)`` pairs, parts in order.
 
     ``prepare_image(url, detail)`` decodes and sizes one image; a video part becomes a
-    :class:`~gguf_mcv.prompt.request.Video` (sampled later, when the turn is built).
+    :class:`~gguf_mcv.prompt.turns.Video` (sampled later, when the turn is built).
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise ConfigError(f"messages must be a list of message dicts, not {type(messages).__name__}.")

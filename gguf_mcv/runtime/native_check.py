@@ -46,11 +46,7 @@ from typing import Any
 
 from .. import constants
 from ..errors import NativeKernelError
-
-logger = logging.getLogger(__name__)
-
-#: Bumped when what a path runs changes: older verdicts are then checked again.
-from ..native_verdict import (  # noqa: E402,F401  (the verdicts' names, as this module's)
+from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
     CHECK_VERSION,
     ENV_FAULT,
     FOLDER,
@@ -63,6 +59,8 @@ from ..native_verdict import (  # noqa: E402,F401  (the verdicts' names, as this
     read_verdict,
     write_verdict,
 )
+
+logger = logging.getLogger(__name__)
 
 ENV_TIMEOUT = "GGUF_MCV_NATIVE_TIMEOUT"
 #: Seconds one path may run in the child before it counts as hung (a path takes ~0.1 s).

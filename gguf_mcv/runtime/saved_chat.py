@@ -389,6 +389,6 @@ def check_turns(turns: Sequence[tuple[str, str, tuple[Image, ...]]], marker: str
 
 
 def pairs(turns: Sequence[Any]) -> list[tuple[str, str, tuple[Image, ...]]]:
-    """``(role, text, images)`` of each :class:`~gguf_mcv.prompt.request.Turn`."""
+    """``(role, text, images)`` of each :class:`~gguf_mcv.prompt.turns.Turn`."""
     return [(t.role, t.text, tuple(t.images)) for t in turns]
 

@@ -12,7 +12,7 @@ import pytest
 
 import gguf_mcv
 from gguf_mcv import ConfigError, MediaError
-from gguf_mcv.prompt.request import Turn, Video, VideoOptions, as_video_list
+from gguf_mcv.prompt.turns import Turn, Video, VideoOptions, as_video_list
 
 
 def moving_ball_video(path: Path, seconds: int = 12, fps: int = 10) -> Path:
@@ -111,7 +111,7 @@ def test_threads_sharing_a_model_decode_one_image_at_a_time(tiny_model, monkeypa
     """A photo's decode takes several copies of its full-size pixels and the memory plan counts
     that peak once: threads sharing a model (a server's parallel answers) must not decode side by
     side (4 clients' 12 MP photos peaked at 951 MiB instead of 486 with parallel=4)."""
-    from gguf_mcv.prompt import request
+    from gguf_mcv.prompt import turns as request
 
     inside, most, lock = [0], [0], threading.Lock()
     real = request.load_image
