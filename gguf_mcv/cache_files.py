@@ -10,6 +10,7 @@ there now); and temporary files left by a killed writer are swept under the writ
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +29,24 @@ ASIDE_PREFIX = ".damaged-"
 
 
 class NotRegularFile(OSError):
-    """A cache path is not a regular file (a folder, a FIFO, a device, a symlink)."""
+    """A path is not a regular file (a folder, a FIFO, a device, a symlink); ``mode`` is its
+    ``st_mode``, for a caller that says which."""
+
+    def __init__(self, message: str, mode: int = 0) -> None:
+        super().__init__(message)
+        self.mode = mode
 
 
-def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> BinaryIO:
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> io.BufferedReader:
     """``path`` opened for binary reading, if it is a regular file (reached without a symlink as
     its last component unless ``follow_symlinks``: then OSError ELOOP); else
     :class:`NotRegularFile`. A FIFO never blocks the opening."""
     nofollow = 0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegularFile(f"{os.fspath(path)} is not a regular file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{os.fspath(path)} is not a regular file", mode)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from .. import constants
+from ..cache_files import NotRegularFile, open_regular, read_regular
 from ..errors import CorruptModelError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -50,28 +51,28 @@ def file_identity(path: str | os.PathLike) -> str:
             found = _recall(_key(st))  # a known version is not even opened
             if found is not None:
                 return found
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block the open
+        f = open_regular(path, follow_symlinks=True)  # a FIFO must not block the open
+    except NotRegularFile:
+        raise CorruptModelError(f"{path} is not a regular file (a FIFO, device or folder); "
+                                "pass a .gguf file.") from None
     except FileNotFoundError:
         raise ModelNotFoundError(f"Model file {path} does not exist; check the path.") from None
     except OSError as exc:
         raise CorruptModelError(f"Model file {path} cannot be opened ({exc.strerror or exc}).") from None
-    before = os.fstat(fd)
-    if not stat.S_ISREG(before.st_mode):
-        os.close(fd)
-        raise CorruptModelError(f"{path} is not a regular file (a FIFO, device or folder); pass a .gguf file.")
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    with f:
+        before = os.fstat(f.fileno())
         try:
             digest = _sha256(f)
         except OSError as exc:
             raise CorruptModelError(f"Model file {path} cannot be read ({exc.strerror or exc}); "
                                     "check the disk or download it again.") from None
-        after = os.fstat(fd)
+        after = os.fstat(f.fileno())
     if _key(after) == _key(before):  # not written to while it was read
         _store(_key(after), digest)
     return digest
 
 
-def _sha256(f: io.FileIO) -> str:
+def _sha256(f: io.BufferedReader) -> str:
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
@@ -108,22 +109,13 @@ def _key(st: os.stat_result) -> str:
 def _recall(key: str) -> str | None:
     """The digest of the memo entry ``key``, or None when there is none or it is not sound."""
     try:
-        # O_NOFOLLOW: a symlink is refused; O_NONBLOCK: a FIFO put there does not block the open
-        fd = os.open(memo_folder() / key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        text = read_regular(memo_folder() / key, MEMO_MAX_BYTES)  # no symlink, no FIFO, nothing long
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
             logger.debug("file identity memo %s unusable: %s", key, exc)
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        text = os.read(fd, MEMO_MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     digest = text.strip().decode("ascii", errors="replace")
-    return digest if len(text) <= MEMO_MAX_BYTES and _SHA256.fullmatch(digest) else None
+    return digest if _SHA256.fullmatch(digest) else None
 
 
 def _store(key: str, digest: str) -> None:

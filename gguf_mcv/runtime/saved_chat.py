@@ -39,6 +39,7 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 import PIL.Image
 
+from ..cache_files import NotRegularFile, open_regular
 from ..errors import MediaError, SavedChatError
 from ..prompt import plaintext
 from ..vision.media import Image, load_image, open_pil
@@ -128,20 +129,18 @@ def read(path: str | os.PathLike, *, n_vocab: int, n_ctx: int, max_state_bytes: 
     """
     source = _as_path(path)
     try:
-        # without blocking: opening a FIFO for reading would wait for a writer
-        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # the user's path: a symlink is followed; a FIFO is refused without waiting for a writer
+        f = open_regular(source, follow_symlinks=True)
+    except NotRegularFile as exc:
+        kind = "a folder" if stat.S_ISDIR(exc.mode) else "a FIFO, device or socket"
+        raise SavedChatError(f"{source} is {kind}, not a saved conversation: give the path of a file "
+                             "Chat.save wrote.") from None
     except FileNotFoundError:
         raise SavedChatError(f"No saved conversation at {source}: check the path.") from None
     except (OSError, ValueError) as exc:
         raise SavedChatError(f"Cannot open the saved conversation {source}: "
                              f"{getattr(exc, 'strerror', None) or exc}. Check the path and its permissions.") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
-        raise SavedChatError(f"{source} is {kind}, not a saved conversation: give the path of a file "
-                             "Chat.save wrote.")
-    with os.fdopen(fd, "rb") as f:
+    with f:
         return read_from(f, source, n_vocab=n_vocab, n_ctx=n_ctx, max_state_bytes=max_state_bytes)
 
 
