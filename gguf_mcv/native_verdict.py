@@ -32,6 +32,7 @@ ENV_FAULT = "GGUF_MCV_NATIVE_FAULT"
 #: A verdict file larger than this is not ours (ours is under 4 KB): it is checked again.
 MAX_VERDICT_BYTES = 256 * 1024
 
+
 @dataclass(frozen=True)
 class Outcome:
     """What one path did in the child: ``ok``, ``error`` (a Python error, not a crash),
@@ -52,7 +53,30 @@ class Outcome:
 
 
 _memo: dict[str, dict[str, Outcome]] = {}
+_read_from_disk: set[str] = set()
 _lock = threading.Lock()
+
+
+def verdict_path(key: str) -> Path:
+    """Where the verdict for fingerprint ``key`` is kept."""
+    return constants.cache_dir() / FOLDER / f"{key}.json"
+
+
+def kept(key: str) -> dict[str, Outcome]:
+    """This process's outcomes for ``key``, read from the kept verdict on first use (call it
+    holding ``_lock``; the dict is the memo itself)."""
+    known = _memo.setdefault(key, {})
+    if key not in _read_from_disk:
+        _read_from_disk.add(key)
+        known.update(read_verdict(verdict_path(key), key))
+    return known
+
+
+def forget() -> None:
+    """Drop what this process remembers (the kept verdict files stay)."""
+    with _lock:
+        _memo.clear()
+        _read_from_disk.clear()
 
 
 def read_verdict(path: Path, key: str) -> dict[str, Outcome]:
@@ -86,12 +110,8 @@ def extra_bufts_known_to_crash() -> bool:
     """Whether a verdict already kept for this machine and build (in memory or on disk) says some
     type crashes with the extra buffer types: loads here then run without them, and without the
     repacked copies they make. Runs no check (the planner asks this, and plans without I/O)."""
-    key = fingerprint()
     with _lock:
-        known = _memo.get(key)
-        if not known:
-            known = _memo[key] = read_verdict(constants.cache_dir() / FOLDER / f"{key}.json", key)
-        known = dict(known)
+        known = dict(kept(fingerprint()))
     return any(p.startswith("text:") and p.endswith(":extra") and not o.safe for p, o in known.items())
 
 

@@ -17,10 +17,10 @@ running as failed; the paths after it run in a new child. A Python error in the 
 (llama.cpp refusing a file, say) is not a crash and does not mark a path unsafe: the
 real load then reports it as usual.
 
-Verdicts are kept (:mod:`gguf_mcv.native_verdict`) per machine and build (:func:`fingerprint`: CPU model and flags,
-kernel, Python, llama-cpp-python and onnxruntime versions, the native libraries' sizes
-and times) in ``<cache_dir>/native-check/<fingerprint>.json`` and in memory, so a kept
-verdict costs a few file stats. Delete the folder to check again.
+Verdicts are kept by :mod:`gguf_mcv.native_verdict`, per machine and build (:func:`fingerprint`:
+CPU model and flags, kernel, Python, llama-cpp-python and onnxruntime versions, the native
+libraries' sizes and times), in ``<cache_dir>/native-check/<fingerprint>.json`` and in memory,
+so a kept verdict costs a few file stats. Delete the folder to check again.
 
 ``GGUF_MCV_NATIVE_FAULT`` (for tests) makes the child fail given paths on purpose:
 ``"text:Q4_K:extra=SIGILL,vision:onnx-int8=hang"``.
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import constants
+from .. import native_verdict
 from ..errors import NativeKernelError
 from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
     CHECK_VERSION,
@@ -53,10 +53,11 @@ from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this modu
     MAX_VERDICT_BYTES,
     Outcome,
     _lock,
-    _memo,
     extra_bufts_known_to_crash,
     fingerprint,
+    kept,
     read_verdict,
+    verdict_path,
     write_verdict,
 )
 
@@ -102,15 +103,15 @@ def outcomes(paths: Iterable[str]) -> dict[str, Outcome]:
     wanted = list(dict.fromkeys(paths))
     key = fingerprint()
     with _lock:
-        known = _memo.setdefault(key, {})
+        known = kept(key)
         if any(p not in known for p in wanted):
-            folder = constants.cache_dir() / FOLDER
-            with _folder_lock(folder, key):
-                known.update(read_verdict(folder / f"{key}.json", key))
+            path = verdict_path(key)
+            with _folder_lock(path.parent, key):
+                known.update(read_verdict(path, key))  # another process may have checked meanwhile
                 missing = [p for p in wanted if p not in known]
                 if missing:
                     known.update(run_paths(missing))
-                    write_verdict(folder / f"{key}.json", key, known)
+                    write_verdict(path, key, known)
         return {p: known[p] for p in wanted}
 
 
@@ -134,9 +135,9 @@ def _folder_lock(folder: Path, key: str) -> Iterator[None]:
 
 
 def forget() -> None:
-    """Drop what this process remembers (the kept verdict files stay)."""
+    """Drop what this process remembers, notices included (the kept verdict files stay)."""
+    native_verdict.forget()
     with _lock:
-        _memo.clear()
         _announced.clear()
         _notices.clear()
 
@@ -164,7 +165,7 @@ def run_paths(paths: list[str], timeout: float | None = None) -> dict[str, Outco
 
 def child_env() -> dict[str, str]:
     """This process's environment, with this copy of gguf_mcv first on the import path (a child
-    started with ``python -m gguf_mcv...`` runs the same code as its parent)."""
+    started with :func:`child_command` runs the same code as its parent)."""
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
@@ -373,9 +374,6 @@ def weight_types(model_path: str | os.PathLike) -> set[str]:
     from ..models.headers import read_tensors
 
     return {GGMLQuantizationType(t.ggml_type).name for t in read_tensors(model_path) if len(t.shape) >= 2}
-
-
-# --- the machine and build a verdict holds for ---------------------------------------------
 
 
 # --- the child ----------------------------------------------------------------------------
