@@ -9,6 +9,7 @@ sees them; then the text model and the vision projector are loaded into an
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -154,10 +155,8 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
     if vision_gpu is None:
         vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
     slice_size = projector.shape.image_size
-    chosen = _choose_vision_backend(options, projector, vision_gpu)
-    kernels = native_decision(model_path, options, chosen[0], vision_gpu)
-    if kernels.vision_backend is not None and kernels.vision_backend != chosen[0]:
-        chosen = (kernels.vision_backend, f"{chosen[1]}; {chosen[0]} crashed on this machine (see the notice)")
+    chosen, kernels = _safe_vision_backend(options, projector, vision_gpu, native_check.weight_types(model_path),
+                                           what=os.fspath(model_path))
     backend, reason, encoder, libmtmd_mmproj = _vision_backend(
         options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads, chosen=chosen)
     slots = int(options.parallel)
@@ -214,13 +213,17 @@ def checked_llama(model_path: str | os.PathLike, **llama_kwargs: Any) -> Any:
     return open_llama(model_path, extra_bufts=decision.extra_bufts, **llama_kwargs)
 
 
-def native_decision(model_path: str | os.PathLike, options: LoadOptions, vision_backend: str,
-                    vision_gpu: bool) -> native_check.Decision:
-    """Which kernels this machine runs safely for this load (:func:`native_check.decide`): the
-    text file's matrix types, and the vision backend when it encodes on the CPU."""
-    return native_check.decide(native_check.weight_types(model_path),
-                               None if vision_gpu else vision_backend,
-                               vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
+def _safe_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool,
+                         text_types: Iterable[str], *, what: str) -> tuple[tuple[str, str], native_check.Decision]:
+    """(backend, reason) by the rule (:func:`_choose_vision_backend`), moved where that backend's
+    kernels crash on this machine, and the native check's decision for the text model's types
+    too (:func:`native_check.decide`; the vision encoder is checked only when it runs on the CPU)."""
+    backend, reason = _choose_vision_backend(options, projector, vision_gpu)
+    kernels = native_check.decide(text_types, None if vision_gpu else backend,
+                                  vision_auto=options.vision_backend == "auto", what=what)
+    if kernels.vision_backend is not None and kernels.vision_backend != backend:
+        backend, reason = kernels.vision_backend, f"{reason}; {backend} crashed on this machine (see the notice)"
+    return (backend, reason), kernels
 
 
 def _with_sequences(llama, n_seq: int) -> None:
@@ -250,12 +253,7 @@ def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_
     :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
     options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
     projector = read_projector_header(mmproj_path)
-    chosen = _choose_vision_backend(options, projector, vision_gpu)
-    if not vision_gpu:
-        decided = native_check.decide((), chosen[0], vision_auto=vision_backend == "auto",
-                                      what=os.fspath(mmproj_path)).vision_backend
-        if decided is not None and decided != chosen[0]:
-            chosen = (decided, f"{chosen[1]}; {chosen[0]} crashed on this machine (see the notice)")
+    chosen, _ = _safe_vision_backend(options, projector, vision_gpu, (), what=os.fspath(mmproj_path))
     return _vision_backend(options, mmproj_path, projector, vision_gpu, n_threads, chosen=chosen)
 
 
@@ -269,8 +267,7 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
 
     backend, reason = chosen or _choose_vision_backend(options, projector, vision_gpu)
     if backend == "llama.cpp":
-        mmproj, note = _precision(options, mmproj_path, vision_gpu)
-        return backend, f"{reason}; mmproj {note}", None, mmproj
+        return _libmtmd(options, mmproj_path, vision_gpu, reason)
     identity = file_identity(mmproj_path)
     # int8 is validated against fp32 in this process: only where its kernels are known to run
     # (where they crash, native_check.decide has already moved an ONNX backend to fp32)
@@ -282,9 +279,8 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
         if options.vision_backend != "auto":
             raise
         # the conversion cache cannot be written (full, read-only, in the way): libmtmd needs none
-        backend, reason = "llama.cpp", f"auto: the ONNX conversion cannot be made ({type(exc).__name__}: {exc})"
-        mmproj, note = _precision(options, mmproj_path, vision_gpu)
-        return backend, f"{reason}; mmproj {note}", None, mmproj
+        return _libmtmd(options, mmproj_path, vision_gpu,
+                        f"auto: the ONNX conversion cannot be made ({type(exc).__name__}: {exc})")
     if int8_runs and options.vision_backend == "auto" and not converted.int8_ok:
         backend = "onnx-fp32"
         reason = (f"auto: int8 embeddings agree with fp32 only to cosine {converted.int8_cosine:.4f} "
@@ -293,6 +289,13 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
         reason += f"; int8 vs fp32 cosine {converted.int8_cosine:.4f}"
     encoder = onnx_vision.OnnxVision(converted, backend.removeprefix("onnx-"), identity, n_threads=n_threads)
     return backend, reason, encoder, onnx_vision.standin(mmproj_path, identity)
+
+
+def _libmtmd(options: LoadOptions, mmproj_path: str | os.PathLike, vision_gpu: bool,
+             reason: str) -> tuple[str, str, None, str | os.PathLike]:
+    """The llama.cpp backend's setup: no ONNX encoder, the mmproj at the precision asked for."""
+    mmproj, note = _precision(options, mmproj_path, vision_gpu)
+    return "llama.cpp", f"{reason}; mmproj {note}", None, mmproj
 
 
 def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool) -> tuple[str, str]:
