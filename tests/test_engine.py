@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import gguf_mcv
-from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.engine import ImageUnit, Sampling
 from gguf_mcv.errors import ContextOverflowError
+from gguf_mcv.options import Sampling
+from gguf_mcv.runtime.sequence import ImageUnit
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.vision.media import load_image
 
 
@@ -167,53 +166,3 @@ def test_penalty_shortcut_samples_exactly_like_the_full_vocabulary(model) -> Non
         finally:
             lc.llama_sampler_free(fast)
             lc.llama_sampler_free(slow)
-
-
-def _old_shift_match(kv, new, common):
-    """shift_match as it was (one scan per k, quadratic): the reference."""
-    from gguf_mcv.runtime.engine import MIN_SHIFT_MATCH, _common_prefix
-
-    if common >= len(kv) or common >= len(new):
-        return None
-    rest = new[common:]
-    best_k, best_n = 0, 0
-    for k in range(common + 1, len(kv)):
-        n = _common_prefix(kv[k:], rest)
-        if n > best_n:
-            best_k, best_n = k, n
-    if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k) or best_n == 0:
-        return None
-    return best_k, best_n
-
-
-_UNITS = st.one_of(st.integers(0, 2), st.sampled_from([ImageUnit("a", 3), ImageUnit("b", 3)]))
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(_UNITS, max_size=40), st.lists(_UNITS, max_size=40), st.integers(0, 42))
-def test_shift_match_is_the_quadratic_scan_s(kv, new, common) -> None:
-    from gguf_mcv.runtime.engine import shift_match
-
-    assert shift_match(kv, new, common) == _old_shift_match(kv, new, common)
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 1), min_size=1, max_size=30), st.integers(0, 12), st.integers(0, 30))
-def test_shift_match_finds_a_dropped_span_s(body, drop, common) -> None:
-    """A conversation with a stretch after ``common`` dropped: ``new`` repeats ``kv`` past the stretch."""
-    from gguf_mcv.runtime.engine import shift_match
-
-    kv = [7] * common + [5] * drop + body
-    new = [7] * common + body
-    assert shift_match(kv, new, common) == _old_shift_match(kv, new, common)
-
-
-def test_shift_match_is_linear() -> None:
-    import time
-
-    from gguf_mcv.runtime.engine import shift_match
-
-    kv = [1] * 16384  # the old scan's worst case: every k matches far
-    start = time.perf_counter()
-    assert shift_match(kv, kv[:8000] + [2], 10) == (11, 7990)
-    assert time.perf_counter() - start < 0.5

@@ -312,7 +312,7 @@ def test_oracle_libmtmd_and_engine_give_the_same_greedy_tokens(
 def test_a_hybrid_follow_up_rewinds_to_a_checkpoint_not_to_the_start(model: Model) -> None:
     """llama.cpp cannot rewind a recurrent cache partly: the engine keeps a checkpoint of the
     recurrent state near the end of each prompt and goes back to it."""
-    from gguf_mcv.runtime.engine import CHECKPOINT_TAIL
+    from gguf_mcv.runtime.sequence import CHECKPOINT_TAIL
 
     chat = model.chat()
     first = chat.send("Describe the picture.", WIDE, detail="high", max_tokens=4, temperature=0)
@@ -405,7 +405,7 @@ def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tm
 
 
 def test_regenerate_encodes_nothing_and_evaluates_at_most_the_checkpoint_tail(model: Model, generation: str) -> None:
-    from gguf_mcv.runtime.engine import CHECKPOINT_TAIL
+    from gguf_mcv.runtime.sequence import CHECKPOINT_TAIL
 
     chat = model.chat()
     first = chat.send("Describe it.", WIDE, detail="high", max_tokens=4, temperature=0)

@@ -24,7 +24,7 @@ from damage import run_child  # tests/ is on sys.path
 import gguf_mcv
 from gguf_mcv.runtime import kv_store, saved_chat
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.engine import KVState
+from gguf_mcv.runtime.sequence import KVState
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.vision.media import load_image
 
@@ -401,7 +401,7 @@ def test_a_hybrid_models_kept_state_comes_back_to_a_checkpoint(tmp_path_factory,
 _FIND_AFTER_DAMAGE = """
 import numpy as np
 from gguf_mcv.runtime import kv_store
-from gguf_mcv.runtime.engine import KVState
+from gguf_mcv.runtime.sequence import KVState
 identity = {"name": "fake", "model": "m", "quant": "Q8_0", "projector": "p", "backend": "llama.cpp"}
 units, data = list(range(100)), np.random.default_rng(1).bytes(100_000)
 store = kv_store.KVStore(sys.argv[1], identity, n_vocab=1000, n_ctx=1024)

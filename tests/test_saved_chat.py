@@ -414,7 +414,7 @@ except SavedChatError as exc:
 
 @pytest.mark.parametrize("damage", damage.DAMAGES, ids=lambda f: f.__name__)
 def test_a_damaged_file_is_a_saved_chat_error_in_a_child(tmp_path, damage) -> None:
-    from gguf_mcv.runtime.engine import KVState
+    from gguf_mcv.runtime.sequence import KVState
 
     folder = tmp_path / "chats"
     folder.mkdir()

@@ -95,9 +95,9 @@ def test_attention_only_models_have_no_recurrent_state(tiny) -> None:
 
 
 def test_the_memory_model_counts_as_many_checkpoints_as_the_engine_keeps() -> None:
-    from gguf_mcv.runtime import engine
+    from gguf_mcv.runtime import sequence
 
-    assert memory.RECURRENT_CHECKPOINTS == engine.MAX_CHECKPOINTS
+    assert memory.RECURRENT_CHECKPOINTS == sequence.MAX_CHECKPOINTS
 
 
 def test_the_catalog_46_entry_has_a_recurrent_state() -> None:

@@ -83,7 +83,7 @@ RESAMPLER_TENSORS = 3.75
 TEXT_EMBD_TENSORS = 6
 TEXT_FF_TENSORS = 3
 #: Copies of a hybrid model's recurrent state the engine keeps to rewind to
-#: (``engine.MAX_CHECKPOINTS``; the two are checked to agree by the tests).
+#: (``runtime.sequence.MAX_CHECKPOINTS``; the two are checked to agree by the tests).
 RECURRENT_CHECKPOINTS = 2
 #: Graph metadata per node of llama.cpp's compute graphs (two ``llm_graph_result`` meta
 #: buffers of ggml_tensor_overhead() per node plus the scheduler's hash sets). Regular

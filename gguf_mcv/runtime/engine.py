@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Protocol, Sequence, Union, cast
+from typing import Any, Callable, Generator, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -32,38 +32,23 @@ from ..prompt import plaintext
 from ..vision.embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from ..vision.media import Image
 from . import native
+from .sequence import (
+    ImageUnit,
+    KVState,
+    SequenceCache,
+    StateStore,
+    Unit,
+    checkpoint_point,
+    common_prefix,
+    n_positions,
+    shift_match,
+    width,
+)
 
 #: input_ids value marking positions filled from image embeddings
 IMAGE_SENTINEL = -1
 #: how many recent tokens the repeat penalty looks at
 PENALTY_LAST_N = 64
-#: recurrent caches: a checkpoint is kept this many units before the end of each prompt, where
-#: the next turn's prompt still agrees (its re-rendered generation prompt and answer follow)
-CHECKPOINT_TAIL = 32
-#: and at most this many checkpoints are kept (each a copy of the recurrent state)
-MAX_CHECKPOINTS = 2
-#: a stretch dropped from the middle of the cache is shifted out (not re-evaluated) only when
-#: at least this many units after it are reused (or all that remain)
-MIN_SHIFT_MATCH = 8
-
-
-class StateStore(Protocol):
-    """Where KV states of conversations wait while the cache holds others (``gguf_mcv.runtime.kv_store``)."""
-
-    min_positions: int  #: states shorter than this are not worth keeping
-
-    def find(self, units: Sequence["Unit"], *, better_than: int, partial: bool) -> "KVState | None":
-        """A kept state sharing more than ``better_than`` leading units with ``units``
-        (with ``partial=False``: only one it can go back to, see :func:`usable_prefix`)."""
-
-    def keep(self, state: "KVState") -> None:
-        """Keep ``state`` (written in the background)."""
-
-    def refused(self, state: "KVState", why: str) -> None:
-        """``state`` (from :meth:`find`) could not be restored: forget it."""
-
-    def restored(self, state: "KVState") -> None:
-        """``state`` (from :meth:`find`) now fills a sequence."""
 
 
 class VisionEncoder(Protocol):
@@ -74,17 +59,6 @@ class VisionEncoder(Protocol):
 
     def encode(self, image: Image, index: int) -> np.ndarray:
         """Embeddings (tokens × width) of slice ``index`` (0 = the overview) of ``image``."""
-
-
-@dataclass(frozen=True)
-class ImageUnit:
-    """One image chunk in the KV cache: its content key and how many positions it fills."""
-
-    key: str
-    n_pos: int
-
-
-Unit = Union[int, ImageUnit]
 
 
 @dataclass
@@ -114,7 +88,7 @@ class Prompt:
 
     @property
     def n_pos(self) -> int:
-        return _n_pos(self.units)
+        return n_positions(self.units)
 
     def replace_units(self, start: int, end: int, replacement: Sequence[Unit]) -> None:
         """Put ``replacement`` (text tokens) in place of ``units[start:end]``."""
@@ -142,107 +116,17 @@ class Prompt:
         self.close()
 
 
-@dataclass
-class KVState:
-    """A copy of what the KV cache holds (:meth:`Engine.save_state`): its units, llama.cpp's
-    sequence state, and checkpoints of the recurrent state as ``(n_units, n_pos, data)``."""
-
-    units: list[Unit]
-    data: bytes
-    checkpoints: list[tuple[int, int, bytes]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Checkpoint:
-    """The recurrent part of the sequence state after ``n_units`` units (``n_pos`` positions)."""
-
-    n_units: int
-    n_pos: int
-    data: Any  #: the ctypes byte array llama.cpp wrote the state into
-
-
-def usable_prefix(state: KVState, units: Sequence[Unit], partial: bool) -> int:
-    """How many leading units of ``units`` a cache restored from ``state`` keeps: their common
-    prefix, or — where the cache cannot go back partly (``partial=False``) — all of the state
-    if it is a prefix of ``units``, else its latest checkpoint inside the common prefix, or 0."""
-    common = _common_prefix(state.units, units)
-    if partial or common == len(state.units):
-        return common
-    return max((n for n, _, _ in state.checkpoints if n <= common), default=0)
-
-
-def checkpoints_of(state: KVState) -> list[_Checkpoint]:
-    """``state``'s checkpoints as llama.cpp buffers; :class:`EngineError` if one does not fall on its units."""
-    checkpoints = [_Checkpoint(n, p, (ctypes.c_uint8 * len(d)).from_buffer_copy(d)) for n, p, d in state.checkpoints]
-    if any(not 0 < c.n_units <= len(state.units) or c.n_pos != _n_pos(state.units[:c.n_units]) for c in checkpoints):
-        raise EngineError("A saved recurrent-state checkpoint does not fall on the conversation's units.")
-    return checkpoints[-MAX_CHECKPOINTS:]
-
-
-def copy_seq_state(lc: Any, ctx: Any, seq: int, *, partial: bool = False) -> Any:
-    """llama.cpp's state of sequence ``seq`` as a ctypes buffer (``partial``: only its
-    recurrent part, ``PARTIAL_ONLY``, as a checkpoint keeps it); None when llama.cpp cannot
-    copy it."""
-    flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-    size = int(lc.llama_state_seq_get_size_ext(ctx, seq, flags))
-    data = (ctypes.c_uint8 * size)()
-    if int(lc.llama_state_seq_get_data_ext(ctx, data, size, seq, flags)) != size:
-        return None
-    return data
-
-
-def set_seq_state(lc: Any, ctx: Any, seq: int, data: Any, *, partial: bool = False) -> bool:
-    """Load ``data`` (:func:`copy_seq_state`'s buffer, or bytes) into sequence ``seq``;
-    whether llama.cpp took all of it."""
-    flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-    if isinstance(data, bytes):
-        data = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    n = len(data)
-    return n > 0 and int(lc.llama_state_seq_set_data_ext(ctx, data, n, seq, flags)) == n
-
-
-def shift_match(kv: Sequence[Unit], new: Sequence[Unit], common: int) -> tuple[int, int] | None:
-    """Where ``new`` goes on after a stretch of ``kv`` it dropped: ``(k, n)`` when ``kv[k:k+n]``
-    equals ``new[common:common+n]`` for the longest such ``n`` (k > common), and ``n`` is at least
-    MIN_SHIFT_MATCH (or all that ``kv`` has left); None otherwise."""
-    if common >= len(kv) or common >= len(new):
-        return None
-    # the Z-function of rest + [a separator] + kv[common+1:] gives, for each k, how far kv[k:]
-    # matches rest's start: all the matches in linear time, not one scan per k
-    rest = list(new[common:])
-    z = _z_function([*rest, object(), *kv[common + 1:]])[len(rest) + 1:]
-    best_n = max(z, default=0)
-    if best_n == 0:
-        return None
-    best_k = common + 1 + z.index(best_n)  # the first of the longest, as the scan found
-    if best_n < min(MIN_SHIFT_MATCH, len(kv) - best_k):
-        return None
-    return best_k, best_n
-
-
-def _z_function(s: Sequence[object]) -> list[int]:
-    """``z[i]``: the length of the longest common prefix of ``s`` and ``s[i:]`` (``z[0]`` = len(s))."""
-    n = len(s)
-    z = [0] * n
-    if n:
-        z[0] = n
-    left = right = 0  # s[left:right] is the rightmost match of a prefix found so far
-    for i in range(1, n):
-        length = min(right - i, z[i - left]) if i < right else 0
-        while i + length < n and s[length] == s[i + length]:
-            length += 1
-        z[i] = length
-        if i + length > right:
-            left, right = i, i + length
-    return z
-
-
-def _n_pos(units: Sequence[Unit]) -> int:
-    return sum(1 if isinstance(u, int) else u.n_pos for u in units)
-
-
-def _width(unit: Unit) -> int:
-    return 1 if isinstance(unit, int) else unit.n_pos
+def check_room(prompt: Prompt, reserve: int, n_ctx: int, *, n_slots: int = 1) -> None:
+    """:class:`ContextOverflowError` unless ``prompt`` and ``reserve`` more positions (for the
+    answer) fit in a context of ``n_ctx`` (each of ``n_slots`` parallel slots' context)."""
+    if prompt.n_pos + reserve <= n_ctx:
+        return
+    where = f"each of the {n_slots} parallel slots has n_ctx {n_ctx}" if n_slots > 1 else f"n_ctx is {n_ctx}"
+    raise ContextOverflowError(
+        f"The prompt needs {prompt.n_pos} positions ({prompt.image_tokens} of them image "
+        f"tokens){f' plus {reserve} for the answer' if reserve else ''}, but {where}. Load the "
+        "model with a larger n_ctx, use fewer or lower-detail images, or start a new conversation."
+    )
 
 
 class Engine:
@@ -279,22 +163,19 @@ class Engine:
             slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
-        self._units: list[Unit] = []
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self._utf8: np.ndarray | None = None  # utf8mask.token_table of this vocabulary, made once
         self._utf8_refused: np.ndarray | None = None  # [state, token]: the token would break UTF-8
         self._utf8_lock = threading.Lock()
         self.encoder_calls = 0
-        self.shifted_positions = 0  #: positions removed by shifting the cache (see prefill)
-        self.restored_checkpoints = 0  #: rewinds of a recurrent cache served by a checkpoint
         self.finish_reason = "length"  #: why the last generate() on sequence 0 ended
-        self._checkpoints: list[_Checkpoint] = []
         #: keeps the cache's state when a prompt would overwrite it, and gives back kept ones
         self.kv_store: StateStore | None = None
-        self._dirty = False  # the cache holds evaluated units no store has yet
         # hybrid and recurrent text models (MiniCPM-V 4.6's qwen35) cannot rewind their cache
-        self._recurrent = bool(llama_cpp.llama_model_is_recurrent(llama.model)
-                               or llama_cpp.llama_model_is_hybrid(llama.model))
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(llama.model)
+                              or llama_cpp.llama_model_is_hybrid(llama.model))
+        #: what sequence 0 holds (the parallel scheduler has one such cache per slot)
+        self.sequence = _LlamaSequence(llama, recurrent=self.recurrent)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
         # SentencePiece puts "▁" before the text that starts a tokenization (add_space_prefix)
@@ -336,54 +217,41 @@ class Engine:
     @property
     def units(self) -> tuple[Unit, ...]:
         """What the KV cache holds, in order."""
-        return tuple(self._units)
+        return tuple(self.sequence.units)
+
+    @property
+    def shifted_positions(self) -> int:
+        """Positions removed by shifting the cache (see :meth:`prefill`)."""
+        return self.sequence.shifted_positions
+
+    @property
+    def restored_checkpoints(self) -> int:
+        """Rewinds of a recurrent cache served by a checkpoint."""
+        return self.sequence.restored_checkpoints
 
     def reset(self) -> None:
         """Forget everything in the KV cache."""
         self._check_open()
-        self._truncate(0)
+        self.sequence.sync()
+        self.sequence.truncate(0)
 
     def save_state(self) -> KVState:
         """What the KV cache holds: its units, llama.cpp's state of the sequence and the
         recurrent-state checkpoints (to save it)."""
         self._check_open()
-        self._sync_with_llama()
-        buf = copy_seq_state(self._lc, self.llama.ctx, 0)
-        if buf is None:
-            raise EngineError("llama.cpp could not copy the KV cache's state.")
-        return KVState(list(self._units), bytes(buf),
-                       [(c.n_units, c.n_pos, bytes(c.data)) for c in self._checkpoints])
+        self.sequence.sync()
+        return self.sequence.save_state()
 
     def restore_state(self, state: KVState) -> None:
         """Make the KV cache hold ``state.units`` from ``state`` (from :meth:`save_state` with this model).
 
-        :class:`EngineError` (and an empty cache) when llama.cpp refuses the state, it does
-        not hold exactly the units' positions, or a checkpoint does not fall on a unit;
+        :class:`EngineError` when llama.cpp refuses the state, it does not hold exactly the
+        units' positions (the cache is then empty), or a checkpoint does not fall on a unit;
         :class:`ContextOverflowError` when the units do not fit in this context.
         """
         self._check_open()
-        units, data = list(state.units), state.data
-        n_pos = _n_pos(units)
-        if n_pos > self.n_ctx:
-            raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {self.n_ctx}: "
-                                       "load the model with a larger n_ctx.")
-        checkpoints = checkpoints_of(state)
-        lc, ctx = self._lc, self.llama.ctx
-        mem = lc.llama_get_memory(ctx)
-        self._truncate(0)
-        self._checkpoints = []
-        native.clear_recent()
-        restored = set_seq_state(lc, ctx, 0, data)
-        if not restored or int(lc.llama_memory_seq_pos_max(mem, 0)) != n_pos - 1:
-            lc.llama_memory_clear(mem, True)
-            raise EngineError("llama.cpp did not accept the saved KV state "
-                              f"({native.recent_errors() or 'it holds other positions than the conversation'}).")
-        ids = [u if isinstance(u, int) else IMAGE_SENTINEL for u in units for _ in range(_width(u))]
-        self.llama.input_ids[:n_pos] = ids
-        self.llama.n_tokens = n_pos
-        self._units = units
-        self._checkpoints = checkpoints
-        self._dirty = False
+        self.sequence.sync()
+        self.sequence.restore(state, self.n_ctx)
 
     @property
     def closed(self) -> bool:
@@ -543,35 +411,27 @@ class Engine:
         stats = PrefillStats(prompt_tokens=prompt.n_pos, image_tokens=prompt.image_tokens)
         if not units or not isinstance(units[-1], int):
             raise ConfigError("A prompt must end with text (the assistant's turn marker).")
-        if prompt.n_pos + reserve > self.n_ctx:
-            raise ContextOverflowError(
-                f"The prompt needs {prompt.n_pos} positions ({prompt.image_tokens} of them image "
-                f"tokens){f' plus {reserve} for the answer' if reserve else ''}, but n_ctx is "
-                f"{self.n_ctx}. Load the model with a larger n_ctx, use fewer or lower-detail "
-                "images, or start a new conversation."
-            )
+        check_room(prompt, reserve, self.n_ctx)
         start = time.perf_counter()
-        self._sync_with_llama()
-        common = self._realign(prompt, _common_prefix(self._units, units))
+        seq = self.sequence
+        seq.sync()
+        common = self._realign(prompt, common_prefix(seq.units, units))
         if self.kv_store is not None:
             common = self._swap_state(prompt, common, shift)
         if shift:
             common = self._shift_out(prompt, common)
-        if prompt.n_pos + reserve > self.n_ctx:  # realigning can change the count a little
-            raise ContextOverflowError(
-                f"The prompt needs {prompt.n_pos} positions but n_ctx is {self.n_ctx}."
-            )
+        check_room(prompt, reserve, self.n_ctx)  # realigning can change the count a little
         if common == len(units):
             common -= 1  # re-evaluate the last token: sampling needs fresh logits
-        self._truncate(common)
-        common = len(self._units)  # a recurrent cache may only go back to a checkpoint, or to 0
-        stats.reused_tokens = self.n_past
+        seq.truncate(common)
+        common = len(seq.units)  # a recurrent cache may only go back to a checkpoint, or to 0
+        stats.reused_tokens = seq.n_past
         todo = sum(1 for u in units[common:] if isinstance(u, ImageUnit))
         done = 0
         if progress is not None and todo:
             progress(0, todo, 0)
         i = common
-        checkpoint_at = self._checkpoint_point(units) if self._recurrent else -1
+        checkpoint_at = checkpoint_point(units) if self.recurrent else -1
         while i < len(units):
             if isinstance(units[i], int):
                 j = i
@@ -579,12 +439,12 @@ class Engine:
                     j += 1
                 if i <= checkpoint_at < j:  # the next turn re-renders this prompt's last tokens
                     self._eval_tokens(cast(Sequence[int], units[i:checkpoint_at]))
-                    self._save_checkpoint()
+                    seq.save_checkpoint()
                     i = checkpoint_at
                 self._eval_tokens(cast(Sequence[int], units[i:j]))
                 i = j
             else:
-                self._eval_image(prompt, i, stats)
+                self.eval_image(seq, prompt, i, stats, self.n_ctx)
                 i += 1
                 done += 1
                 if progress is not None:
@@ -602,72 +462,46 @@ class Engine:
         cached tokens for that stretch, so the answer is not evaluated a second time.
         Returns the new length of the common prefix.
         """
-        kv, new = self._units, prompt.units
+        kv, new = self.sequence.units, prompt.units
         while common < min(len(kv), len(new)):
             span = self._same_text(kv, new, common)
             if span is None:
                 break
             i, j = span
             prompt.replace_units(common, j, kv[common:i])
-            common = i + _common_prefix(kv[i:], new[i:])
+            common = i + common_prefix(kv[i:], new[i:])
         return common
 
     def _swap_state(self, prompt: Prompt, common: int, shift: bool) -> int:
         """Keep the cache's state in ``kv_store`` when this prompt would drop at least its
         ``min_positions`` positions (reusing its first ``common`` units, or with ``shift`` all
-        up to the end of the stretch :meth:`_shift_out` would keep), and restore a kept state that holds more of the
-        prompt. Returns the new common prefix length."""
+        up to the end of the stretch :meth:`_shift_out` would keep), and restore a kept state
+        that holds more of the prompt. Returns the new common prefix length."""
         store = cast(StateStore, self.kv_store)
-        found = store.find(prompt.units, better_than=common, partial=not self._recurrent)
-        match = shift_match(self._units, prompt.units, common) if shift else None
+        seq = self.sequence
+        found = store.find(prompt.units, better_than=common, partial=not self.recurrent)
+        match = shift_match(seq.units, prompt.units, common) if shift else None
         # the stretch a shift drops is dropped for good (the conversation goes on without it)
-        reused = _n_pos(self._units[:common if match is None else sum(match)])
-        if self._dirty and self.n_past - reused >= store.min_positions:
-            store.keep(self.save_state())
-            self._dirty = False
+        seq.keep_in(store, n_positions(seq.units[:common if match is None else sum(match)]))
         if found is None:
             return common
-        try:
-            self.restore_state(found)
-        except (EngineError, ContextOverflowError) as exc:  # the cache is empty now
-            store.refused(found, str(exc))
-            return 0
-        store.restored(found)
-        return self._realign(prompt, _common_prefix(self._units, prompt.units))
+        if not seq.restore_from(store, found, self.n_ctx):  # the sequence is as it was, or empty
+            return min(common, len(seq.units))
+        return self._realign(prompt, common_prefix(seq.units, prompt.units))
 
     def keep_idle(self) -> None:
         """Give the cache's state to ``kv_store`` if it holds something the store has not (and
         that is worth keeping)."""
-        store = self.kv_store
-        if store is not None and self._dirty and self.n_past >= store.min_positions:
-            store.keep(self.save_state())
-            self._dirty = False
+        self.sequence.keep_in(self.kv_store)
 
     def _shift_out(self, prompt: Prompt, common: int) -> int:
-        """Remove a stretch of the cache the prompt skips (dropped turns) and shift the rest back.
-
-        llama.cpp's sequence remove + add (a RoPE shift of the cached keys) instead of
-        evaluating everything after the stretch again. Only for caches that can shift
-        (attention-only text models); returns the new common prefix length.
-        """
-        kv = self._units
-        mem = self._lc.llama_get_memory(self.llama.ctx)
-        match = shift_match(kv, prompt.units, common)
-        if match is None or not self._lc.llama_memory_can_shift(mem):
+        """Remove a stretch of the cache the prompt skips (dropped turns) and shift the rest
+        back, where the cache can shift (:meth:`SequenceCache.shift_out`); returns the new
+        common prefix length."""
+        match = self.sequence.shift_match(prompt.units, common)
+        if match is None or not self.sequence.shift_out(common, *match):
             return common
-        best_k, best_n = match
-        self._truncate(best_k + best_n)  # what follows the reused stretch goes first
-        start, stop, end = _n_pos(kv[:common]), _n_pos(kv[:best_k]), self.n_past
-        delta = stop - start
-        if not self._lc.llama_memory_seq_rm(mem, 0, start, stop):
-            return common
-        self._lc.llama_memory_seq_add(mem, 0, stop, -1, -delta)
-        ids = self.llama.input_ids
-        ids[start:end - delta] = ids[stop:end].copy()
-        self.llama.n_tokens = end - delta
-        del self._units[common:best_k]
-        self.shifted_positions += delta
-        return common + best_n
+        return common + match[1]
 
     def _same_text(self, kv: Sequence[Unit], new: Sequence[Unit], start: int,
                    limit: int = 4096) -> tuple[int, int] | None:
@@ -711,14 +545,20 @@ class Engine:
         try:
             self.llama.eval(list(tokens))
         except RuntimeError as exc:
-            self._sync_with_llama()
+            self.sequence.sync()
             raise EngineError(f"llama.cpp failed to evaluate the prompt: {exc}") from exc
-        self._units.extend(tokens)
-        self._dirty = True
+        self.sequence.record(tokens)
 
-    def _eval_image(self, prompt: Prompt, index: int, stats: PrefillStats) -> None:
+    def eval_image(self, seq: SequenceCache, prompt: Prompt, index: int, stats: PrefillStats, n_ctx: int) -> None:
+        """Evaluate image chunk ``index`` of ``prompt`` into ``seq`` (a sequence of this
+        engine's context) after what it holds: its embeddings come from the embedding cache,
+        or from the vision encoder (counted in ``stats``). :class:`ContextOverflowError` when
+        the chunk does not fit in ``n_ctx``; :class:`EngineError` when llama.cpp fails (the
+        sequence then holds what it held)."""
+        self._check_open()
         unit = prompt.units[index]
-        assert isinstance(unit, ImageUnit)
+        if not isinstance(unit, ImageUnit) or index not in prompt._image_chunks:
+            raise EngineError(f"Unit {index} of the prompt is not an image chunk (a prompt built elsewhere?).")
         chunk = prompt._image_chunks[index]
         n_values = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk)) * self.n_embd
         embd = self.embed_cache.get(unit.key, n_values=n_values)  # a wrong-sized entry is a miss
@@ -730,21 +570,19 @@ class Engine:
             stats.encoded_keys.append(unit.key)
         else:
             stats.slices_from_cache += 1
-        n_past = self.n_past
+        if seq.n_past + unit.n_pos > n_ctx:
+            raise ContextOverflowError(f"The context window of {n_ctx} positions is full.")
         new_n_past = self._lc.llama_pos(0)
         rc = self._mt.mtmd_helper_decode_image_chunk(
             self._ctx, self.llama.ctx, chunk,
             embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-            n_past, 0, self.llama.n_batch, ctypes.byref(new_n_past),
+            seq.n_past, seq.seq, self.llama.n_batch, ctypes.byref(new_n_past),
             self._mt.mtmd_helper_post_decode_callback(), None,
         )
         if rc != 0:
-            self._truncate(len(self._units))
+            seq.drop_tail()
             raise EngineError(f"llama.cpp failed to decode image embeddings (code {rc}).")
-        self.llama.n_tokens = new_n_past.value
-        self.llama.input_ids[n_past:new_n_past.value] = IMAGE_SENTINEL
-        self._units.append(unit)
-        self._dirty = True
+        seq.record([unit], n_past=int(new_n_past.value))
 
     def _encode(self, chunk, unit: ImageUnit, source: tuple[Image, int] | None = None) -> np.ndarray:
         if self.encoder is not None:
@@ -773,74 +611,6 @@ class Engine:
         embd = np.ascontiguousarray(embd, dtype=np.float32)
         self.embed_cache.put(unit.key, embd)
         return embd
-
-    def _truncate(self, n_units: int) -> None:
-        """Keep the first ``n_units`` units in the cache — or, where the cache is recurrent and
-        cannot go back (llama.cpp refuses a partial rewind of recurrent state), the units up to
-        the latest checkpoint before them, or nothing."""
-        self._checkpoints = [c for c in self._checkpoints if c.n_units <= n_units]
-        pos = _n_pos(self._units[:n_units])
-        mem = self._lc.llama_get_memory(self.llama.ctx)
-        if n_units < len(self._units) and not self._lc.llama_memory_seq_rm(mem, 0, pos, -1):
-            n_units, pos = self._restore_checkpoint(mem)
-        del self._units[n_units:]
-        self.llama.n_tokens = pos
-
-    @staticmethod
-    def _checkpoint_point(units: Sequence[Unit]) -> int:
-        """Where a prompt's checkpoint goes: CHECKPOINT_TAIL units before its end, never
-        before its last image (an image is never evaluated again because of a rewind)."""
-        last_image = max((k for k, u in enumerate(units) if not isinstance(u, int)), default=-1)
-        return max(len(units) - CHECKPOINT_TAIL, last_image + 1)
-
-    def _save_checkpoint(self) -> None:
-        """Keep the recurrent part of the sequence state here (llama.cpp's PARTIAL_ONLY state,
-        as llama-server's context checkpoints do); at most MAX_CHECKPOINTS are kept.
-
-        The oldest goes before the new one is allocated, and the copy llama.cpp writes is the
-        one kept, so checkpoints never hold more than MAX_CHECKPOINTS states (the memory
-        model counts exactly that).
-        """
-        del self._checkpoints[:-(MAX_CHECKPOINTS - 1) or None]
-        data = copy_seq_state(self._lc, self.llama.ctx, 0, partial=True)
-        if data is None:
-            return  # no checkpoint: a rewind re-evaluates from the start, as before
-        self._checkpoints.append(_Checkpoint(len(self._units), self.n_past, data))
-
-    def _restore_checkpoint(self, mem) -> tuple[int, int]:
-        """Go back to the latest checkpoint still valid; (units kept, positions kept)."""
-        lc = self._lc
-        while self._checkpoints:
-            c = self._checkpoints.pop()
-            restored = set_seq_state(lc, self.llama.ctx, 0, c.data, partial=True)
-            # the recurrent state now ends at the checkpoint: attention cells after it can go
-            if restored and lc.llama_memory_seq_rm(mem, 0, c.n_pos, -1):
-                self._checkpoints.append(c)
-                self.restored_checkpoints += 1
-                return c.n_units, c.n_pos
-        lc.llama_memory_clear(mem, True)
-        return 0, 0
-
-    def _sync_with_llama(self) -> None:
-        """Agree with the ``Llama`` object when someone else used it in between."""
-        llama_pos = int(self.llama.n_tokens)
-        ids = self.llama.input_ids
-        keep, pos = 0, 0
-        for unit in self._units:
-            end = pos + (1 if isinstance(unit, int) else unit.n_pos)
-            if end > llama_pos:
-                break
-            expected = unit if isinstance(unit, int) else IMAGE_SENTINEL
-            if not np.all(ids[pos:end] == expected):
-                break
-            keep, pos = keep + 1, end
-        del self._units[keep:]
-        # text the Llama evaluated beyond what we knew of is adopted as ours
-        extra = ids[pos:llama_pos]
-        if np.any(extra == IMAGE_SENTINEL):
-            self._truncate(keep)
-        else:
-            self._units.extend(int(t) for t in extra)
 
     # -- generate --------------------------------------------------------------
 
@@ -1045,6 +815,41 @@ class Engine:
         return self._piece(token)
 
 
+class _LlamaSequence(SequenceCache):
+    """Sequence 0 as the ``Llama`` object counts it too (``n_tokens`` and ``input_ids``, which
+    its own ``eval`` and ``generate`` read): every change is mirrored there."""
+
+    def __init__(self, llama: Any, *, recurrent: bool) -> None:
+        super().__init__(llama.ctx, 0, recurrent=recurrent)
+        self.llama = llama
+
+    def _changed(self, first_unit: int, first_pos: int) -> None:
+        ids = [u if isinstance(u, int) else IMAGE_SENTINEL for u in self.units[first_unit:] for _ in range(width(u))]
+        self.llama.input_ids[first_pos:first_pos + len(ids)] = ids
+        self.llama.n_tokens = self.n_past
+
+    def sync(self) -> None:
+        """Agree with the ``Llama`` object when someone else used it in between: keep the units
+        it still holds, and adopt text it evaluated beyond them."""
+        llama_pos = int(self.llama.n_tokens)
+        ids = self.llama.input_ids
+        keep, pos = 0, 0
+        for unit in self.units:
+            end = pos + width(unit)
+            if end > llama_pos or not np.all(ids[pos:end] == (unit if isinstance(unit, int) else IMAGE_SENTINEL)):
+                break
+            keep, pos = keep + 1, end
+        del self.units[keep:]
+        self.checkpoints = [c for c in self.checkpoints if c.n_units <= keep]
+        extra = ids[pos:llama_pos]
+        if np.any(extra == IMAGE_SENTINEL):  # positions only libmtmd could have filled: not ours
+            self.n_past = pos
+            self.drop_tail()
+        else:
+            self.units.extend(int(t) for t in extra)
+            self.n_past = llama_pos
+
+
 class SequenceView(Protocol):
     """Where :meth:`Engine.generate` generates: one sequence of the llama.cpp context.
 
@@ -1113,11 +918,3 @@ def _decoded(data: bytes) -> tuple[str, bool]:
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     text = decoder.decode(data, final=False)
     return text, not decoder.getstate()[0]
-
-
-def _common_prefix(a: Sequence[Unit], b: Sequence[Unit]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

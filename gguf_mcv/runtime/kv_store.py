@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, SavedChatError
 from ..vision.embed_cache import UNREADABLE_KEY, UnsafeEntry, open_bytes_cache
 from . import saved_chat
-from .engine import KVState, Unit, _n_pos, usable_prefix
+from .sequence import KVState, Unit, n_positions, usable_prefix
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class KVStore:
     def find(self, units: Sequence[Unit], *, better_than: int, partial: bool) -> KVState | None:
         """The kept state that holds most of ``units``' leading units, if that is more than
         ``better_than`` (``partial``: whether the cache can keep part of a state; see
-        :func:`gguf_mcv.runtime.engine.usable_prefix`); checked, or None."""
-        if _n_pos(units) < self.min_positions:
+        :func:`gguf_mcv.runtime.sequence.usable_prefix`); checked, or None."""
+        if n_positions(units) < self.min_positions:
             return None
         self._refresh()
         with self._lock:
@@ -135,7 +135,7 @@ class KVStore:
 
     def keep(self, state: KVState) -> None:
         """Write ``state`` in the background (dropped, and counted, when the writer is behind)."""
-        if _n_pos(state.units) < self.min_positions:
+        if n_positions(state.units) < self.min_positions:
             return
         try:
             self._pending.put_nowait(state)

@@ -43,7 +43,7 @@ from ..cache_files import NotRegularFile, open_regular
 from ..errors import MediaError, SavedChatError
 from ..prompt import plaintext
 from ..vision.media import Image, load_image, open_pil
-from .engine import ImageUnit, KVState, Unit
+from .sequence import ImageUnit, KVState, Unit
 
 FORMAT = "gguf_mcv.chat"
 VERSION = 1

@@ -27,7 +27,6 @@ Only the scheduler's thread touches the context. Callers tokenize on their own t
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -36,24 +35,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence, cast
 
-from ..errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
+from ..errors import AnswerCancelled, ConfigError, EngineError, ModelClosedError
 from ..options import Sampling
-from .engine import (
-    MAX_CHECKPOINTS,
-    Engine,
+from .engine import Engine, PrefillStats, Prompt, check_room
+from .sequence import (
     ImageUnit,
     KVState,
-    PrefillStats,
-    Prompt,
+    SequenceCache,
     StateStore,
     Unit,
-    _Checkpoint,
-    _common_prefix,
-    _n_pos,
-    checkpoints_of,
-    copy_seq_state,
-    set_seq_state,
-    shift_match,
+    checkpoint_point,
+    common_prefix,
+    n_positions,
     usable_prefix,
 )
 
@@ -98,11 +91,9 @@ class Job:
 class _Slot:
     """One sequence of the context: what it holds, and the job it is answering."""
 
-    def __init__(self, seq: int, n_ctx: int) -> None:
-        self.seq = seq
+    def __init__(self, cache: SequenceCache, n_ctx: int) -> None:
+        self.cache = cache  #: what the slot's sequence holds
         self._n_ctx = n_ctx
-        self.units: list[Unit] = []
-        self.n_past = 0
         self.job: Job | None = None
         self.cursor = 0  # next prompt unit to evaluate
         self.stats = PrefillStats()
@@ -110,7 +101,6 @@ class _Slot:
         self.served = 0  # the scheduler's turn count when this slot's prompt was last served
         self.todo_images = 0
         self.done_images = 0
-        self.checkpoints: list[_Checkpoint] = []  # recurrent state saved along the way
         self.checkpoint_at = -1  # where the prompt being evaluated gets its checkpoint
         self.tokens: Generator[int, None, None] | None = None
         self.pending: int | None = None  # the last sampled token
@@ -118,13 +108,20 @@ class _Slot:
         self.logits_index = -1
         self.finish_reason = "length"
         self.last_used = 0.0
-        self.dirty = False  # holds evaluated units that no store has yet
 
     # -- the SequenceView that Engine.generate sees ---------------------------------
 
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self.cache.n_past
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.cache.units
 
     def eval_token(self, token: int) -> None:
         # the scheduler evaluated it in the step's batch before resuming the generator; it is
@@ -136,10 +133,8 @@ class _Slot:
     def record_pending(self) -> None:
         """Count the pending token as held, once the batch holding it was evaluated."""
         if self.evaluated:
-            self.units.append(cast(int, self.pending))
-            self.n_past += 1
+            self.cache.record([cast(int, self.pending)])
             self.evaluated = False
-            self.dirty = True
 
     # -- state ---------------------------------------------------------------------
 
@@ -167,19 +162,20 @@ class Scheduler:
                  prefill_chunk: int = PREFILL_CHUNK) -> None:
         if n_slots < 1:
             raise ConfigError(f"parallel must be at least 1, not {n_slots}.")
+        import llama_cpp  # lazy: loads llama.cpp's native library
+
         self.engine = engine
-        self._lc = engine._lc
-        self._mt = engine._mt
+        self._lc = llama_cpp
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.n_batch = int(engine.llama.n_batch)
         self.prefill_chunk = max(1, min(prefill_chunk, self.n_batch - n_slots))
-        self._slots = [_Slot(i, n_ctx) for i in range(n_slots)]
+        self._slots = [_Slot(SequenceCache(engine.llama.ctx, i, recurrent=engine.recurrent), n_ctx)
+                       for i in range(n_slots)]
         self._inbox: "queue.Queue[Job | _KeepIdle | None]" = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._batch = self._lc.llama_batch_init(self.n_batch, 0, 1)
-        self._mem = self._lc.llama_get_memory(engine.llama.ctx)
-        self._can_rewind = not engine._recurrent  # recurrent state cannot go back partly
+        self._can_rewind = not engine.recurrent  # recurrent state cannot go back partly
         self._closed = False
         self._died = ""
         self.steps = 0  #: batches evaluated (for tests and benchmarks)
@@ -190,12 +186,9 @@ class Scheduler:
         self._slice_s = 0.0
         self._since_slice_s = 0.0
         self.copied_positions = 0  #: prompt positions shared from another slot instead of evaluated
-        self.restored_checkpoints = 0  #: rewinds of a recurrent slot served by a checkpoint
-        self.shifted_positions = 0  #: positions removed by shifting a slot's cache (dropped turns)
         self.restored_states = 0  #: prompts started from a state the store kept
         #: keeps a slot's state before another conversation overwrites it, and gives kept ones back
         self.store: StateStore | None = None
-        self._can_shift = self._can_rewind and bool(self._lc.llama_memory_can_shift(self._mem))
         self._thread = threading.Thread(target=self._loop, name="gguf_mcv-slots", daemon=True)
         self._thread.start()
 
@@ -206,19 +199,13 @@ class Scheduler:
         units = job.prompt.units
         if not units or not isinstance(units[-1], int):
             raise ConfigError("A prompt must end with text (the assistant's turn marker).")
-        if job.prompt.n_pos + 1 > self.n_ctx:
-            raise ContextOverflowError(
-                f"The prompt needs {job.prompt.n_pos} positions ({job.prompt.image_tokens} of them "
-                f"image tokens) plus 1 for the answer, but each of the {self.n_slots} parallel slots "
-                f"has n_ctx {self.n_ctx}. Load the model with a larger n_ctx, use fewer or "
-                "lower-detail images, or start a new conversation."
-            )
+        check_room(job.prompt, 1, self.n_ctx, n_slots=self.n_slots)
         if self._closed:
             raise ModelClosedError("This model has been closed; load it again.")
         self._check_alive()
         store = self.store
         if store is not None and job.stored is None:  # read on the caller's thread, not the loop's
-            held = max(_common_prefix(list(s.units), units) for s in self._slots)
+            held = max(common_prefix(list(s.units), units) for s in self._slots)
             job.stored = store.find(units, better_than=held, partial=self._can_rewind)
         self._inbox.put(job)
         return job
@@ -256,6 +243,16 @@ class Scheduler:
         if not self._thread.is_alive() and not self._closed:
             raise EngineError(f"The parallel-slot scheduler stopped ({self._died or 'no reason known'}); "
                               "load the model again.")
+
+    @property
+    def restored_checkpoints(self) -> int:
+        """Rewinds of a recurrent slot served by a checkpoint."""
+        return sum(s.cache.restored_checkpoints for s in self._slots)
+
+    @property
+    def shifted_positions(self) -> int:
+        """Positions removed by shifting a slot's cache (dropped turns)."""
+        return sum(s.cache.shifted_positions for s in self._slots)
 
     @property
     def active(self) -> int:
@@ -325,7 +322,7 @@ class Scheduler:
             if isinstance(job, _KeepIdle):
                 for slot in self._slots:
                     if slot.free:
-                        self._keep(slot, 0)
+                        slot.cache.keep_in(self.store)
                 job.done.set()
             else:
                 self._waiting.append(job)
@@ -356,128 +353,44 @@ class Scheduler:
         """How many leading units of ``job``'s prompt ``slot`` can keep — with a dropped stretch
         shifted out, where the job allows it and the cache can shift — and that shift's match."""
         units = job.prompt.units
-        keep = _common_prefix(slot.units, units)
-        match = shift_match(slot.units, units, keep) if job.shift and self._can_shift else None
+        keep = common_prefix(slot.units, units)
+        match = slot.cache.shift_match(units, keep) if job.shift else None
         return (keep + match[1] if match is not None else keep), match
 
     def _start(self, slot: _Slot, job: Job) -> None:
         units = job.prompt.units
+        cache = slot.cache
         slot.job, slot.cursor, slot.tokens, slot.pending = job, 0, None, None
         slot.started, slot.served = time.perf_counter(), 0
         slot.stats = PrefillStats(prompt_tokens=job.prompt.n_pos, image_tokens=job.prompt.image_tokens)
         keep, match = self._reusable(slot, job)
         source = max((s for s in self._slots if s is not slot), default=None,
-                     key=lambda s: _common_prefix(s.units, units))
-        shared = _common_prefix(source.units, units) if source is not None else 0
+                     key=lambda s: common_prefix(s.units, units))
+        shared = common_prefix(source.units, units) if source is not None else 0
         limit = len(units) - 1  # the last prompt token is evaluated again: sampling needs its logits
         stored, job.stored = job.stored, None
         from_store = usable_prefix(stored, units, self._can_rewind) if stored is not None else 0
-        # (the stretch a shift drops is dropped for good: the conversation goes on without it)
-        self._keep(slot, _n_pos(slot.units[:keep if match is None else sum(match)]))  # before it is overwritten
-        if min(from_store, limit) > max(keep, shared if self._can_rewind else 0) \
-                and self._restore(slot, cast(KVState, stored)):
-            self._truncate(slot, min(from_store, limit))
-        elif self._can_rewind and source is not None and min(shared, limit) > keep:
-            shared = min(shared, limit)
-            pos = _n_pos(source.units[:shared])
-            self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-            self._lc.llama_memory_seq_cp(self._mem, source.seq, slot.seq, 0, pos)
-            slot.units, slot.n_past = list(source.units[:shared]), pos
-            slot.checkpoints.clear()
-            self.copied_positions += pos
+        # kept before it is overwritten (the stretch a shift drops is dropped for good)
+        cache.keep_in(self.store, n_positions(cache.units[:keep if match is None else sum(match)]))
+        if (min(from_store, limit) > max(keep, shared if self._can_rewind else 0)
+                and cache.restore_from(cast(StateStore, self.store), cast(KVState, stored), slot.n_ctx)):
+            self.restored_states += 1
+            cache.truncate(min(from_store, limit))
         else:
-            if match is not None:
-                self._shift_out(slot, keep - match[1], *match)
-            self._truncate(slot, min(keep, limit))
+            keep, match = self._reusable(slot, job)  # a refused state may have emptied the sequence
+            if self._can_rewind and source is not None and min(shared, limit) > keep:
+                self.copied_positions += cache.copy_from(source.cache, min(shared, limit))
+            else:
+                if match is not None:
+                    cache.shift_out(keep - match[1], *match)
+                cache.truncate(min(keep, limit))
         slot.cursor = len(slot.units)
-        slot.checkpoint_at = Engine._checkpoint_point(units) if not self._can_rewind else -1
+        slot.checkpoint_at = checkpoint_point(units) if not self._can_rewind else -1
         slot.stats.reused_tokens = slot.n_past
         slot.todo_images = sum(1 for u in units[slot.cursor:] if isinstance(u, ImageUnit))
         slot.done_images = 0
         if slot.todo_images:
             job.events.put(("progress", (0, slot.todo_images, 0)))
-
-    def _truncate(self, slot: _Slot, n_units: int) -> None:
-        """Keep the first ``n_units`` units of ``slot``'s sequence — or, where the cache cannot
-        go back partly (recurrent state), the units up to its latest checkpoint before them,
-        or nothing."""
-        slot.checkpoints = [c for c in slot.checkpoints if c.n_units <= n_units]
-        if n_units >= len(slot.units):
-            return
-        pos = _n_pos(slot.units[:n_units])
-        if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, pos, -1):
-            n_units, pos = self._restore_checkpoint(slot)
-        del slot.units[n_units:]
-        slot.n_past = pos
-
-    def _shift_out(self, slot: _Slot, common: int, k: int, n: int) -> None:
-        """Remove ``slot.units[common:k]`` from the slot's sequence and shift ``k:k+n`` back to
-        follow ``common`` (llama.cpp's sequence remove + add, as the engine's ``_shift_out``)."""
-        self._truncate(slot, k + n)  # what follows the reused stretch goes first
-        start, stop = _n_pos(slot.units[:common]), _n_pos(slot.units[:k])
-        if not self._lc.llama_memory_seq_rm(self._mem, slot.seq, start, stop):
-            self._truncate(slot, common)
-            return
-        self._lc.llama_memory_seq_add(self._mem, slot.seq, stop, -1, start - stop)
-        del slot.units[common:k]
-        slot.n_past -= stop - start
-        self.shifted_positions += stop - start
-
-    def _keep(self, slot: _Slot, reused: int) -> None:
-        """Give ``slot``'s state to the store when the prompt it starts reuses only ``reused``
-        of its positions and drops at least the store's ``min_positions``."""
-        store = self.store
-        if store is None or not slot.dirty or slot.n_past - reused < store.min_positions:
-            return
-        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq)
-        if data:
-            store.keep(KVState(list(slot.units), bytes(data),
-                               [(c.n_units, c.n_pos, bytes(c.data)) for c in slot.checkpoints]))
-            slot.dirty = False
-
-    def _restore(self, slot: _Slot, state: KVState) -> bool:
-        """Make ``slot``'s sequence hold ``state`` (kept by the store); False (and an empty
-        sequence) when llama.cpp or the checks refuse it."""
-        lc, ctx = self._lc, self.engine.llama.ctx
-        n_pos = _n_pos(state.units)
-        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-        slot.units, slot.n_past, slot.checkpoints = [], 0, []
-        try:
-            checkpoints = checkpoints_of(state)
-            if n_pos > slot.n_ctx:
-                raise EngineError(f"it holds {n_pos} positions, more than a slot's {slot.n_ctx}")
-            if (not set_seq_state(lc, ctx, slot.seq, state.data)
-                    or int(lc.llama_memory_seq_pos_max(self._mem, slot.seq)) != n_pos - 1):
-                raise EngineError("llama.cpp did not accept it")
-        except EngineError as exc:
-            lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-            cast(StateStore, self.store).refused(state, str(exc))
-            return False
-        slot.units, slot.n_past, slot.checkpoints = list(state.units), n_pos, checkpoints
-        slot.dirty = False
-        self.restored_states += 1
-        cast(StateStore, self.store).restored(state)
-        return True
-
-    def _save_checkpoint(self, slot: _Slot) -> None:
-        """Keep the recurrent part of ``slot``'s state here (as the engine does for sequence 0)."""
-        del slot.checkpoints[:-(MAX_CHECKPOINTS - 1) or None]  # the oldest goes first (memory.recurrent_bytes)
-        data = copy_seq_state(self._lc, self.engine.llama.ctx, slot.seq, partial=True)
-        if data is not None:
-            slot.checkpoints.append(_Checkpoint(len(slot.units), slot.n_past, data))
-
-    def _restore_checkpoint(self, slot: _Slot) -> tuple[int, int]:
-        """Go back to ``slot``'s latest usable checkpoint: (units kept, positions kept)."""
-        lc, ctx = self._lc, self.engine.llama.ctx
-        while slot.checkpoints:
-            c = slot.checkpoints.pop()
-            if (set_seq_state(lc, ctx, slot.seq, c.data, partial=True)
-                    and lc.llama_memory_seq_rm(self._mem, slot.seq, c.n_pos, -1)):
-                slot.checkpoints.append(c)
-                self.restored_checkpoints += 1
-                return c.n_units, c.n_pos
-        lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-        return 0, 0
 
     def _step(self) -> None:
         """One batch: every answering slot's pending token, plus one chunk of one prompt
@@ -503,14 +416,14 @@ class Scheduler:
         decoding = [s for s in decoding if s.n_past < s.n_ctx]
         batch, n = self._batch, 0
         for slot in decoding:
-            self._put(n, cast(int, slot.pending), slot.n_past, slot.seq, True)
+            self._put(n, cast(int, slot.pending), slot.n_past, slot.cache.seq, True)
             slot.logits_index, n = n, n + 1
         chunk: Sequence[int] = ()
         if prefill is not None:
             units = cast(Job, prefill.job).prompt.units
             end = prefill.cursor
             if prefill.cursor == prefill.checkpoint_at:  # the next turn re-renders what follows
-                self._save_checkpoint(prefill)
+                prefill.cache.save_checkpoint()
             stop_at = prefill.checkpoint_at if prefill.checkpoint_at > prefill.cursor else len(units)
             while (end < min(len(units), stop_at) and isinstance(units[end], int)
                    and end - prefill.cursor < self.prefill_chunk):
@@ -518,7 +431,7 @@ class Scheduler:
             chunk = cast(Sequence[int], units[prefill.cursor:end])
             last = end == len(units)
             for k, token in enumerate(chunk):
-                self._put(n + k, token, prefill.n_past + k, prefill.seq, last and k == len(chunk) - 1)
+                self._put(n + k, token, prefill.n_past + k, prefill.cache.seq, last and k == len(chunk) - 1)
             if last:
                 prefill.logits_index = n + len(chunk) - 1
             n += len(chunk)
@@ -532,9 +445,7 @@ class Scheduler:
         for slot in decoding:
             slot.evaluated = True
         if prefill is not None:
-            prefill.units.extend(chunk)
-            prefill.n_past += len(chunk)
-            prefill.dirty = True
+            prefill.cache.record(chunk)
             prefill.cursor += len(chunk)
             if prefill.cursor == len(cast(Job, prefill.job).prompt.units):
                 self._prefilled(prefill)
@@ -555,41 +466,14 @@ class Scheduler:
     def _image_step(self, slot: _Slot) -> bool:
         """Evaluate the image slice at ``slot``'s cursor; False if that failed (job ended)."""
         job = cast(Job, slot.job)
-        unit = cast(ImageUnit, job.prompt.units[slot.cursor])
-        chunk = job.prompt._image_chunks[slot.cursor]
-        mt, engine, stats = self._mt, self.engine, slot.stats
-        n_values = int(mt.mtmd_input_chunk_get_n_tokens(chunk)) * engine.n_embd
         try:
-            embd = engine.embed_cache.get(unit.key, n_values=n_values)
-            if embd is None:
-                began = time.perf_counter()
-                embd = engine._encode(chunk, unit, job.prompt._image_sources.get(slot.cursor))
-                stats.encode_ms += (time.perf_counter() - began) * 1000.0
-                stats.slices_encoded += 1
-                stats.encoded_keys.append(unit.key)
-            else:
-                stats.slices_from_cache += 1
+            self.engine.eval_image(slot.cache, job.prompt, slot.cursor, slot.stats, slot.n_ctx)
         except Exception as exc:
             self._finish(slot, "error", exc)
             return False
-        if slot.n_past + unit.n_pos > slot.n_ctx:
-            self._finish(slot, "error", ContextOverflowError(f"The slot's {slot.n_ctx} positions are full."))
-            return False
-        new_n_past = self._lc.llama_pos(0)
-        rc = mt.mtmd_helper_decode_image_chunk(
-            engine._ctx, engine.llama.ctx, chunk, embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-            slot.n_past, slot.seq, self.n_batch, ctypes.byref(new_n_past),
-            mt.mtmd_helper_post_decode_callback(), None,
-        )
-        if rc != 0:
-            self._decode_failed(rc, [slot])
-            return False
-        slot.units.append(unit)
-        slot.n_past = int(new_n_past.value)
-        slot.dirty = True
         slot.cursor += 1
         slot.done_images += 1
-        job.events.put(("progress", (slot.done_images, slot.todo_images, stats.slices_from_cache)))
+        job.events.put(("progress", (slot.done_images, slot.todo_images, slot.stats.slices_from_cache)))
         return True
 
     def _prefilled(self, slot: _Slot) -> None:
@@ -620,10 +504,7 @@ class Scheduler:
         """llama.cpp refused a batch: the jobs in it fail, their sequences are cleared."""
         error = EngineError(f"llama.cpp failed to evaluate a batch (code {rc}).")
         for slot in slots:
-            self._lc.llama_memory_seq_rm(self._mem, slot.seq, 0, -1)
-            slot.units.clear()
-            slot.checkpoints.clear()
-            slot.n_past = 0
+            slot.cache.clear()
             self._finish(slot, "error", error)
 
     def _finish(self, slot: _Slot, kind: str, value: Any) -> None:
