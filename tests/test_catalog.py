@@ -374,3 +374,22 @@ def test_malformed_user_file(tmp_path, monkeypatch, text, words):
     with pytest.raises(CatalogError) as err:
         load_catalog()
     assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_the_file_schema_is_pinned():
+    """The tables' models are derived from the dataclasses: a field added to TextShape,
+    VisionShape, Sampling or QuantFile must be a decision about models.toml (omit it or
+    document it in the file's header), not a silent change to the file format."""
+    from gguf_mcv.models import catalog
+
+    def keys(model) -> set[str]:
+        return {f.alias or name for name, f in model.model_fields.items()}
+
+    assert keys(catalog._ARCH) == {
+        "llm_arch", "n_layers", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_ctx_train",
+        "n_kv_layers", "ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count",
+        "tied_embeddings"}
+    assert keys(catalog._VISION) == {"width", "blocks", "patch_size", "image_size", "query_tokens",
+                                     "full_blocks"}
+    assert keys(catalog._SAMPLING) == {"temperature", "top_p", "top_k", "repeat_penalty"}
+    assert keys(catalog._FILE) == {"file", "size", "exact"}
