@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gguf_mcv.models.catalog import CHAT_TEMPLATES, Catalog, bundled_catalog_path, load_catalog
 from gguf_mcv.errors import CatalogError, ConfigError, ModelNotFoundError
+from gguf_mcv.models.catalog import CHAT_TEMPLATES, Catalog, bundled_catalog_path, load_catalog
 from gguf_mcv.models.quants import QUANT_ORDER, classify_gguf
 
 BUNDLED = {
@@ -286,6 +286,40 @@ INVALID = [
                  "minicpm-v-2.6", "arch.n_layer", "unknown field", id="typo-field"),
     pytest.param(_override(".quants", 'Q8_0 = { file = "ggml-model-Q4_0.gguf" }'),
                  "minicpm-v-2.6", "quants.Q8_0.file", "named as Q4_0", id="file-quant-mismatch"),
+    # wrong types, at the top and nested (TOML floats are no integers, strings no booleans)
+    pytest.param(_override("", 'thinking = "yes"'),
+                 "minicpm-v-2.6", "thinking", "true or false", id="wrong-type-top"),
+    pytest.param(_override(".arch", "n_layers = 28.5"),
+                 "minicpm-v-2.6", "arch.n_layers", "an integer", id="wrong-type-nested"),
+    pytest.param(_override("", 'rank = "high"'),
+                 "minicpm-v-2.6", "rank", "an integer", id="wrong-type-rank"),
+    # missing, nested
+    pytest.param(NEW_MODEL.replace("query_tokens = 64\n", ""),
+                 "my-minicpm", "vision.query_tokens", "missing", id="missing-nested"),
+    pytest.param(NEW_MODEL.replace('llm_arch = "qwen2"\n', ""),
+                 "my-minicpm", "arch.llm_arch", "missing", id="missing-llm-arch"),
+    # unknown: a typo at the top, a misspelt table, and fields the types have but the file may not set
+    pytest.param(_override("", 'colour = "blue"'),
+                 "minicpm-v-2.6", "colour", "unknown field", id="unknown-top"),
+    pytest.param(NEW_MODEL.replace('"my-minicpm".arch]', '"my-minicpm".archs]'),
+                 "my-minicpm", "archs", "unknown field", id="unknown-table"),
+    pytest.param(_override(".arch", "n_ff = 18944"),
+                 "minicpm-v-2.6", "arch.n_ff", "unknown field", id="unknown-derived"),
+    pytest.param(_override(".sampling", "min_p = 0.1"),
+                 "minicpm-v-2.6", "sampling.min_p", "unknown field", id="unknown-sampling"),
+    # bad nested values
+    pytest.param(_override(".quants", "Q8_0 = 3"),
+                 "minicpm-v-2.6", "quants.Q8_0", "a table", id="quant-not-a-table"),
+    pytest.param(_override("", 'aliases = ["two-six", 3]'),
+                 "minicpm-v-2.6", "aliases.1", "a string", id="alias-not-a-string"),
+    pytest.param(_override(".arch", 'llm_arch = "  "'),
+                 "minicpm-v-2.6", "arch.llm_arch", "not empty", id="blank-string"),
+    pytest.param(_override(".vision", "full_blocks = 0"),
+                 "minicpm-v-2.6", "vision.full_blocks", "greater than 0", id="zero-optional"),
+    pytest.param(_override(".mmproj", 'exact = "yes"'),
+                 "minicpm-v-2.6", "mmproj.exact", "true or false", id="bad-exact"),
+    pytest.param(_override(".mmproj", 'file = "mmproj.bin"'),
+                 "minicpm-v-2.6", "mmproj.file", ".gguf", id="not-gguf"),
 ]
 
 
@@ -297,6 +331,29 @@ def test_invalid_user_entries_name_file_entry_and_field(tmp_path, monkeypatch, t
     msg = str(err.value)
     assert str(path) in msg and f"model {entry!r}" in msg and f"field {fld!r}" in msg
     assert words in msg
+    assert str(bundled_catalog_path()) in msg  # where the fields are described
+
+
+def test_toml_integers_are_numbers_and_strings_are_trimmed(tmp_path, monkeypatch):
+    user_catalog(tmp_path, monkeypatch, _override(".sampling", "temperature = 1") +
+                 _override("", 'aliases = ["  two-six  "]'))
+    v26 = load_catalog().get("two-six")
+    assert v26.sampling.temperature == 1.0 and isinstance(v26.sampling.temperature, float)
+    assert v26.aliases == ("two-six",)
+
+
+def test_hybrid_and_merger_fields_reach_the_shapes(tmp_path, monkeypatch):
+    # every field the file may set lands in TextShape / VisionShape under the type's own name
+    user_catalog(tmp_path, monkeypatch, NEW_MODEL.replace("n_ctx_train = 32768", (
+        "n_ctx_train = 32768\nn_kv_layers = 7\ntied_embeddings = true\nssm_conv_kernel = 4\n"
+        "ssm_inner_size = 2048\nssm_state_size = 128\nssm_group_count = 16")).replace(
+        "query_tokens = 64", "query_tokens = 64\nfull_blocks = 9"))
+    e = load_catalog().get("mine")
+    assert (e.arch.architecture, e.arch.n_kv_layers, e.arch.tied_embeddings) == ("qwen2", 7, True)
+    assert (e.arch.ssm_conv_kernel, e.arch.ssm_inner_size, e.arch.ssm_state_size,
+            e.arch.ssm_group_count) == (4, 2048, 128, 16)
+    assert e.arch.n_ff is None and e.arch.n_merges is None  # not catalog fields
+    assert e.vision.full_blocks == 9 and e.vision.projector == "resampler" and e.vision.heads == 16
 
 
 def test_toml_syntax_error_names_file_and_line(tmp_path, monkeypatch):
@@ -317,3 +374,22 @@ def test_malformed_user_file(tmp_path, monkeypatch, text, words):
     with pytest.raises(CatalogError) as err:
         load_catalog()
     assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_the_file_schema_is_pinned():
+    """The tables' models are derived from the dataclasses: a field added to TextShape,
+    VisionShape, Sampling or QuantFile must be a decision about models.toml (omit it or
+    document it in the file's header), not a silent change to the file format."""
+    from gguf_mcv.models import catalog
+
+    def keys(model) -> set[str]:
+        return {f.alias or name for name, f in model.model_fields.items()}
+
+    assert keys(catalog._ARCH) == {
+        "llm_arch", "n_layers", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_ctx_train",
+        "n_kv_layers", "ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count",
+        "tied_embeddings"}
+    assert keys(catalog._VISION) == {"width", "blocks", "patch_size", "image_size", "query_tokens",
+                                     "full_blocks"}
+    assert keys(catalog._SAMPLING) == {"temperature", "top_p", "top_k", "repeat_penalty"}
+    assert keys(catalog._FILE) == {"file", "size", "exact"}

@@ -12,9 +12,10 @@ import damage
 import pytest
 from damage import run_child  # tests/ is on sys.path
 
-from gguf_mcv.runtime import speed_probe
+from gguf_mcv.cache_files import digest_of
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.planning.speed import DEFAULT_RATES, Rates
+from gguf_mcv.runtime import speed_probe
 
 FAKE = Rates(bandwidth=12e9, matvec=9e9, prefill_flops=40e9, vision_flops=50e9,
              threads=3, source="fake probe")
@@ -49,6 +50,7 @@ def test_probe_runs_once_then_comes_from_the_cache(tmp_path: Path) -> None:
     assert fake.calls == 1 and first == second == replace(FAKE, threads=3)
     data = json.loads(cache.read_text())
     assert data["key"] == speed_probe.machine_key(3) and data["rates"]["bandwidth"] == 12e9
+    assert data["digest"] == digest_of(data)  # written by cache_files.write_manifest
     assert [p.name for p in cache.parent.iterdir()] == ["speed.json"]  # no temporary file left
 
 
@@ -79,7 +81,7 @@ def _valid_file(key: dict) -> dict:
 @pytest.mark.parametrize("content", [
     b"", b"\x00\xff\xfe garbage", b'{"key": ', b"[1, 2, 3]", b'"a string"', b"null",
     "json:rates-missing", "json:rates-a-list", "json:negative-bandwidth", "json:nan-bandwidth",
-    "json:unknown-field", "json:bandwidth-a-string", "json:bool-threads-ok",
+    "json:unknown-field", "json:bandwidth-a-string", "json:bool-threads-ok", "json:digest-mismatch",
 ])
 def test_a_damaged_cache_file_is_probed_again_and_replaced(tmp_path: Path, content) -> None:
     cache, fake = tmp_path / "speed.json", Counter()
@@ -100,7 +102,10 @@ def test_a_damaged_cache_file_is_probed_again_and_replaced(tmp_path: Path, conte
         elif kind == "bandwidth-a-string":
             data["rates"]["bandwidth"] = "fast"
         elif kind == "bool-threads-ok":
-            data["rates"]["source"] = "cached"  # a valid file, for contrast
+            data["rates"]["source"] = "cached"  # a valid file (written before files had a digest), for contrast
+        elif kind == "digest-mismatch":
+            data["rates"]["bandwidth"] = 1e12  # edited after its digest was made
+            data["digest"] = digest_of(_valid_file(key))
         content = json.dumps(data).encode()
     cache.write_bytes(content)
     got = speed_probe.rates(probe=True, threads=2, cache=cache, measure_fn=fake)

@@ -12,15 +12,17 @@ import functools
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Annotated, Any, Iterable, Iterator, TypeVar, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .. import constants
 from ..errors import CatalogError, ConfigError, ModelNotFoundError
@@ -32,8 +34,8 @@ from .shapes import TextShape, VisionShape
 CHAT_TEMPLATES: tuple[str, ...] = ("llama3", "chatml", "qwen3")
 SCHEMA_VERSION = 1
 
-_REQUIRED = object()
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_M = TypeVar("_M", bound="BaseModel")
 
 
 @dataclass(frozen=True)
@@ -245,147 +247,157 @@ class _Where:
         self.path, self.model = path, model
 
     def fail(self, fld: str, problem: str) -> CatalogError:
-        return CatalogError(f"{self.path}: model {self.model!r}, field {fld!r}: {problem}")
+        return CatalogError(f"{self.path}: model {self.model!r}, field {fld!r}: {problem.rstrip('.')}. "
+                            f"Fix it there (the header of {bundled_catalog_path()} lists the fields).")
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               dict: "a table", list: "a list of strings"}
+_TOML = ConfigDict(extra="forbid", strict=True, str_strip_whitespace=True, str_min_length=1)
 
 
-def _typed(w: _Where, fld: str, value: Any, kind: type) -> Any:
-    """``value`` if it has type ``kind`` (ints count as floats, bools as nothing else)."""
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str) and bool(value.strip()),
-        dict: isinstance(value, dict),
-        list: isinstance(value, list) and all(isinstance(v, str) and v.strip() for v in value),
-    }[kind]
-    if not ok:
-        raise w.fail(fld, f"must be {_TYPE_NAMES[kind]}, got {value!r}")
-    return float(value) if kind is float else value
+def _table(cls: type, *, omit: Iterable[str] = (), required: Iterable[str] = (),
+           toml_names: dict[str, str] | None = None, positive: bool = False) -> type[BaseModel]:
+    """The pydantic model of the TOML table that describes a ``cls`` (a dataclass): its fields,
+    types and defaults, less ``omit``, with ``required`` ones required, the keys the file
+    spells differently in ``toml_names`` and, with ``positive``, every integer above 0."""
+    hints, names = get_type_hints(cls), toml_names or {}
+    spec: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in omit:
+            continue
+        kind = hints[f.name]
+        if positive and kind in (int, int | None):
+            kind = Annotated[kind, Field(gt=0)]
+        default = ... if f.name in required or f.default is MISSING else f.default
+        spec[f.name] = (kind, Field(default, alias=names.get(f.name)))
+    return create_model(f"{cls.__name__}Table", __config__=_TOML, **spec)
 
 
-def _fields(w: _Where, table: dict[str, Any], spec: dict[str, tuple[type, Any]],
-            prefix: str = "") -> dict[str, Any]:
-    """Check a table against ``spec`` (name -> (type, default or _REQUIRED))."""
-    for extra in sorted(set(table) - set(spec)):
-        raise w.fail(prefix + extra, f"unknown field (expected one of: {', '.join(spec)})")
-    out = {}
-    for name, (kind, default) in spec.items():
-        if name not in table:
-            if default is _REQUIRED:
-                raise w.fail(prefix + name, "missing")
-            out[name] = default
-        else:
-            out[name] = _typed(w, prefix + name, table[name], kind)
-    return out
+# The catalog's tables: what the file may say of each type (the rest is derived or measured).
+_ARCH = _table(TextShape, omit=("n_ff", "n_merges"), required=("architecture", "n_ctx_train"),
+               toml_names={"architecture": "llm_arch"}, positive=True)
+_VISION = _table(VisionShape, omit=("heads", "ff", "projector"), positive=True,
+                 required=("width", "blocks", "patch_size", "image_size", "query_tokens"))
+_SAMPLING = _table(Sampling, omit=("min_p", "seed"),
+                   required=("temperature", "top_p", "top_k", "repeat_penalty"))
+_FILE = _table(QuantFile, positive=True)
 
 
-def _positive(w: _Where, values: dict[str, Any], prefix: str, names: Iterable[str]) -> None:
-    for name in names:
-        if values[name] is not None and values[name] <= 0:
-            raise w.fail(prefix + name, f"must be greater than 0, got {values[name]}")
+def _hub_repo(repo: str) -> str:
+    if not _REPO.match(repo):
+        raise ValueError(f"must be a Hub repository id like 'owner/name', got {repo!r}")
+    return repo
 
 
-_TOP: dict[str, tuple[type, Any]] = {
-    "display_name": (str, _REQUIRED), "repo": (str, _REQUIRED), "aliases": (list, []),
-    "base_llm": (str, _REQUIRED), "rank": (int, _REQUIRED), "chat_template": (str, _REQUIRED),
-    "projector_type": (str, _REQUIRED), "minicpmv_version": (int, None),
-    "thinking": (bool, False), "thinking_default": (bool, False), "n_ctx": (int, None),
-    "default_quant": (str, None), "arch": (dict, _REQUIRED), "vision": (dict, _REQUIRED),
-    "sampling": (dict, _REQUIRED), "mmproj": (dict, _REQUIRED), "quants": (dict, _REQUIRED),
-}
-_ARCH: dict[str, tuple[type, Any]] = {
-    "llm_arch": (str, _REQUIRED), "n_layers": (int, _REQUIRED), "n_embd": (int, _REQUIRED),
-    "n_head": (int, _REQUIRED), "n_head_kv": (int, _REQUIRED), "head_dim": (int, _REQUIRED),
-    "n_vocab": (int, _REQUIRED), "n_ctx_train": (int, _REQUIRED), "n_kv_layers": (int, None),
-    # hybrid text models' recurrent layers (the GGUF's {arch}.ssm.* keys)
-    "ssm_conv_kernel": (int, None), "ssm_inner_size": (int, None), "ssm_state_size": (int, None),
-    "ssm_group_count": (int, None),
-    "tied_embeddings": (bool, False),  # no output.weight: the logits reuse token_embd
-}
-_VISION: dict[str, tuple[type, Any]] = {
-    **{k: (int, _REQUIRED) for k in ("width", "blocks", "patch_size", "image_size", "query_tokens")},
-    "full_blocks": (int, None),  # MiniCPM-V 4.6: blocks before its 2x2 token merger
-}
-_SAMPLING: dict[str, tuple[type, Any]] = {
-    "temperature": (float, _REQUIRED), "top_p": (float, _REQUIRED), "top_k": (int, _REQUIRED),
-    "repeat_penalty": (float, _REQUIRED),
-}
-_FILE: dict[str, tuple[type, Any]] = {
-    "file": (str, _REQUIRED), "size": (int, _REQUIRED), "exact": (bool, False),
-}
+def _template(family: str) -> str:
+    if family not in CHAT_TEMPLATES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(CHAT_TEMPLATES)}")
+    return family
+
+
+class _Entry(BaseModel):
+    """One ``[models."<name>"]`` table as the file spells it; the nested tables are checked
+    against their own models (_ARCH, ...) so that an error names its full field."""
+
+    model_config = _TOML
+
+    display_name: str
+    repo: Annotated[str, AfterValidator(_hub_repo)]
+    aliases: list[str] = []
+    base_llm: str
+    rank: int = Field(ge=0)  #: higher = more capable
+    chat_template: Annotated[str, AfterValidator(_template)]
+    projector_type: str
+    minicpmv_version: int | None = None
+    thinking: bool = False
+    thinking_default: bool = False
+    n_ctx: int | None = None  #: None: constants.DEFAULT_N_CTX
+    default_quant: str | None = None  #: None: constants.DEFAULT_QUANT
+    arch: dict[str, Any]
+    vision: dict[str, Any]
+    sampling: dict[str, Any]
+    mmproj: dict[str, Any]
+    quants: dict[str, Any]
+
+
+_KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+          "string_type": "a string", "list_type": "a list of strings", "dict_type": "a table",
+          "model_type": "a table", "string_too_short": "a string that is not empty"}
+
+
+def _validate(w: _Where, model: type[_M], table: Any, prefix: str = "") -> _M:
+    """``table`` validated by ``model``; its first error as the CatalogError naming the field."""
+    try:
+        return model.model_validate(table)
+    except ValidationError as exc:
+        err = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")  # a typo's own name first
+        fld = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        kind, given = err["type"], err.get("input")
+        if kind == "missing":
+            raise w.fail(fld, "missing") from None
+        if kind == "extra_forbidden":
+            known = ", ".join(f.alias or name for name, f in model.model_fields.items())
+            raise w.fail(fld, f"unknown field (expected one of: {known})") from None
+        if kind == "value_error":
+            raise w.fail(fld, str(err["ctx"]["error"])) from None
+        problem = f"must be {_KINDS[kind]}" if kind in _KINDS else \
+            err["msg"].replace("Input should be", "must be")
+        raise w.fail(fld, f"{problem}, got {given!r}") from None
+
 
 def _build(name: str, table: dict[str, Any], path: Path) -> CatalogEntry:
     w = _Where(path, name)
-    top = _fields(w, table, _TOP)
+    top = _validate(w, _Entry, table)
     _check_top(w, top)
-    quants = _quants(w, top["quants"])
-    arch = _arch(w, top["arch"])
-    n_ctx = top["n_ctx"] if top["n_ctx"] is not None else constants.DEFAULT_N_CTX
+    quants = _quants(w, top.quants)
+    arch = _arch(w, top.arch)
+    n_ctx = top.n_ctx if top.n_ctx is not None else constants.DEFAULT_N_CTX
     if not 0 < n_ctx <= arch.n_ctx_train:
         raise w.fail("n_ctx", f"must be 1 to n_ctx_train ({arch.n_ctx_train}), got {n_ctx}")
+    vision = VisionShape(**_validate(w, _VISION, top.vision, "vision").model_dump(),
+                         projector=top.projector_type)
     return CatalogEntry(
-        name=name, display_name=top["display_name"], repo=top["repo"],
-        aliases=tuple(a.strip() for a in top["aliases"]), base_llm=top["base_llm"],
-        rank=top["rank"], chat_template=top["chat_template"],
-        projector_type=top["projector_type"], minicpmv_version=top["minicpmv_version"],
-        thinking=top["thinking"], thinking_default=top["thinking_default"], n_ctx=n_ctx,
-        default_quant=_default_quant(w, top["default_quant"], quants),
-        arch=arch, vision=_vision(w, top["vision"], top["projector_type"]), sampling=_sampling(w, top["sampling"]),
-        mmproj=_file(w, "mmproj", top["mmproj"]), quants=quants, source=str(path),
+        name=name, display_name=top.display_name, repo=top.repo, aliases=tuple(top.aliases),
+        base_llm=top.base_llm, rank=top.rank, chat_template=top.chat_template,
+        projector_type=top.projector_type, minicpmv_version=top.minicpmv_version,
+        thinking=top.thinking, thinking_default=top.thinking_default, n_ctx=n_ctx,
+        default_quant=_default_quant(w, top.default_quant, quants), arch=arch, vision=vision,
+        sampling=_sampling(w, top.sampling), mmproj=_file(w, "mmproj", top.mmproj),
+        quants=quants, source=str(path),
     )
 
 
-def _check_top(w: _Where, top: dict[str, Any]) -> None:
-    if not _REPO.match(top["repo"]):
-        raise w.fail("repo", f"must be a Hub repository id like 'owner/name', got {top['repo']!r}")
-    if top["chat_template"] not in CHAT_TEMPLATES:
-        raise w.fail("chat_template", f"unknown family {top['chat_template']!r}; "
-                                      f"known: {', '.join(CHAT_TEMPLATES)}")
-    if top["rank"] < 0:
-        raise w.fail("rank", f"must be 0 or more, got {top['rank']}")
-    if top["projector_type"] == "resampler" and top["minicpmv_version"] is None:
+def _check_top(w: _Where, top: _Entry) -> None:
+    if top.projector_type == "resampler" and top.minicpmv_version is None:
         raise w.fail("minicpmv_version", "missing (required for projector_type 'resampler')")
-    if top["thinking_default"] and not top["thinking"]:
+    if top.thinking_default and not top.thinking:
         raise w.fail("thinking_default", "cannot be true when thinking is false")
 
 
 def _arch(w: _Where, table: dict[str, Any]) -> TextShape:
-    v = _fields(w, table, _ARCH, "arch.")
-    _positive(w, v, "arch.", [k for k in _ARCH if k not in ("llm_arch", "tied_embeddings")])
+    v = _validate(w, _ARCH, table, "arch").model_dump()
     if v["n_kv_layers"] is None:
         v["n_kv_layers"] = v["n_layers"]
     if v["n_kv_layers"] > v["n_layers"]:
         raise w.fail("arch.n_kv_layers", f"cannot exceed n_layers ({v['n_layers']})")
     if v["n_head"] % v["n_head_kv"]:
         raise w.fail("arch.n_head_kv", f"must divide n_head ({v['n_head']}), got {v['n_head_kv']}")
-    return TextShape.from_catalog(v)
-
-
-def _vision(w: _Where, table: dict[str, Any], projector: str) -> VisionShape:
-    v = _fields(w, table, _VISION, "vision.")
-    _positive(w, v, "vision.", _VISION)
-    return VisionShape.from_catalog(v, projector)
+    return TextShape(**v)
 
 
 def _sampling(w: _Where, table: dict[str, Any]) -> Sampling:
-    v = _fields(w, table, _SAMPLING, "sampling.")
+    v = _validate(w, _SAMPLING, table, "sampling").model_dump()
     try:
-        return Sampling(**v)
+        return Sampling(**v)  # its own range checks
     except ConfigError as exc:
         name = next((k for k in v if str(exc).startswith(k)), "")
         raise w.fail(f"sampling.{name}", str(exc)) from None
 
 
 def _file(w: _Where, fld: str, table: Any) -> QuantFile:
-    v = _fields(w, _typed(w, fld, table, dict), _FILE, fld + ".")
-    _positive(w, v, fld + ".", ["size"])
-    if not v["file"].lower().endswith(".gguf"):
-        raise w.fail(fld + ".file", f"must name a .gguf file, got {v['file']!r}")
-    return QuantFile(**v)
+    qf = QuantFile(**_validate(w, _FILE, table, fld).model_dump())
+    if not qf.file.lower().endswith(".gguf"):
+        raise w.fail(fld + ".file", f"must name a .gguf file, got {qf.file!r}")
+    return qf
 
 
 def _quants(w: _Where, table: dict[str, Any]) -> dict[str, QuantFile]:

@@ -16,8 +16,6 @@ FF_RATIO = 5.4
 #: whose minicpmv_version is 2; 64 for the later resamplers).
 _QUERY_TOKENS_BY_VERSION = {2: 96}
 _DEFAULT_QUERY_TOKENS = 64
-#: A hybrid model's recurrent-layer sizes, as the GGUF (``{arch}.ssm.*``) and the catalog name them.
-_SSM_FIELDS = ("ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count")
 
 
 @dataclass(frozen=True)
@@ -69,17 +67,6 @@ class TextShape:
             n_kv_layers=n_layers // interval if interval else None,
             ssm_conv_kernel=num("ssm.conv_kernel"), ssm_inner_size=num("ssm.inner_size"),
             ssm_state_size=num("ssm.state_size"), ssm_group_count=num("ssm.group_count"),
-        )  # fmt: skip
-
-    @classmethod
-    def from_catalog(cls, table: Mapping[str, Any]) -> "TextShape":
-        """From a catalog entry's validated ``arch`` table."""
-        return cls(
-            n_layers=table["n_layers"], n_embd=table["n_embd"], n_head=table["n_head"],
-            n_head_kv=table["n_head_kv"], head_dim=table["head_dim"], n_vocab=table["n_vocab"],
-            n_kv_layers=table.get("n_kv_layers"), architecture=table["llm_arch"],
-            n_ctx_train=table["n_ctx_train"], tied_embeddings=bool(table.get("tied_embeddings", False)),
-            **{k: table[k] for k in _SSM_FIELDS if table.get(k) is not None},
         )  # fmt: skip
 
     @property
@@ -152,12 +139,6 @@ class VisionShape:
             full_blocks=int(_scalar(merger)) + 1 if merges else None,
             projector=str(_scalar(fields.get("clip.projector_type") or "resampler")),
         )  # fmt: skip
-
-    @classmethod
-    def from_catalog(cls, table: Mapping[str, Any], projector: str = "resampler") -> "VisionShape":
-        """From a catalog entry's validated ``vision`` table (SigLIP-400M for what it omits)
-        and its ``projector_type``."""
-        return cls(**{k: v for k, v in table.items() if v is not None}, projector=projector)
 
     @property
     def patches(self) -> int:

@@ -172,11 +172,8 @@ def schema_of(schema: Any) -> dict[str, Any]:
 
 
 def _type_adapter(target: type) -> Any:
-    try:
-        from pydantic import TypeAdapter
-    except ImportError:
-        raise ConfigError("A model class or dataclass as schema needs pydantic: pip install pydantic, "
-                          "or pass the JSON schema as a dict.") from None
+    from pydantic import TypeAdapter  # lazy: only model-class and dataclass schemas need it
+
     return TypeAdapter(target)
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import constants
-from ..cache_files import read_regular, set_aside
+from ..cache_files import digest_of, read_regular, write_manifest
 from ..errors import ConfigError, EngineError, GgufMcvError
 from ..hardware import cpu_identity, dist_version
 from ..planning.speed import DEFAULT_RATES, Rates
@@ -127,6 +127,8 @@ def read_cache(path: Path, key: dict[str, Any]) -> Rates | None:
     try:
         if not isinstance(data, dict) or data.get("key") != key:
             return None  # another machine's or build's: probed again, not damage
+        if "digest" in data and data["digest"] != digest_of(data):  # files from before the digest have none
+            raise ValueError("its content does not match its digest")
         values = data["rates"]
         if not isinstance(values, dict):
             raise TypeError("its rates are not a mapping")
@@ -139,21 +141,12 @@ def read_cache(path: Path, key: dict[str, Any]) -> Rates | None:
 
 
 def write_cache(path: Path, key: dict[str, Any], measured: Rates) -> None:
-    """Write the probe atomically (a temporary file renamed over the old one), so a
-    reader or a concurrent prober never sees half a file."""
+    """Write the probe atomically, with a digest of its content (:func:`cache_files.write_manifest`),
+    so a reader or a concurrent prober never sees half a file."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_dir() and not path.is_symlink():  # a rename cannot replace a folder
-            set_aside(path, "a folder where the speed probe's verdict belongs", warn=False)
-        fd, tmp = tempfile.mkstemp(prefix=".speed-probe.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"key": key, "rates": measured.to_dict(), "written": time.time()}, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_manifest(path, {"key": key, "rates": measured.to_dict(), "written": time.time()})
     except OSError:
         pass  # a read-only cache folder costs a probe next time, nothing else
 
