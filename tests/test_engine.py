@@ -131,38 +131,3 @@ def test_reused_answer_is_not_evaluated_again_even_when_retokenized_differently(
         # without realigning, reuse would stop at the answer's first token; a random model may
         # also cut a character in half (shown as U+FFFD), after which the text cannot agree
         assert second.usage.cached_tokens > first.usage.prompt_tokens + first.usage.completion_tokens // 2
-
-
-def test_penalty_shortcut_samples_exactly_like_the_full_vocabulary(model) -> None:
-    import llama_cpp as lc
-
-    from gguf_mcv.runtime.engine import PENALTY_LAST_N
-
-    engine, llama = model.engine, model.engine.llama
-
-    def full_vocabulary_chain(s: Sampling):
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
-        add(lc.llama_sampler_init_penalties(llama.n_vocab(), PENALTY_LAST_N, s.repeat_penalty, 0, 0))
-        if s.temperature <= 0:
-            add(lc.llama_sampler_init_greedy())
-            return chain
-        add(lc.llama_sampler_init_top_k(s.top_k))
-        add(lc.llama_sampler_init_top_p(s.top_p, 1))
-        add(lc.llama_sampler_init_temp(s.temperature))
-        add(lc.llama_sampler_init_dist(s.seed))
-        return chain
-
-    for sampling in (Sampling(temperature=0, repeat_penalty=1.5),
-                     Sampling(temperature=1.0, top_k=20, top_p=0.95, repeat_penalty=1.5, seed=7)):
-        model.ask("Start.", max_tokens=1)  # a fresh prompt in the context
-        fast, slow = engine._sampler(sampling), full_vocabulary_chain(sampling)
-        try:
-            for _ in range(40):
-                a = lc.llama_sampler_sample(fast, llama.ctx, -1)
-                b = lc.llama_sampler_sample(slow, llama.ctx, -1)
-                assert a == b
-                engine._eval_tokens([a])
-        finally:
-            lc.llama_sampler_free(fast)
-            lc.llama_sampler_free(slow)

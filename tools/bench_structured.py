@@ -58,20 +58,20 @@ def mask_cost(model: gguf_mcv.Model, runs: int, max_tokens: int) -> None:
     """Decode tokens/s of the nested schema with and without the UTF-8 mask, interleaved."""
     engine = model.engine
     start = time.perf_counter()
-    engine._utf8_table()
+    engine.sampler.utf8_table()
     print(f"UTF-8 table for {engine.llama.n_vocab()} tokens: {time.perf_counter() - start:.2f} s (once)")
-    table, refused = engine._utf8, engine._utf8_refused
+    table, refused = engine.sampler._utf8, engine.sampler._utf8_refused
     assert table is not None and refused is not None
     off_table, off_refused = table * 0, refused & False  # every token allowed, every state ACCEPT
     speeds: dict[str, list[float]] = {"with mask": [], "without": []}
     model.ask("Read the receipt as JSON.", schema=NESTED, max_tokens=4, seed=0, **SAMPLING)  # warm the cache
     for seed in range(runs):
         for name, tables in (("with mask", (table, refused)), ("without", (off_table, off_refused))):
-            engine._utf8, engine._utf8_refused = tables
+            engine.sampler._utf8, engine.sampler._utf8_refused = tables
             reply = model.ask("Read the receipt as JSON.", schema=NESTED, max_tokens=max_tokens, seed=seed,
                               **SAMPLING)
             speeds[name].append(reply.timings.decode_tokens_per_s)
-    engine._utf8, engine._utf8_refused = table, refused
+    engine.sampler._utf8, engine.sampler._utf8_refused = table, refused
     on, off = statistics.median(speeds["with mask"]), statistics.median(speeds["without"])
     print("| decode tokens/s, nested schema | with UTF-8 mask | without | cost |")
     print("| --- | ---: | ---: | ---: |")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol, Sequence, cast
@@ -32,6 +31,7 @@ from ..prompt import plaintext
 from ..vision.embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from ..vision.media import Image
 from . import native
+from .sampling import TokenSampler
 from .sequence import (
     ImageUnit,
     KVState,
@@ -47,8 +47,6 @@ from .sequence import (
 
 #: input_ids value marking positions filled from image embeddings
 IMAGE_SENTINEL = -1
-#: how many recent tokens the repeat penalty looks at
-PENALTY_LAST_N = 64
 
 
 class VisionEncoder(Protocol):
@@ -164,9 +162,7 @@ class Engine:
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
         self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
-        self._utf8: np.ndarray | None = None  # utf8mask.token_table of this vocabulary, made once
-        self._utf8_refused: np.ndarray | None = None  # [state, token]: the token would break UTF-8
-        self._utf8_lock = threading.Lock()
+        self.sampler = TokenSampler(llama)  #: picks each generated token
         self.encoder_calls = 0
         self.finish_reason = "length"  #: why the last generate() on sequence 0 ended
         #: keeps the cache's state when a prompt would overwrite it, and gives back kept ones
@@ -634,20 +630,20 @@ class Engine:
         view = seq if seq is not None else _OwnSequence(self)
         opener = may_open.encode() if grammar and grammar_after and may_open else None
         waiting = grammar_after.encode() if grammar and grammar_after and not opener else None
-        sampler = self._sampler(sampling)
+        sampler = self.sampler.chain(sampling)
         constrain = None
-        utf8 = self._utf8_table() if grammar is not None else None
+        utf8 = self.sampler.utf8_table() if grammar is not None else None
         state = utf8mask.ACCEPT  # where the constrained text stands in UTF-8 (see utf8mask)
         if grammar is not None and opener is not None:
             either = f'{grammar}\n{_GRAMMAR_OR_OPENER} ::= "{may_open}" | root'
-            constrain = self._grammar_sampler(either, root=_GRAMMAR_OR_OPENER)
+            constrain = self.sampler.grammar(either, root=_GRAMMAR_OR_OPENER)
         elif grammar is not None and waiting is None:
-            constrain = self._grammar_sampler(grammar)
+            constrain = self.sampler.grammar(grammar)
         recent = b""  # the end of the text so far, to spot `may_open` and `grammar_after`
         view.finish_reason = "length"
         try:
             for _ in range(max_tokens):
-                token = self._sample(sampler, constrain, view.logits_index, state)
+                token = self.sampler.sample(sampler, constrain, view.logits_index, state)
                 if lc.llama_vocab_is_eog(self._vocab, token):
                     if waiting is None or not must_answer or view.n_past + len(waiting) >= view.n_ctx:
                         view.finish_reason = "stop"
@@ -657,7 +653,7 @@ class Engine:
                         yield closing
                         view.eval_token(closing)
                     waiting, recent, state = None, b"", utf8mask.ACCEPT
-                    constrain = self._grammar_sampler(cast(str, grammar))
+                    constrain = self.sampler.grammar(cast(str, grammar))
                     continue
                 if constrain is not None:
                     state = int(cast(np.ndarray, utf8)[token, state])
@@ -675,7 +671,7 @@ class Engine:
                     opener = None  # the answer itself began
                 elif waiting is not None and waiting in recent:  # the free block ended
                     waiting, state = None, utf8mask.ACCEPT
-                    constrain = self._grammar_sampler(cast(str, grammar))
+                    constrain = self.sampler.grammar(cast(str, grammar))
         finally:
             lc.llama_sampler_free(sampler)
             if constrain is not None:
@@ -683,128 +679,9 @@ class Engine:
 
     def check_grammar(self, grammar: str) -> None:
         """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``);
-        the vocabulary's UTF-8 table (see :meth:`_sample`) is made here the first time."""
+        the vocabulary's UTF-8 table (see :meth:`TokenSampler.sample`) is made here the first time."""
         self._check_open()
-        self._lc.llama_sampler_free(self._grammar_sampler(grammar))
-        self._utf8_table()
-
-    def _grammar_sampler(self, grammar: str, root: str = "root"):
-        native.clear_recent()
-        sampler = self._lc.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), root.encode())
-        if not sampler:  # llama.cpp logs why and returns NULL
-            raise ConfigError(f"llama.cpp could not use the grammar: {native.recent_errors() or 'no details logged'}."
-                              " Check the schema (or GBNF) for rules that refer to themselves first.")
-        return sampler
-
-    def _sample(self, chain, constrain, index: int = -1, utf8_state: int = utf8mask.ACCEPT) -> int:
-        """The next token from ``chain``, within the grammar ``constrain`` when there is one.
-
-        As llama.cpp's own common sampler does: sample as usual, check only that token
-        against the grammar, and only if the grammar refuses it run the grammar over the
-        whole vocabulary and sample again. Checking every token of a 150k vocabulary
-        against the grammar costs more than the model's forward pass; most sampled tokens
-        are allowed (a grammar only rules out what the model rarely wants). Under a grammar,
-        tokens that would break UTF-8 from ``utf8_state`` are refused the same way (see
-        :mod:`gguf_mcv.output.utf8mask`).
-        """
-        lc = self._lc
-        if constrain is None:
-            return int(lc.llama_sampler_sample(chain, self.llama.ctx, index))
-        refused = cast(np.ndarray, self._utf8_refused)[utf8_state]
-        candidates = self._candidates(index)
-        lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
-        token = int(candidates.array.data[candidates.array.selected].id)
-        if refused[token]:  # sample again without the tokens that break UTF-8 (no grammar pass yet)
-            candidates = self._masked_candidates(index, refused)
-            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
-            token = int(candidates.array.data[candidates.array.selected].id)
-        one = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
-        single = lc.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
-        lc.llama_sampler_apply(constrain, ctypes.byref(single))
-        if one[0].logit == -np.inf:  # refused: constrain the whole vocabulary, then sample
-            candidates = self._masked_candidates(index, refused)
-            lc.llama_sampler_apply(constrain, ctypes.byref(candidates.array))
-            if not np.isfinite(candidates.data["logit"]).any():
-                # sampling on would pick a token the grammar refuses, and llama.cpp aborts
-                raise EngineError("The grammar allows no token of this model's vocabulary here: "
-                                  "simplify the schema (or GBNF).")
-            lc.llama_sampler_apply(chain, ctypes.byref(candidates.array))
-            token = int(candidates.array.data[candidates.array.selected].id)
-        lc.llama_sampler_accept(constrain, token)
-        lc.llama_sampler_accept(chain, token)
-        return token
-
-    def _masked_candidates(self, index: int, refused: np.ndarray) -> "_Candidates":
-        """:meth:`_candidates` without the ``refused`` tokens (EngineError if none is left)."""
-        candidates = self._candidates(index)
-        candidates.data["logit"][refused] = -np.inf
-        if not np.isfinite(candidates.data["logit"]).any():
-            raise EngineError("Every token of this model's vocabulary would break UTF-8 here.")
-        return candidates
-
-    def _utf8_table(self) -> np.ndarray:
-        """This vocabulary's :func:`utf8mask.token_table`, made on first use (about a second
-        for 150k tokens)."""
-        with self._utf8_lock:
-            if self._utf8 is None:
-                lc, n_vocab = self._lc, self.llama.n_vocab()
-                answer = [self._token_piece(t, special=False) for t in range(n_vocab)]
-                grammar = [self._token_piece(t, special=True) for t in range(n_vocab)]
-                eog = np.array([lc.llama_vocab_is_eog(self._vocab, t) for t in range(n_vocab)], dtype=bool)
-                table = utf8mask.token_table(answer, grammar, eog)
-                self._utf8_refused = np.ascontiguousarray((table == utf8mask.REJECT).T)
-                self._utf8 = table
-            return self._utf8
-
-    def _token_piece(self, token: int, special: bool) -> bytes:
-        """A token's bytes as llama.cpp writes them (the grammar reads them with ``special``)."""
-        buf = ctypes.create_string_buffer(256)
-        n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:max(n, 0)]
-
-    def _candidates(self, index: int = -1) -> "_Candidates":
-        """Every token with its logit from row ``index`` of the last evaluation's outputs, as a
-        llama.cpp candidate array."""
-        n_vocab = self.llama.n_vocab()
-        logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llama.ctx, index), shape=(n_vocab,))
-        data = np.empty(n_vocab, dtype=_TOKEN_DATA)
-        data["id"] = np.arange(n_vocab, dtype=np.int32)
-        data["logit"] = logits
-        data["p"] = 0.0
-        pointer = data.ctypes.data_as(ctypes.POINTER(self._lc.llama_token_data))
-        array = self._lc.llama_token_data_array(data=pointer, size=n_vocab, selected=-1, sorted=False)
-        return _Candidates(data, array)
-
-    def _sampler(self, s: Sampling):
-        # A grammar is not part of this chain: see _sample. (Inside it, it would have to come
-        # first, on the whole vocabulary: after the top-k shortcut below, every candidate
-        # left could be one the grammar forbids.)
-        lc = self._lc
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lambda smpl: lc.llama_sampler_chain_add(chain, smpl)  # noqa: E731
-        keep = 1 if s.temperature <= 0 else s.top_k
-        if s.repeat_penalty != 1.0:
-            if s.repeat_penalty > 1.0 and keep > 0:
-                # the penalty only lowers the last PENALTY_LAST_N tokens, so the final top
-                # `keep` lies within the first `keep + PENALTY_LAST_N`: same result, without
-                # a pass over the whole vocabulary (150k entries) for every token
-                add(lc.llama_sampler_init_top_k(keep + PENALTY_LAST_N))
-            add(lc.llama_sampler_init_penalties(self.llama.n_vocab(), PENALTY_LAST_N,
-                                                s.repeat_penalty, 0.0, 0.0))
-        if s.temperature <= 0:
-            add(lc.llama_sampler_init_greedy())
-            return chain
-        add(lc.llama_sampler_init_top_k(s.top_k))
-        add(lc.llama_sampler_init_top_p(s.top_p, 1))
-        if s.min_p > 0:
-            add(lc.llama_sampler_init_min_p(s.min_p, 1))
-        add(lc.llama_sampler_init_temp(s.temperature))
-        seed = s.seed if s.seed is not None else lc.LLAMA_DEFAULT_SEED
-        add(lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        self.sampler.check_grammar(grammar)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token stands for (control tokens give none)."""
@@ -900,18 +777,6 @@ class _OwnSequence:
 
 #: the root rule of "the grammar's answer, or the opening of a free block" (a name no converter makes)
 _GRAMMAR_OR_OPENER = "gguf-mcv-answer-or-opener"
-#: llama.cpp's ``llama_token_data``: id, logit, p
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-
-
-@dataclass
-class _Candidates:
-    """A candidate array for llama.cpp and the numpy buffer it points into (kept alive with it)."""
-
-    data: np.ndarray
-    array: Any
-
-
 def _decoded(data: bytes) -> tuple[str, bool]:
     """``data`` as text (invalid bytes as U+FFFD, as answers are), and whether no character
     is left incomplete at its end."""
