@@ -9,13 +9,15 @@ all come through here; the planner and the Hub layer never call each other.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import constants
-from .errors import ConfigError, NoQuantFitsError, OfflineError
+from .errors import ConfigError, NativeKernelError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
 from .models.catalog import CatalogEntry, load_catalog
 from .models.headers import read_projector_header, read_tensors, read_text_header
@@ -109,13 +111,41 @@ def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refres
     return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
 
 
-def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
-    """``vision_backend`` and the onnxruntime version that imports here, for
-    :func:`~gguf_mcv.planning.planner.choose` (onnxruntime is imported only when it may be used)."""
+def vision_options(vision_backend: str = "auto", mmproj_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """What :func:`~gguf_mcv.planning.planner.choose` needs to decide the vision setup as ``load()``
+    will: ``vision_backend``, the onnxruntime version that imports here (imported only when it
+    may be used), the native check's verdict on the backend it picks (checked in a child process
+    once per machine and build, as the load does) and, for a local ``mmproj_path`` already
+    converted, how int8 did against fp32."""
     from .vision.onnx_vision import onnxruntime_version  # lazy: the loader's check, imports onnxruntime
 
     ort = onnxruntime_version() if vision_backend != "llama.cpp" else None
-    return {"vision_backend": vision_backend, "onnxruntime": ort}
+    cosine = None
+    if ort is not None and mmproj_path is not None:
+        from .models.identity import file_identity
+        from .vision.onnx_vision import known_int8_cosine
+
+        cosine = known_int8_cosine(file_identity(mmproj_path))
+    return {"vision_backend": vision_backend, "onnxruntime": ort, "int8_cosine": cosine,
+            "vision_moves": native_vision_moves(vision_backend)}
+
+
+def native_vision_moves(vision_backend: str) -> Callable[[str], str]:
+    """The native check's verdict as :func:`~gguf_mcv.vision.vision_backends.choose_setup` takes it:
+    a backend → the backend that runs in its place here (:func:`gguf_mcv.runtime.native_check.decide`,
+    asked once per backend). For planning an explicit backend that crashes is left as it is (the
+    load refuses it, and ``gguf-mcv plan`` says so)."""
+    from .runtime import native_check  # lazy: runs the check in a child process when not yet known
+
+    @functools.cache
+    def runs_instead(backend: str) -> str:
+        try:
+            decision = native_check.decide((), backend, vision_auto=vision_backend == "auto")
+        except NativeKernelError:
+            return backend
+        return decision.vision_backend or backend
+
+    return runs_instead
 
 
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
@@ -130,7 +160,7 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, **vision_options(vision_backend), "quant": quant})
+                    **{**options, **vision_options(vision_backend, mmproj_path), "quant": quant})
     return replace(result, model=os.fspath(model_path))
 
 
