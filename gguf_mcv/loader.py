@@ -9,7 +9,7 @@ sees them; then the text model and the vision projector are loaded into an
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -170,21 +170,24 @@ def _vision_and_kernels(model_path: str | os.PathLike, mmproj_path: str | os.Pat
     runs, else decided now by the same function -- and the native check's decision for the text
     model's kernels and that encoder's (the encoder is checked only when it runs on the CPU)."""
     vision_gpu = bool(options.vision_gpu)
+    text_types = native_check.weight_types(model_path)
     vision = planned.vision if planned is not None else None
     if vision is None or vision.vision_gpu != vision_gpu:
-        vision = _decide_vision(options, mmproj_path, projector, what=os.fspath(model_path),
+        vision = _decide_vision(options, mmproj_path, projector, text_types=text_types, what=os.fspath(model_path),
                                 fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
-    kernels = native_check.decide(native_check.weight_types(model_path), None if vision_gpu else vision.backend,
+    # the verdicts are known by now (kept): this asks no child process again
+    kernels = native_check.decide(text_types, None if vision_gpu else vision.backend,
                                   vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
     return vision, kernels
 
 
 def _decide_vision(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader, *,
-                   what: str | None = None, fallback_fits: Callable[[str], bool] | None = None) -> VisionSetup:
+                   text_types: Iterable[str] = (), what: str | None = None,
+                   fallback_fits: Callable[[str], bool] | None = None) -> VisionSetup:
     """:func:`choose_setup` with this machine's inputs, for a load no plan was made for: whether
     onnxruntime imports (imported only when it may be used: ~25 MiB of RSS) and the native check's
     verdict, which replaces a crashing backend under ``auto`` and refuses an explicit one
-    (:class:`~gguf_mcv.errors.NativeKernelError`)."""
+    (:class:`~gguf_mcv.errors.NativeKernelError`); ``text_types`` are checked in the same child."""
     from .vision.onnx_vision import onnxruntime_version
 
     vision_gpu = bool(options.vision_gpu)
@@ -192,7 +195,7 @@ def _decide_vision(options: LoadOptions, mmproj_path: str | os.PathLike, project
     auto, what = options.vision_backend == "auto", what or os.fspath(mmproj_path)
 
     def runs_instead(backend: str) -> str:
-        return native_check.decide((), backend, vision_auto=auto, what=what).vision_backend or backend
+        return native_check.decide(text_types, backend, vision_auto=auto, what=what).vision_backend or backend
 
     return choose_setup(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
                         ort_version=onnxruntime_version() if may_use else None, runs_instead=runs_instead,
@@ -219,8 +222,8 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
     vision setup decided, and wrap it in a :class:`Model`."""
     vision_gpu = bool(options.vision_gpu)
     slice_size = projector.shape.image_size
-    backend, reason, encoder, libmtmd_mmproj = _carry_out(vision, options, mmproj_path,
-                                                          options.n_threads_batch or probe().recommended_threads)
+    n_threads = options.n_threads_batch or options.n_threads or probe().recommended_threads
+    backend, reason, encoder, libmtmd_mmproj = _carry_out(vision, options, mmproj_path, n_threads)
     slots = int(options.parallel)
     llama = _open_llama(model_path, options, verbose=verbose, extra_bufts=kernels.extra_bufts)
     scheduler = None

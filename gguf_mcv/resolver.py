@@ -82,15 +82,17 @@ def plan(
     once, a few seconds; ``speed_probe=False`` or ``GGUF_MCV_NO_PROBE=1`` for the
     defaults). ``min_tokens_per_s`` and ``max_first_answer_s`` keep only quants (and,
     for ``"auto"``, models) predicted to meet them. ``vision_backend`` is ``load()``'s: the
-    memory figures count the encoder it resolves to (``"auto"``: ONNX Runtime int8 on a CPU
-    where onnxruntime imports).
+    plan carries the vision setup ``load()`` carries out (``Plan.vision``: backend, precision,
+    reason and int8's fallback, with the native check's verdict, run once per machine, applied)
+    and the memory figures count its encoder (``"auto"``: ONNX Runtime int8 on a CPU where
+    onnxruntime imports).
     """
     hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
                                    rates=rates or machine_rates(hw, speed_probe),
-                                   **vision_options(vision_backend))
+                                   **vision_inputs(vision_backend))
     if model == "auto":
         return _plan_auto(**options)
     repo, entry = resolve(model)
@@ -111,23 +113,28 @@ def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refres
     return rates(probe=speed_probe, threads=hardware.recommended_threads, refresh=refresh)
 
 
-def vision_options(vision_backend: str = "auto", mmproj_path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """What :func:`~gguf_mcv.planning.planner.choose` needs to decide the vision setup as ``load()``
-    will: ``vision_backend``, the onnxruntime version that imports here (imported only when it
-    may be used), the native check's verdict on the backend it picks (checked in a child process
-    once per machine and build, as the load does) and, for a local ``mmproj_path`` already
-    converted, how int8 did against fp32."""
+def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
+    """``vision_backend`` and the onnxruntime version that imports here, for
+    :func:`~gguf_mcv.planning.planner.choose` (onnxruntime is imported only when it may be used)."""
     from .vision.onnx_vision import onnxruntime_version  # lazy: the loader's check, imports onnxruntime
 
     ort = onnxruntime_version() if vision_backend != "llama.cpp" else None
+    return {"vision_backend": vision_backend, "onnxruntime": ort}
+
+
+def vision_inputs(vision_backend: str = "auto", mmproj_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Everything :func:`~gguf_mcv.planning.planner.choose` needs to decide the vision setup as
+    ``load()`` will: :func:`vision_options`, the native check's verdict on the backend it picks
+    (checked in a child process once per machine and build, as the load does) and, for a local
+    ``mmproj_path`` already converted, how int8 did against fp32."""
+    options = vision_options(vision_backend)
     cosine = None
-    if ort is not None and mmproj_path is not None:
+    if options["onnxruntime"] is not None and mmproj_path is not None:
         from .models.identity import file_identity
         from .vision.onnx_vision import known_int8_cosine
 
         cosine = known_int8_cosine(file_identity(mmproj_path))
-    return {"vision_backend": vision_backend, "onnxruntime": ort, "int8_cosine": cosine,
-            "vision_moves": native_vision_moves(vision_backend)}
+    return {**options, "int8_cosine": cosine, "vision_moves": native_vision_moves(vision_backend)}
 
 
 def native_vision_moves(vision_backend: str) -> Callable[[str], str]:
@@ -160,7 +167,7 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, **vision_options(vision_backend, mmproj_path), "quant": quant})
+                    **{**options, **vision_inputs(vision_backend, mmproj_path), "quant": quant})
     return replace(result, model=os.fspath(model_path))
 
 
@@ -203,7 +210,7 @@ def pull(
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
                                 rates=machine_rates(hw) if limited else None,
-                                **vision_options(vision_backend), **limits)
+                                **vision_inputs(vision_backend), **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None
