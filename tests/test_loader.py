@@ -132,20 +132,6 @@ def test_a_plan_for_the_gpu_is_carried_out_as_planned(tiny) -> None:
     assert decided == vision  # with no plan: the same decision, by the same function
 
 
-def test_plan_and_load_agree_when_the_native_check_moves_the_backend(tiny, monkeypatch) -> None:
-    pytest.importorskip("onnxruntime")
-    from gguf_mcv.runtime import native_check
-
-    monkeypatch.setenv(native_check.ENV_FAULT, "vision:onnx-int8=SIGILL")  # its own verdict, never the real one
-    native_check.forget()
-    try:
-        planned, backend, reason = _plan_and_load(tiny)
-    finally:
-        native_check.forget()
-    assert planned.vision_backend == backend == "onnx-fp32"
-    assert "crashed" in planned.vision_backend_reason and "crashed" in reason
-
-
 @pytest.fixture
 def own_onnx_cache(tmp_path, monkeypatch):
     """An empty cache (nothing converted yet) that keeps the session's native verdicts."""
