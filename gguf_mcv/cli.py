@@ -284,7 +284,9 @@ def _native_lines(result: Any, local: tuple[Path, Path] | None, vision_backend: 
                                        vision_auto=vision_backend == "auto", what=result.quant)
     except GgufMcvError as exc:
         return [f"refused: {_one_line(exc)}"]
-    return list(decision.notices) or ["every kernel this load uses ran in the check"]
+    # the plan itself may have moved the vision backend (announced then, kept in native_check.notices())
+    notices = dict.fromkeys([*native_check.notices(), *decision.notices])
+    return list(notices) or ["every kernel this load uses ran in the check"]
 
 
 def _pull(args: argparse.Namespace) -> int:

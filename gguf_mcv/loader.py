@@ -9,7 +9,7 @@ sees them; then the text model and the vision projector are loaded into an
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from .runtime import native, native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
 from .vision.embed_cache import EmbeddingCache
-from .vision.vision_backends import choose_backend
+from .vision.vision_backends import VisionSetup, choose_setup
 
 
 def load(
@@ -121,48 +121,111 @@ def load(
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
                              kv_cache_type=kv_cache_type, vision_backend=vision_backend)
+    options = _resolved(options, planned)
+    vision, kernels = _vision_and_kernels(model_path, mmproj_path, projector, options, planned, ram_budget)
     if options.parallel == "auto":
-        options = replace(options, parallel=auto_parallel(model_path, mmproj_path, options, ram_budget))
-    return _open(model_path, mmproj_path, text, projector, options, planned, entry,
+        options = replace(options, parallel=auto_parallel(model_path, mmproj_path, options, ram_budget, vision))
+    return _open(model_path, mmproj_path, text, projector, options, vision, kernels, entry,
                  name=name, quant=quant_name, repo=repo, chat_template=chat_template,
                  embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
 
 
 def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
-                  ram_budget: int | str | None) -> int:
+                  ram_budget: int | str | None, vision: VisionSetup | None = None) -> int:
     """How many parallel slots the memory budget holds for these files (see
-    :func:`memory.parallel_for_budget`): the plan's need for one, then a KV cache per slot."""
+    :func:`memory.parallel_for_budget`): the plan's need for one -- with the encoder of ``vision``,
+    or of its fallback where that needs more (default: the setup :func:`load` decides) -- then a
+    KV cache per slot."""
     budget, _ = resolve_budget(probe(), ram_budget)
     projector = read_projector_header(mmproj_path)
-    backend, _ = _choose_vision_backend(options, projector, bool(options.vision_gpu))
-    one = estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                         vision_backend=backend)
+    if vision is None:
+        vision = _decide_vision(options, mmproj_path, projector,
+                                fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
+    backends = [vision.backend] + ([vision.fallback] if vision.fallback else [])
+    needed = max(estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
+                                vision_backend=b).needed for b in backends)
     text = read_text_header(model_path).shape
-    per_slot = slot_bytes(text, options.n_ctx, options.kv_cache_type, vision=projector.shape, vision_backend=backend)
-    return parallel_for_budget(one.needed, per_slot, budget)
+    per_slot = slot_bytes(text, options.n_ctx, options.kv_cache_type, vision=projector.shape,
+                          vision_backend=vision.backend)
+    return parallel_for_budget(needed, per_slot, budget)
 
 
-def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,
-          projector: ProjectorHeader, options: LoadOptions, planned: Plan | None,
-          entry: CatalogEntry | None, *, name: str, quant: str | None, repo: str | None,
-          chat_template: str | None, embed_cache: EmbeddingCache | None,
-          allow_remote_media: bool, verbose: bool) -> Model:
-    """Load the checked pair into llama.cpp and wrap it in a :class:`Model`."""
+def _resolved(options: LoadOptions, planned: Plan | None) -> LoadOptions:
+    """``options`` with what is left to the plan or the machine filled in: threads, GPU layers
+    (``"auto"``: the plan's) and where the vision encoder runs."""
     auto = options.n_gpu_layers == "auto"
     n_threads = options.n_threads or probe().recommended_threads
-    n_gpu = planned.n_gpu_layers if auto and planned is not None else options.n_gpu_layers
     vision_gpu = options.vision_gpu
     if vision_gpu is None:
         vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
+    n_gpu = (planned.n_gpu_layers if planned is not None else 0) if auto else options.n_gpu_layers
+    return replace(options, n_threads=n_threads, n_threads_batch=options.n_threads_batch or n_threads,
+                   n_gpu_layers=n_gpu, vision_gpu=vision_gpu)
+
+
+def _vision_and_kernels(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
+                        options: LoadOptions, planned: Plan | None,
+                        ram_budget: int | str | None) -> tuple[VisionSetup, native_check.Decision]:
+    """The vision setup this load carries out -- the plan's, when one was made for where the encoder
+    runs, else decided now by the same function -- and the native check's decision for the text
+    model's kernels and that encoder's (the encoder is checked only when it runs on the CPU)."""
+    vision_gpu = bool(options.vision_gpu)
+    text_types = native_check.weight_types(model_path)
+    vision = planned.vision if planned is not None else None
+    if vision is None or vision.vision_gpu != vision_gpu:
+        vision = _decide_vision(options, mmproj_path, projector, text_types=text_types, what=os.fspath(model_path),
+                                fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
+    # the verdicts are known by now (kept): this asks no child process again
+    kernels = native_check.decide(text_types, None if vision_gpu else vision.backend,
+                                  vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
+    return vision, kernels
+
+
+def _decide_vision(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader, *,
+                   text_types: Iterable[str] = (), what: str | None = None,
+                   fallback_fits: Callable[[str], bool] | None = None) -> VisionSetup:
+    """:func:`choose_setup` with this machine's inputs, for a load no plan was made for: whether
+    onnxruntime imports (imported only when it may be used: ~25 MiB of RSS) and the native check's
+    verdict, which replaces a crashing backend under ``auto`` and refuses an explicit one
+    (:class:`~gguf_mcv.errors.NativeKernelError`); ``text_types`` are checked in the same child."""
+    from .vision.onnx_vision import onnxruntime_version
+
+    vision_gpu = bool(options.vision_gpu)
+    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
+    auto, what = options.vision_backend == "auto", what or os.fspath(mmproj_path)
+
+    def runs_instead(backend: str) -> str:
+        return native_check.decide(text_types, backend, vision_auto=auto, what=what).vision_backend or backend
+
+    return choose_setup(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
+                        ort_version=onnxruntime_version() if may_use else None, runs_instead=runs_instead,
+                        fallback_fits=fallback_fits)
+
+
+def _fits_budget(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
+                 ram_budget: int | str | None) -> Callable[[str], bool]:
+    """Whether the memory budget (as the plan takes it) holds these files with a given vision backend."""
+    def fits(backend: str) -> bool:
+        budget, _ = resolve_budget(probe(), ram_budget)
+        return estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
+                              vision_backend=backend).needed <= budget
+
+    return fits
+
+
+def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,
+          projector: ProjectorHeader, options: LoadOptions, vision: VisionSetup, kernels: native_check.Decision,
+          entry: CatalogEntry | None, *, name: str, quant: str | None, repo: str | None,
+          chat_template: str | None, embed_cache: EmbeddingCache | None,
+          allow_remote_media: bool, verbose: bool) -> Model:
+    """Load the checked pair into llama.cpp, with ``options`` resolved (:func:`_resolved`) and the
+    vision setup decided, and wrap it in a :class:`Model`."""
+    vision_gpu = bool(options.vision_gpu)
     slice_size = projector.shape.image_size
-    chosen, kernels = _safe_vision_backend(options, projector, vision_gpu, native_check.weight_types(model_path),
-                                           what=os.fspath(model_path))
-    backend, reason, encoder, libmtmd_mmproj = _vision_backend(
-        options, mmproj_path, projector, vision_gpu, options.n_threads_batch or n_threads, chosen=chosen)
+    n_threads = options.n_threads_batch or options.n_threads or probe().recommended_threads
+    backend, reason, encoder, libmtmd_mmproj = _carry_out(vision, options, mmproj_path, n_threads)
     slots = int(options.parallel)
-    llama = _open_llama(model_path, options.n_ctx * slots, n_threads, options.n_threads_batch or n_threads,
-                        int(n_gpu), options.flash_attn, options.kv_cache_type, verbose,
-                        extra_bufts=kernels.extra_bufts)
+    llama = _open_llama(model_path, options, verbose=verbose, extra_bufts=kernels.extra_bufts)
     scheduler = None
     try:
         if slots > 1:
@@ -213,19 +276,6 @@ def checked_llama(model_path: str | os.PathLike, **llama_kwargs: Any) -> Any:
     return open_llama(model_path, extra_bufts=decision.extra_bufts, **llama_kwargs)
 
 
-def _safe_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool,
-                         text_types: Iterable[str], *, what: str) -> tuple[tuple[str, str], native_check.Decision]:
-    """(backend, reason) by the rule (:func:`_choose_vision_backend`), moved where that backend's
-    kernels crash on this machine, and the native check's decision for the text model's types
-    too (:func:`native_check.decide`; the vision encoder is checked only when it runs on the CPU)."""
-    backend, reason = _choose_vision_backend(options, projector, vision_gpu)
-    kernels = native_check.decide(text_types, None if vision_gpu else backend,
-                                  vision_auto=options.vision_backend == "auto", what=what)
-    if kernels.vision_backend is not None and kernels.vision_backend != backend:
-        backend, reason = kernels.vision_backend, f"{reason}; {backend} crashed on this machine (see the notice)"
-    return (backend, reason), kernels
-
-
 def _with_sequences(llama, n_seq: int) -> None:
     """Give ``llama`` a context of ``n_seq`` sequences in one unified KV cache.
 
@@ -252,25 +302,24 @@ def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_
     """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings, as
     :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
     options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
-    projector = read_projector_header(mmproj_path)
-    chosen, _ = _safe_vision_backend(options, projector, vision_gpu, (), what=os.fspath(mmproj_path))
-    return _vision_backend(options, mmproj_path, projector, vision_gpu, n_threads, chosen=chosen)
+    vision = _decide_vision(options, mmproj_path, read_projector_header(mmproj_path))
+    return _carry_out(vision, options, mmproj_path, n_threads)
 
 
-def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
-                    vision_gpu: bool, n_threads: int, *, chosen: tuple[str, str] | None = None,
-                    ) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
-    """(backend, reason, encoder, the mmproj libmtmd loads): for an ONNX backend the converted
-    encoder and a stand-in mmproj without the tower's weights (no double loading). ``chosen``
-    is the (backend, reason) already decided, else the rule's."""
+def _carry_out(vision: VisionSetup, options: LoadOptions, mmproj_path: str | os.PathLike,
+               n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
+    """(backend, reason, encoder, the mmproj libmtmd loads) for the decided ``vision``: for an ONNX
+    backend the converted encoder and a stand-in mmproj without the tower's weights (no double
+    loading). What is left to run time is the setup's own: int8's check against fp32 at its first
+    conversion (:meth:`VisionSetup.validated`, the fallback the plan showed), and under ``auto`` a
+    conversion that cannot be written at all (libmtmd needs none)."""
     from .vision import onnx_vision
 
-    backend, reason = chosen or _choose_vision_backend(options, projector, vision_gpu)
-    if backend == "llama.cpp":
-        return _libmtmd(options, mmproj_path, vision_gpu, reason)
+    if not vision.onnx:
+        return _libmtmd(options, mmproj_path, vision)
     identity = file_identity(mmproj_path)
     # int8 is validated against fp32 in this process: only where its kernels are known to run
-    # (where they crash, native_check.decide has already moved an ONNX backend to fp32)
+    # (where they crash, the native check has already moved an ONNX backend to fp32)
     int8_runs = native_check.vision_safe("onnx-int8")
     try:
         converted = onnx_vision.prepare(mmproj_path, identity, progress=onnx_vision.progress_bar(),
@@ -278,34 +327,18 @@ def _vision_backend(options: LoadOptions, mmproj_path: str | os.PathLike, projec
     except OSError as exc:  # NotEnoughDiskError included
         if options.vision_backend != "auto":
             raise
-        # the conversion cache cannot be written (full, read-only, in the way): libmtmd needs none
-        return _libmtmd(options, mmproj_path, vision_gpu,
-                        f"auto: the ONNX conversion cannot be made ({type(exc).__name__}: {exc})")
-    if int8_runs and options.vision_backend == "auto" and not converted.int8_ok:
-        backend = "onnx-fp32"
-        reason = (f"auto: int8 embeddings agree with fp32 only to cosine {converted.int8_cosine:.4f} "
-                  f"(< {onnx_vision.INT8_MIN_COSINE}) on this mmproj")
-    elif int8_runs:
-        reason += f"; int8 vs fp32 cosine {converted.int8_cosine:.4f}"
-    encoder = onnx_vision.OnnxVision(converted, backend.removeprefix("onnx-"), identity, n_threads=n_threads)
-    return backend, reason, encoder, onnx_vision.standin(mmproj_path, identity)
+        return _libmtmd(options, mmproj_path, vision.unconverted(f"{type(exc).__name__}: {exc}"))
+    if int8_runs:
+        vision = vision.validated(converted.int8_cosine)
+    encoder = onnx_vision.OnnxVision(converted, vision.precision, identity, n_threads=n_threads)
+    return vision.backend, vision.reason, encoder, onnx_vision.standin(mmproj_path, identity)
 
 
-def _libmtmd(options: LoadOptions, mmproj_path: str | os.PathLike, vision_gpu: bool,
-             reason: str) -> tuple[str, str, None, str | os.PathLike]:
+def _libmtmd(options: LoadOptions, mmproj_path: str | os.PathLike,
+             vision: VisionSetup) -> tuple[str, str, None, str | os.PathLike]:
     """The llama.cpp backend's setup: no ONNX encoder, the mmproj at the precision asked for."""
-    mmproj, note = _precision(options, mmproj_path, vision_gpu)
-    return "llama.cpp", f"{reason}; mmproj {note}", None, mmproj
-
-
-def _choose_vision_backend(options: LoadOptions, projector: ProjectorHeader, vision_gpu: bool) -> tuple[str, str]:
-    """(backend, reason) by the rule the planner uses too (:mod:`gguf_mcv.vision.vision_backends`)."""
-    from .vision.onnx_vision import onnxruntime_version
-
-    # importing onnxruntime costs ~25 MiB of RSS: only when it may be used
-    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
-    return choose_backend(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
-                          ort_version=onnxruntime_version() if may_use else None)
+    mmproj, note = _precision(options, mmproj_path, vision.vision_gpu)
+    return "llama.cpp", f"{vision.reason}; mmproj {note}", None, mmproj
 
 
 def _precision(options: LoadOptions, mmproj_path: str | os.PathLike,
@@ -345,23 +378,17 @@ def _gpu_offload_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def _open_llama(model_path, n_ctx, n_threads, n_threads_batch, n_gpu_layers, flash_attn,
-                kv_cache_type, verbose, *, extra_bufts: bool = True):
-    import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
+def _open_llama(model_path: str | os.PathLike, options: LoadOptions, *, verbose: bool, extra_bufts: bool = True):
+    """llama.cpp's model and context for ``options`` (resolved: threads and GPU layers given,
+    ``parallel`` a count of slots sharing one context)."""
+    from .runtime.llama_load import llama_kwargs, open_llama
 
-    from .runtime.llama_load import open_llama
-
+    kwargs = llama_kwargs(options)
+    n_gpu_layers = kwargs["n_gpu_layers"]
     native.install_logging()
     native.clear_recent()
-    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-               "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv_cache_type]
     try:
-        return open_llama(
-            model_path, extra_bufts=extra_bufts, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-            n_threads=n_threads, n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers,
-            flash_attn=bool(flash_attn) or kv_cache_type != "f16", type_k=kv_type, type_v=kv_type,
-            verbose=verbose,
-        )
+        return open_llama(model_path, extra_bufts=extra_bufts, verbose=verbose, **kwargs)
     except ValueError as exc:
         details = native.recent_errors() or str(exc)
         if n_gpu_layers != 0:  # offloading can fail for reasons that have nothing to do with the file

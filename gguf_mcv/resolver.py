@@ -9,13 +9,15 @@ all come through here; the planner and the Hub layer never call each other.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import constants
-from .errors import ConfigError, NoQuantFitsError, OfflineError
+from .errors import ConfigError, NativeKernelError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
 from .models.catalog import CatalogEntry, load_catalog
 from .models.headers import read_projector_header, read_tensors, read_text_header
@@ -80,15 +82,17 @@ def plan(
     once, a few seconds; ``speed_probe=False`` or ``GGUF_MCV_NO_PROBE=1`` for the
     defaults). ``min_tokens_per_s`` and ``max_first_answer_s`` keep only quants (and,
     for ``"auto"``, models) predicted to meet them. ``vision_backend`` is ``load()``'s: the
-    memory figures count the encoder it resolves to (``"auto"``: ONNX Runtime int8 on a CPU
-    where onnxruntime imports).
+    plan carries the vision setup ``load()`` carries out (``Plan.vision``: backend, precision,
+    reason and int8's fallback, with the native check's verdict, run once per machine, applied)
+    and the memory figures count its encoder (``"auto"``: ONNX Runtime int8 on a CPU where
+    onnxruntime imports).
     """
     hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
                                    rates=rates or machine_rates(hw, speed_probe),
-                                   **vision_options(vision_backend))
+                                   **vision_inputs(vision_backend))
     if model == "auto":
         return _plan_auto(**options)
     repo, entry = resolve(model)
@@ -118,6 +122,39 @@ def vision_options(vision_backend: str = "auto") -> dict[str, Any]:
     return {"vision_backend": vision_backend, "onnxruntime": ort}
 
 
+def vision_inputs(vision_backend: str = "auto", mmproj_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Everything :func:`~gguf_mcv.planning.planner.choose` needs to decide the vision setup as
+    ``load()`` will: :func:`vision_options`, the native check's verdict on the backend it picks
+    (checked in a child process once per machine and build, as the load does) and, for a local
+    ``mmproj_path`` already converted, how int8 did against fp32."""
+    options = vision_options(vision_backend)
+    cosine = None
+    if options["onnxruntime"] is not None and mmproj_path is not None:
+        from .models.identity import file_identity
+        from .vision.onnx_vision import known_int8_cosine
+
+        cosine = known_int8_cosine(file_identity(mmproj_path))
+    return {**options, "int8_cosine": cosine, "vision_moves": native_vision_moves(vision_backend)}
+
+
+def native_vision_moves(vision_backend: str) -> Callable[[str], str]:
+    """The native check's verdict as :func:`~gguf_mcv.vision.vision_backends.choose_setup` takes it:
+    a backend → the backend that runs in its place here (:func:`gguf_mcv.runtime.native_check.decide`,
+    asked once per backend). For planning an explicit backend that crashes is left as it is (the
+    load refuses it, and ``gguf-mcv plan`` says so)."""
+    from .runtime import native_check  # lazy: runs the check in a child process when not yet known
+
+    @functools.cache
+    def runs_instead(backend: str) -> str:
+        try:
+            decision = native_check.decide((), backend, vision_auto=vision_backend == "auto")
+        except NativeKernelError:
+            return backend
+        return decision.vision_backend or backend
+
+    return runs_instead
+
+
 def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
                hardware: Hardware | None = None, vision_backend: str = "auto", **options: Any) -> Plan:
     """:func:`~gguf_mcv.planning.planner.choose` for one local model file and its projector
@@ -130,7 +167,7 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, **vision_options(vision_backend), "quant": quant})
+                    **{**options, **vision_inputs(vision_backend, mmproj_path), "quant": quant})
     return replace(result, model=os.fspath(model_path))
 
 
@@ -173,7 +210,7 @@ def pull(
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
                                 rates=machine_rates(hw) if limited else None,
-                                **vision_options(vision_backend), **limits)
+                                **vision_inputs(vision_backend), **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None

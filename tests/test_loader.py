@@ -87,3 +87,93 @@ def test_auto_gpu_layers_follow_the_plan_on_a_cpu_build(tiny) -> None:
     with load_tiny(tiny, n_gpu_layers="auto") as model:
         assert model.info.vision_gpu is False
         assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
+
+
+# --- plan and load agree on the vision setup ---------------------------------------------------
+
+
+def _plan_and_load(tiny, **kw):
+    """(the plan for the tiny pair, the backend and reason ``load`` ran) with the same settings."""
+    from gguf_mcv.resolver import plan_local
+
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024,
+                         **{k: v for k, v in kw.items() if k in ("vision_backend", "ram_budget")})
+    with load_tiny(tiny, n_threads=2, **kw) as model:
+        return planned, model.info.vision_backend, model.info.vision_backend_reason
+
+
+@pytest.mark.parametrize("kw", [{}, {"vision_backend": "llama.cpp"}, {"vision_backend": "onnx-fp32"},
+                                {"vision_backend": "onnx-int8"}, {"n_gpu_layers": "auto"}])
+def test_plan_and_load_agree_on_the_vision_backend(tiny, kw) -> None:
+    pytest.importorskip("onnxruntime")
+    planned, backend, reason = _plan_and_load(tiny, **kw)
+    assert planned.vision is not None and planned.vision.vision_gpu is False
+    assert backend == planned.vision_backend == planned.vision.backend
+    assert reason.startswith(planned.vision.reason.split("; int8 vs fp32")[0])
+
+
+def test_a_plan_for_the_gpu_is_carried_out_as_planned(tiny) -> None:
+    from dataclasses import replace
+
+    from gguf_mcv import loader
+    from gguf_mcv.hardware import Gpu, probe
+    from gguf_mcv.models.headers import read_projector_header
+    from gguf_mcv.options import LoadOptions
+    from gguf_mcv.resolver import plan_local
+
+    gpu = replace(probe(), gpus=(Gpu("test GPU", "cuda", 8 * 2**30, 7 * 2**30, False),), gpu_offload=True)
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, hardware=gpu, n_ctx=1024)
+    assert planned.vision_on_gpu and planned.vision is not None
+    options = loader._resolved(LoadOptions(n_ctx=1024, n_gpu_layers="auto"), planned)
+    projector = read_projector_header(tiny.mmproj)
+    vision, _ = loader._vision_and_kernels(tiny.quants["Q4_K_M"], tiny.mmproj, projector, options, planned, None)
+    assert vision is planned.vision and (vision.backend, vision.vision_gpu) == ("llama.cpp", True)
+    decided, _ = loader._vision_and_kernels(tiny.quants["Q4_K_M"], tiny.mmproj, projector, options, None, None)
+    assert decided == vision  # with no plan: the same decision, by the same function
+
+
+@pytest.fixture
+def own_onnx_cache(tmp_path, monkeypatch):
+    """An empty cache (nothing converted yet) that keeps the session's native verdicts."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from gguf_mcv.runtime import native_check
+
+    verdicts = Path(os.environ["GGUF_MCV_CACHE"]) / native_check.FOLDER
+    if verdicts.is_dir():
+        shutil.copytree(verdicts, tmp_path / native_check.FOLDER)
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_plan_announces_the_int8_fallback_and_load_takes_it(tiny, own_onnx_cache, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv.vision import vision_backends
+
+    monkeypatch.setattr(vision_backends, "INT8_MIN_COSINE", 1.01)  # int8 fails its check against fp32
+    first, backend, reason = _plan_and_load(tiny)  # nothing converted yet: the plan cannot know
+    assert (first.vision_backend, first.vision.fallback) == ("onnx-int8", "onnx-fp32")
+    assert first.fallback_bytes is not None and first.fallback_bytes > first.predicted_bytes
+    assert "onnx-fp32 instead" in first.table() and first.to_dict()["vision"]["fallback"] == "onnx-fp32"
+    assert backend == first.vision.fallback and "int8 embeddings agree with fp32 only" in reason
+    again, backend, reason = _plan_and_load(tiny)  # converted: the plan knows the check's outcome
+    assert (again.vision_backend, again.vision.fallback) == (backend, None) == ("onnx-fp32", None)
+    assert again.vision_backend_reason == reason
+
+
+def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx_cache, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv.planning.memory import estimate_files
+    from gguf_mcv.vision import vision_backends
+
+    monkeypatch.setattr(vision_backends, "INT8_MIN_COSINE", 1.01)
+    need = {b: estimate_files(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, vision_backend=b).needed
+            for b in ("onnx-int8", "onnx-fp32")}
+    budget = (need["onnx-int8"] + need["onnx-fp32"]) // 2
+    planned, backend, reason = _plan_and_load(tiny, ram_budget=budget)
+    assert (planned.vision_backend, planned.vision.fallback, planned.vision.over_budget) == \
+        ("onnx-int8", None, "onnx-fp32")
+    assert "int8 is kept" in planned.table()
+    assert backend == "onnx-int8" and "kept" in reason

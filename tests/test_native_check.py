@@ -168,9 +168,13 @@ def test_load_answers_after_a_simulated_amx_crash(fresh: Path, monkeypatch: pyte
 
 def test_load_falls_back_to_fp32_when_int8_crashes(fresh: Path, monkeypatch: pytest.MonkeyPatch,
                                                    tiny: SyntheticModel) -> None:
+    from gguf_mcv.resolver import plan_local
+
     _fault(monkeypatch, "vision:onnx-int8=SIGILL")
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=2048)  # plan and load agree
+    assert planned.vision_backend == "onnx-fp32" and "crashed" in planned.vision_backend_reason
     with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048) as model:
-        assert model.info.vision_backend == "onnx-fp32"
+        assert model.info.vision_backend == planned.vision_backend == "onnx-fp32"
         assert "crashed" in model.info.vision_backend_reason
         reply = model.ask("What is in this picture?", EXAMPLE_IMAGE, max_tokens=2, seed=1)
         assert reply.timings.slices_encoded >= 1

@@ -541,6 +541,41 @@ def test_the_table_and_json_say_which_vision_backend() -> None:
     assert {r["vision_backend"] for r in data["rows"]} == {"onnx-int8"}
 
 
+def test_the_plan_carries_int8s_fallback_and_counts_it() -> None:
+    plan = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", onnxruntime=ORT)
+    fp32 = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", vision_backend="onnx-fp32", onnxruntime=ORT)
+    assert plan.vision is not None and (plan.vision.backend, plan.vision.fallback) == ("onnx-int8", "onnx-fp32")
+    assert plan.fallback_bytes == fp32.predicted_bytes > plan.predicted_bytes
+    assert "runs onnx-fp32 instead" in plan.table()
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["vision"]["fallback"] == "onnx-fp32" and data["fallback_bytes"] == plan.fallback_bytes
+    # parallel="auto" counts the larger of the two
+    assert plan.slots == memory.parallel_for_budget(fp32.predicted_bytes, plan.slot_bytes, plan.budget)
+    assert fp32.vision.fallback is None and fp32.fallback_bytes is None  # asked for: nothing to fall back to
+
+
+def test_a_budget_that_does_not_hold_fp32_keeps_int8() -> None:
+    roomy = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", onnxruntime=ORT)
+    tight = plan_26(PI5_8GB, ram_budget=(roomy.predicted_bytes + roomy.fallback_bytes) // 2, quant="Q4_K_M",
+                    onnxruntime=ORT)
+    assert (tight.vision.backend, tight.vision.fallback, tight.vision.over_budget) == ("onnx-int8", None, "onnx-fp32")
+    assert tight.predicted_bytes == roomy.predicted_bytes and tight.fallback_bytes is None
+    assert "int8 is kept" in tight.table()
+
+
+def test_a_known_int8_check_and_the_native_verdict_decide_the_plans_backend() -> None:
+    poor = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", onnxruntime=ORT, int8_cosine=0.9)
+    fp32 = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", vision_backend="onnx-fp32", onnxruntime=ORT)
+    assert (poor.vision_backend, poor.vision.fallback) == ("onnx-fp32", None)
+    assert poor.predicted_bytes == fp32.predicted_bytes and "0.9000" in poor.vision_backend_reason
+    moved = plan_26(PI5_8GB, ram_budget=10**12, quant="Q4_K_M", onnxruntime=ORT,
+                    vision_moves=lambda b: "llama.cpp" if b.startswith("onnx") else b)
+    assert moved.vision_backend == moved.estimate.vision_backend == "llama.cpp"
+    assert "onnx-int8 crashed" in moved.vision_backend_reason
+    gpu = plan_26(LAPTOP_RTX_8GB, onnxruntime=ORT, vision_moves=lambda b: pytest.fail("a GPU tower is not checked"))
+    assert gpu.vision.vision_gpu and gpu.vision_backend == "llama.cpp"
+
+
 @pytest.mark.parametrize("value", ["ONNX", "onnx", "", None, 3, "llama"])
 def test_a_wrong_vision_backend_is_refused(value) -> None:
     with pytest.raises(ConfigError, match="vision_backend"):

@@ -26,12 +26,16 @@ Rules, in order:
   one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
   offloaded and the GPU's allocations count against the one RAM budget; if no quant
   fits that way (device copies cost RAM there), the plan is for the CPU alone.
-* **Vision backend** (``vision_backend``, resolved per quant by the loader's rule,
-  :func:`gguf_mcv.vision.vision_backends.choose_backend`): ``"auto"`` is ``onnx-int8`` when the
-  encoder stays on the CPU and ``onnxruntime`` (its version passed as ``onnxruntime``)
-  imports, else ``llama.cpp``; the memory of the backend each row assumes is what is fitted.
-  On a CPU, ``auto``'s int8 tower is smaller than libmtmd's F16 one, so a tight budget keeps
-  the better text quant rather than the larger encoder.
+* **Vision backend** (``vision_backend``, decided per quant by the one function the loader
+  carries out, :func:`gguf_mcv.vision.vision_backends.choose_setup`): ``"auto"`` is ``onnx-int8``
+  when the encoder stays on the CPU and ``onnxruntime`` (its version passed as ``onnxruntime``)
+  imports, else ``llama.cpp``; a backend the native check saw crash (``vision_moves``) is
+  replaced as the loader replaces it; the memory of the backend each row assumes is what is
+  fitted. On a CPU, ``auto``'s int8 tower is smaller than libmtmd's F16 one, so a tight budget
+  keeps the better text quant rather than the larger encoder. ``auto``'s int8 falls back to
+  fp32 at load time if its embeddings fail their check against fp32 (unless ``int8_cosine``,
+  from a cached conversion, already says how that check went): only where the budget holds
+  fp32 too (else int8 is kept), and the plan shows that fallback and what it needs.
 * **Speed limits** (``min_tokens_per_s``, ``max_first_answer_s``, with ``rates``): among
   the quants that fit, only those the speed model (:mod:`gguf_mcv.planning.speed`) predicts to
   meet them; none meeting them is a :class:`~gguf_mcv.errors.NoQuantFitsError` naming the
@@ -46,7 +50,7 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import Hardware
@@ -54,7 +58,7 @@ from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
 from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend
 from ..units import format_size, parse_size
-from ..vision.vision_backends import choose_backend
+from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
 from . import memory, speed
 from .speed import Rates, SpeedPrediction
 
@@ -131,6 +135,10 @@ class Plan:
     rates: Rates | None = None  #: the machine rates the predictions used
     vision_backend: str = "llama.cpp"  #: who runs the encoder in the chosen setup
     vision_backend_reason: str = ""  #: why (the loader's rule for ``vision_backend="auto"``)
+    #: the whole vision decision (backend, precision, reason, fallback) that ``load()`` carries out
+    vision: VisionSetup | None = None
+    #: RAM needed if the vision setup's fallback runs instead (None: it has none)
+    fallback_bytes: int | None = None
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
@@ -157,6 +165,13 @@ class Plan:
                          f"{format_size(self.slot_bytes)} each beyond the first.")
         lines.append(f"Vision encoder: {self.vision_backend} ({self.vision_backend_reason}); "
                      "its weights and working memory are in the figures above.")
+        if self.vision is not None and self.vision.fallback is not None and self.fallback_bytes is not None:
+            lines.append(f"If int8's embeddings fail their check against fp32 when it is first converted, "
+                         f"load() runs {self.vision.fallback} instead: it needs {format_size(self.fallback_bytes)}, "
+                         f"within the budget.")
+        elif self.vision is not None and self.vision.over_budget is not None:
+            lines.append(f"int8 is kept even if its embeddings fail their check against fp32: "
+                         f"{self.vision.over_budget} would not fit the budget.")
         lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
                      f"n_threads={self.n_threads}, {gpu}.")
         if self.speed is not None and self.rates is not None:
@@ -178,6 +193,8 @@ class Plan:
             "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
             "slot_bytes": self.slot_bytes, "vision_backend": self.vision_backend,
             "vision_backend_reason": self.vision_backend_reason,
+            "vision": self.vision.to_dict() if self.vision is not None else None,
+            "fallback_bytes": self.fallback_bytes,
             "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
             "speed": self.speed.to_dict() if self.speed is not None else None,
             "rates": self.rates.to_dict() if self.rates is not None else None,
@@ -193,7 +210,7 @@ class _Setup:
     backend: str | None = None
     unified: bool = False
     vision_backend: str = "llama.cpp"  #: who runs the vision encoder (resolved, never "auto")
-    vision_reason: str = "asked for"
+    vision: VisionSetup | None = None  #: the whole decision (:func:`choose_setup`)
 
 
 _Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
@@ -222,6 +239,8 @@ class _Context:
     speeds: dict[str, speed.SpeedPrediction] | None = None  #: per quant, when rates are known
     vision_request: str = "auto"  #: the ``vision_backend`` asked for
     onnxruntime: str | None = None  #: onnxruntime's version where it imports, else None
+    vision_moves: Callable[[str], str] | None = None  #: the native check's replacement for a backend
+    int8_cosine: float | None = None  #: int8 vs fp32, from a cached conversion
 
     @property
     def limited(self) -> bool:
@@ -248,6 +267,8 @@ def choose(
     max_first_answer_s: float | None = None,
     vision_backend: str = "auto",
     onnxruntime: str | None = None,
+    vision_moves: Callable[[str], str] | None = None,
+    int8_cosine: float | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
@@ -255,7 +276,10 @@ def choose(
     With ``rates`` (:func:`gguf_mcv.runtime.speed_probe.rates`) every row carries predicted
     speeds for a photo at ``detail``, and the speed limits can be used.
     ``vision_backend`` is ``load()``'s option; ``onnxruntime`` the version that imports
-    on the machine planned for (None: it does not, so ``"auto"`` means llama.cpp).
+    on the machine planned for (None: it does not, so ``"auto"`` means llama.cpp);
+    ``vision_moves`` the native check's verdict (a backend → the one that runs in its place)
+    and ``int8_cosine`` a cached conversion's int8 check, as
+    :func:`~gguf_mcv.vision.vision_backends.choose_setup` takes them (the resolver gathers them).
     """
     if prefer not in PREFERENCES:
         raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
@@ -267,6 +291,7 @@ def choose(
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
     check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
+    ctx.vision_moves, ctx.int8_cosine = vision_moves, int8_cosine
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     evaluated = _evaluate_all(cands, ctx)
     _predict_all(evaluated, ctx)
@@ -333,13 +358,13 @@ def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None
 
 def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated]:
     """Each quant with its estimate and GPU split on this machine."""
-    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_with_vision_backend(_setup(c, ctx), ctx)]]
+    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_with_vision_backend(_setup(c, ctx), c, ctx)]]
     if ctx.unified and not any(_fits(e, s, ctx) for _, e, s in evaluated):
         # a full offload costs RAM here (device copies, CUDA context, device compute
         # buffer); when no quant fits that way, plan for the CPU alone
         ctx.cpu_only = True
-        cpu = _with_vision_backend(_Setup(backend=ctx.backend), ctx)
-        evaluated = [(c, _estimate(c, ctx, cpu), cpu) for c in cands]
+        evaluated = [(c, _estimate(c, ctx, s), s) for c in cands
+                     for s in [_with_vision_backend(_Setup(backend=ctx.backend), c, ctx)]]
     return evaluated
 
 
@@ -368,11 +393,12 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
 
 
-def _with_vision_backend(s: _Setup, ctx: _Context) -> _Setup:
-    """``s`` with the vision backend the loader would pick for it (the same rule)."""
-    backend, reason = choose_backend(ctx.vision_request, vision_gpu=s.vision_on_gpu,
-                                     projector_type=ctx.vision.projector, ort_version=ctx.onnxruntime)
-    return replace(s, vision_backend=backend, vision_reason=reason)
+def _with_vision_backend(s: _Setup, c: QuantCandidate, ctx: _Context) -> _Setup:
+    """``s`` with the vision setup the loader carries out for it (:func:`choose_setup`)."""
+    vision = choose_setup(ctx.vision_request, vision_gpu=s.vision_on_gpu, projector_type=ctx.vision.projector,
+                          ort_version=ctx.onnxruntime, runs_instead=ctx.vision_moves, int8_cosine=ctx.int8_cosine,
+                          fallback_fits=lambda b: _estimate(c, ctx, replace(s, vision_backend=b)).needed <= ctx.budget)
+    return replace(s, vision_backend=vision.backend, vision=vision)
 
 
 def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
@@ -532,14 +558,18 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
                     "unified memory copies the weights; planned for the CPU alone"]
     per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type, vision=ctx.vision,
                                  vision_backend=s.vision_backend)
+    fallback = s.vision.fallback if s.vision is not None else None
+    fallback_bytes = _estimate(c, ctx, replace(s, vision_backend=fallback)).needed if fallback else None
     return Plan(
-        slots=memory.parallel_for_budget(e.needed, per_slot, ctx.budget), slot_bytes=per_slot,
+        slots=memory.parallel_for_budget(max(e.needed, fallback_bytes or 0), per_slot, ctx.budget),
+        slot_bytes=per_slot,
         quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
         n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
         vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
         gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
         speed=(ctx.speeds or {}).get(c.quant), rates=ctx.rates,
-        vision_backend=s.vision_backend, vision_backend_reason=s.vision_reason,
+        vision_backend=s.vision_backend, vision_backend_reason=s.vision.reason if s.vision is not None else "",
+        vision=s.vision, fallback_bytes=fallback_bytes,
     )
 
 

@@ -16,6 +16,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..options import LoadOptions
+
+#: llama.cpp's batch sizes for every load (one ubatch of a prompt, the compute buffer's reserve)
+N_BATCH = 512
+
 _lock = threading.Lock()
 
 
@@ -48,6 +53,23 @@ def open_llama(model_path: str | os.PathLike, *, extra_bufts: bool = True, **lla
         return llama_cpp.Llama(model_path=os.fspath(model_path), **llama_kwargs)
     with _default_params(use_extra_bufts=False):
         return llama_cpp.Llama(model_path=os.fspath(model_path), **llama_kwargs)
+
+
+def llama_kwargs(options: LoadOptions) -> dict[str, Any]:
+    """``llama_cpp.Llama``'s keywords for resolved load ``options`` (threads and GPU layers given;
+    ``parallel`` slots share one context of ``n_ctx`` positions each). Flash attention is on when
+    asked for, and for a quantized KV cache, which needs it."""
+    import llama_cpp  # lazy: loads llama.cpp's native library
+
+    if options.n_threads is None or not isinstance(options.n_gpu_layers, int) or not isinstance(options.parallel, int):
+        raise TypeError(f"load options not resolved (threads, GPU layers, parallel): {options}")
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+               "q4_0": llama_cpp.GGML_TYPE_Q4_0}[options.kv_cache_type]
+    return dict(n_ctx=options.n_ctx * options.parallel, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                n_threads=options.n_threads, n_threads_batch=options.n_threads_batch or options.n_threads,
+                n_gpu_layers=options.n_gpu_layers,
+                flash_attn=bool(options.flash_attn) or options.kv_cache_type != "f16",
+                type_k=kv_type, type_v=kv_type)
 
 
 def uses_extra_bufts(llama: Any) -> bool:

@@ -49,13 +49,10 @@ from ..units import format_size
 from .media import Image
 from .mtmd_preprocess import PreprocessParams, slice_pixels
 from .onnx_graph import Projector, Weights, build_model, graph_inputs
-from .vision_backends import choose_backend  # noqa: F401  (the rule lives there; imported from here too)
+from .vision_backends import INT8_MIN_COSINE, choose_backend, int8_passes  # noqa: F401  (the rule lives there)
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
-#: (mean over tokens of the per-token cosine, on the validation images)
-INT8_MIN_COSINE = 0.995
 VARIANTS = ("fp32", "int8")
 #: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content
 MANIFEST_VERSION = 3
@@ -85,7 +82,7 @@ class Converted:
 
     @property
     def int8_ok(self) -> bool:
-        return self.int8_cosine is not None and self.int8_cosine >= INT8_MIN_COSINE
+        return self.int8_cosine is not None and int8_passes(self.int8_cosine)
 
     def path(self, variant: str) -> Path:
         return self.int8 if variant == "int8" else self.fp32
@@ -139,6 +136,22 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
             _update_manifest(folder, stem, int8_cosine=cosine)
             return dataclasses.replace(found, int8_cosine=cosine)
         return _convert(Path(mmproj_path), folder, stem, progress, validate_int8)
+
+
+def known_int8_cosine(identity: str) -> float | None:
+    """int8 vs fp32's cosine as a conversion already cached for the mmproj of ``identity`` measured
+    it (its manifest only: nothing is converted, hashed or validated); None when not known."""
+    version = onnxruntime_version()
+    if version is None:
+        return None
+    try:
+        manifest = read_manifest(cache_folder() / f"{_stem(identity, version)}.json", MANIFEST_VERSION)
+    except (DamagedManifest, OSError):
+        return None
+    cosine = manifest.get("int8_cosine") if manifest is not None else None
+    if isinstance(cosine, bool) or not isinstance(cosine, (int, float)) or not -1.0 <= cosine <= 1.0:
+        return None
+    return float(cosine)
 
 
 def _step(progress: Callable[[str, int, int], None] | None, what: str) -> Callable[[int, int], None]:
