@@ -26,7 +26,7 @@ from gguf_mcv.models.catalog import lookup
 from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.errors import IncompatibleProjectorError
 from gguf_mcv.model import Model
-from gguf_mcv.options import Sampling
+from gguf_mcv.options import GenerationOptions, Sampling
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
@@ -232,7 +232,7 @@ def _engine_greedy(model: Model, text: str, images: list) -> tuple[Layout, list[
         layout: Layout = [u if isinstance(u, int) else ("image", u.n_pos) for u in prompt.units]
         engine.prefill(prompt)
     greedy = Sampling(temperature=0.0, top_p=1.0, top_k=1, repeat_penalty=1.0)
-    return layout, list(engine.generate(greedy, ORACLE_TOKENS))
+    return layout, list(engine.generate(GenerationOptions(greedy, ORACLE_TOKENS)))
 
 
 def _libmtmd_greedy(model_path: Path, mmproj: Path, text: str, rgb: np.ndarray,
