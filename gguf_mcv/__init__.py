@@ -37,7 +37,7 @@ from .errors import (
 from .hardware import Hardware, probe
 from .loader import checked_llama, load
 from .model import Chat, Model, ModelInfo
-from .options import Sampling
+from .options import Sampling, SamplingKeywords
 from .planning.planner import Plan
 from .prompt.messages import MediaPolicy
 from .prompt.turns import Turn, VideoOptions
@@ -68,3 +68,4 @@ __all__ = [
 ]
 __all__ += ["NativeKernelError", "checked_llama"]  # native faults
 __all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs
+__all__ += ["SamplingKeywords"]  # the sampling keywords of every question, for typed wrappers

@@ -10,13 +10,22 @@ started in the thread that is still streaming the first raises
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
 
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
-from .options import DEFAULT_MAX_TOKENS, Sampling, check_int, check_max_tokens, check_text, stop_list
+from .options import (
+    DEFAULT_MAX_TOKENS,
+    Sampling,
+    SamplingKeywords,
+    check_int,
+    check_max_tokens,
+    check_text,
+    stop_list,
+)
 from .output import structured
 from .output.structured import Constraint
 from .prompt import tools as tooling
@@ -30,6 +39,11 @@ from .runtime.generation import AnswerLock, ProgressCallback, SharedAnswerLock, 
 from .runtime.slots import Scheduler
 from .vision.media import Image, ImageInput
 from .vision.video import VideoInput
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency on 3.10 (pyproject.toml)
+    from typing_extensions import Unpack
 
 __all__ = ["Chat", "Model", "ModelInfo", "VideoOptions", "DEFAULT_MAX_TOKENS"]
 
@@ -89,22 +103,25 @@ class Model:
     # -- questions ------------------------------------------------------------
 
     @overload
-    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[False] = ...,
-        max_tokens: int = ..., temperature: float | None = ..., top_p: float | None = ...,
-        top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
-        stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
-        detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
-        schema: Any = ..., format: str | dict[str, Any] | None = ...,
-    ) -> Reply: ...
+    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[False] = ..., max_tokens: int = ...,
+            stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
+            detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+            schema: Any = ..., format: str | dict[str, Any] | None = ...,
+            **sampling: Unpack[SamplingKeywords]) -> Reply: ...
 
     @overload
-    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[True],
-        max_tokens: int = ..., temperature: float | None = ..., top_p: float | None = ...,
-        top_k: int | None = ..., repeat_penalty: float | None = ..., seed: int | None = ...,
-        stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
-        detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
-        schema: Any = ..., format: str | dict[str, Any] | None = ...,
-    ) -> Stream: ...
+    def ask(self, prompt: str, images: Images = ..., *, stream: Literal[True], max_tokens: int = ...,
+            stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
+            detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+            schema: Any = ..., format: str | dict[str, Any] | None = ...,
+            **sampling: Unpack[SamplingKeywords]) -> Stream: ...
+
+    @overload
+    def ask(self, prompt: str, images: Images = ..., *, stream: bool = ..., max_tokens: int = ...,
+            stop: str | Sequence[str] | None = ..., system: str | None = ..., thinking: bool | None = ...,
+            detail: str = ..., max_slices: int | None = ..., on_progress: ProgressCallback | None = ...,
+            schema: Any = ..., format: str | dict[str, Any] | None = ...,
+            **sampling: Unpack[SamplingKeywords]) -> Reply | Stream: ...
 
     def ask(
         self,
@@ -113,11 +130,6 @@ class Model:
         *,
         stream: bool = False,
         max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        repeat_penalty: float | None = None,
-        seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         system: str | None = None,
         thinking: bool | None = None,
@@ -126,24 +138,27 @@ class Model:
         on_progress: ProgressCallback | None = None,
         schema: Any = None,
         format: str | dict[str, Any] | None = None,
+        **sampling: Unpack[SamplingKeywords],
     ) -> Reply | Stream:
         """Answer ``prompt`` about ``images``; a :class:`Reply` (a ``str``), or a :class:`Stream`.
 
         ``images`` is one image or a sequence of them: paths, bytes, data URIs, PIL
         images or H×W×3 uint8 arrays. Sampling settings default to the model's
-        recommended ones. ``detail`` and ``max_slices`` bound how many 448-pixel
-        slices each image is cut into (see :meth:`prepare_image`). ``on_progress``
-        receives a :class:`~gguf_mcv.reply.Progress` as image slices are encoded.
+        recommended ones; the sampling keywords (:class:`~gguf_mcv.options.SamplingKeywords`:
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repeat_penalty``, ``seed``) override
+        them, and an unknown keyword raises :class:`ConfigError` naming it. ``detail`` and
+        ``max_slices`` bound how many 448-pixel slices each image is cut into (see
+        :meth:`prepare_image`). ``on_progress`` receives a :class:`~gguf_mcv.reply.Progress` as
+        image slices are encoded.
         ``schema`` (a JSON-schema dict, a pydantic model class or a dataclass) or
         ``format="json"`` constrains the answer to JSON; ``reply.parsed`` holds the value.
         """
-        sampling = self.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
-                                  repeat_penalty=repeat_penalty, seed=seed)
+        settings = self.sampling.with_overrides(**sampling)
         shape = self.constraint(schema, format)
         parts = self.turns.user_parts(prompt, images, detail=detail, max_slices=max_slices)
         turns = self.turns.system(system) + [self.turns.turn("user", parts)]
         return _deliver(self.answer(turns, thinking=thinking, max_tokens=max_tokens, stop=stop,
-                                    sampling=sampling, on_progress=on_progress, constraint=shape), stream)
+                                    sampling=settings, on_progress=on_progress, constraint=shape), stream)
 
     @overload
     def ask_video(self, prompt: str, video: VideoInput, *, stream: Literal[False] = ...,
@@ -151,7 +166,7 @@ class Model:
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
         on_progress: ProgressCallback | None = ..., schema: Any = ...,
-        format: str | dict[str, Any] | None = ..., **sampling: Any,
+        format: str | dict[str, Any] | None = ..., **sampling: Unpack[SamplingKeywords],
     ) -> Reply: ...
 
     @overload
@@ -160,8 +175,17 @@ class Model:
         max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
         thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
         on_progress: ProgressCallback | None = ..., schema: Any = ...,
-        format: str | dict[str, Any] | None = ..., **sampling: Any,
+        format: str | dict[str, Any] | None = ..., **sampling: Unpack[SamplingKeywords],
     ) -> Stream: ...
+
+    @overload
+    def ask_video(self, prompt: str, video: VideoInput, *, stream: bool = ...,
+        max_frames: int | None = ..., fps: float | None = ..., dedupe: bool = ..., timestamps: bool = ...,
+        max_tokens: int = ..., stop: str | Sequence[str] | None = ..., system: str | None = ...,
+        thinking: bool | None = ..., progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ..., schema: Any = ...,
+        format: str | dict[str, Any] | None = ..., **sampling: Unpack[SamplingKeywords],
+    ) -> Reply | Stream: ...
 
     def ask_video(
         self,
@@ -181,7 +205,7 @@ class Model:
         on_progress: ProgressCallback | None = None,
         schema: Any = None,
         format: str | dict[str, Any] | None = None,
-        **sampling: Any,
+        **sampling: Unpack[SamplingKeywords],
     ) -> Reply | Stream:
         """Answer ``prompt`` about a video (a file, GIF, folder or list of images, or frames array).
 
@@ -192,8 +216,8 @@ class Model:
         uniformly — unless ``max_frames`` was given, then :class:`ContextOverflowError`
         is raised before anything is encoded. ``on_progress`` (or the older
         ``progress(done, total)``) follows the encoding. Sampling keywords
-        (``temperature``, ``top_p``, ``top_k``, ``repeat_penalty``, ``seed``) as in
-        :meth:`ask`; ``reply.video`` counts the frames; ``schema``/``format`` as in :meth:`ask`.
+        (:class:`~gguf_mcv.options.SamplingKeywords`) as in :meth:`ask`; ``reply.video`` counts the
+        frames; ``schema``/``format`` as in :meth:`ask`.
 
         The argument order matches :meth:`ask` (prompt first); the older
         ``ask_video(video, prompt)`` still works, with a ``DeprecationWarning``.
@@ -213,6 +237,72 @@ class Model:
                                     sampling=settings, on_progress=_either(on_progress, progress),
                                     frames=counts, constraint=shape), stream)
 
+    @overload
+    def chat_completion(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        stream: Literal[False] = ...,
+        max_tokens: int = ...,
+        stop: str | Sequence[str] | None = ...,
+        thinking: bool | None = ...,
+        policy: MediaPolicy = ...,
+        video_options: VideoOptions = ...,
+        progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ...,
+        truncate: bool = ...,
+        schema: Any = ...,
+        format: str | dict[str, Any] | None = ...,
+        grammar: Constraint | None = ...,
+        tools: Sequence[dict[str, Any]] | None = ...,
+        tool_choice: Any = ...,
+        **sampling: Unpack[SamplingKeywords],
+    ) -> Reply: ...
+
+    @overload
+    def chat_completion(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        stream: Literal[True],
+        max_tokens: int = ...,
+        stop: str | Sequence[str] | None = ...,
+        thinking: bool | None = ...,
+        policy: MediaPolicy = ...,
+        video_options: VideoOptions = ...,
+        progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ...,
+        truncate: bool = ...,
+        schema: Any = ...,
+        format: str | dict[str, Any] | None = ...,
+        grammar: Constraint | None = ...,
+        tools: Sequence[dict[str, Any]] | None = ...,
+        tool_choice: Any = ...,
+        **sampling: Unpack[SamplingKeywords],
+    ) -> Stream: ...
+
+    @overload
+    def chat_completion(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        stream: bool = ...,
+        max_tokens: int = ...,
+        stop: str | Sequence[str] | None = ...,
+        thinking: bool | None = ...,
+        policy: MediaPolicy = ...,
+        video_options: VideoOptions = ...,
+        progress: Callable[[int, int], None] | None = ...,
+        on_progress: ProgressCallback | None = ...,
+        truncate: bool = ...,
+        schema: Any = ...,
+        format: str | dict[str, Any] | None = ...,
+        grammar: Constraint | None = ...,
+        tools: Sequence[dict[str, Any]] | None = ...,
+        tool_choice: Any = ...,
+        **sampling: Unpack[SamplingKeywords],
+    ) -> Reply | Stream: ...
+
     def chat_completion(
         self,
         messages: Sequence[dict[str, Any]],
@@ -231,7 +321,7 @@ class Model:
         grammar: Constraint | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: Any = None,
-        **sampling: Any,
+        **sampling: Unpack[SamplingKeywords],
     ) -> Reply | Stream:
         """Answer OpenAI-style ``messages`` (``text``, ``image_url`` and ``video_url`` parts).
 
@@ -246,7 +336,7 @@ class Model:
         ``grammar`` is an already-made :class:`~gguf_mcv.output.structured.Constraint`. ``tools``
         (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
         a function) let the model call a function (:mod:`gguf_mcv.prompt.tools`): ``reply.tool_calls``;
-        ``role: "tool"`` messages carry the results back.
+        ``role: "tool"`` messages carry the results back. Sampling keywords as in :meth:`ask`.
         """
         settings = self.sampling.with_overrides(**sampling)
         box = tooling.toolbox(tools, tool_choice)
@@ -489,17 +579,42 @@ class Chat:
         """The turns so far: ``{"role", "content", "images"}`` with images as :class:`Image`."""
         return [{"role": t.role, "content": t.content, "images": list(t.images)} for t in self._turns]
 
+    @overload
+    def send(self, prompt: str, images: Images = ..., *, stream: Literal[False] = ..., max_tokens: int = ...,
+             stop: str | Sequence[str] | None = ..., detail: str = ..., max_slices: int | None = ...,
+             videos: VideoInput | Sequence[VideoInput] = ..., video_options: VideoOptions = ...,
+             progress: Callable[[int, int], None] | None = ..., on_progress: ProgressCallback | None = ...,
+             schema: Any = ..., format: str | dict[str, Any] | None = ...,
+             tools: Sequence[dict[str, Any]] | None = ..., tool_choice: Any = ..., tool_result: bool = ...,
+             **sampling: Unpack[SamplingKeywords]) -> Reply: ...
+
+    @overload
+    def send(self, prompt: str, images: Images = ..., *, stream: Literal[True], max_tokens: int = ...,
+             stop: str | Sequence[str] | None = ..., detail: str = ..., max_slices: int | None = ...,
+             videos: VideoInput | Sequence[VideoInput] = ..., video_options: VideoOptions = ...,
+             progress: Callable[[int, int], None] | None = ..., on_progress: ProgressCallback | None = ...,
+             schema: Any = ..., format: str | dict[str, Any] | None = ...,
+             tools: Sequence[dict[str, Any]] | None = ..., tool_choice: Any = ..., tool_result: bool = ...,
+             **sampling: Unpack[SamplingKeywords]) -> Stream: ...
+
+    @overload
+    def send(self, prompt: str, images: Images = ..., *, stream: bool = ..., max_tokens: int = ...,
+             stop: str | Sequence[str] | None = ..., detail: str = ..., max_slices: int | None = ...,
+             videos: VideoInput | Sequence[VideoInput] = ..., video_options: VideoOptions = ...,
+             progress: Callable[[int, int], None] | None = ..., on_progress: ProgressCallback | None = ...,
+             schema: Any = ..., format: str | dict[str, Any] | None = ...,
+             tools: Sequence[dict[str, Any]] | None = ..., tool_choice: Any = ..., tool_result: bool = ...,
+             **sampling: Unpack[SamplingKeywords]) -> Reply | Stream: ...
+
     def send(self, prompt: str, images: Images = (), *, stream: bool = False,
-             max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float | None = None,
-             top_p: float | None = None, top_k: int | None = None,
-             repeat_penalty: float | None = None, seed: int | None = None,
-             stop: str | Sequence[str] | None = None, detail: str = "auto",
-             max_slices: int | None = None, videos: VideoInput | Sequence[VideoInput] = (),
-             video_options: VideoOptions = VideoOptions(),
+             max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
+             detail: str = "auto", max_slices: int | None = None,
+             videos: VideoInput | Sequence[VideoInput] = (), video_options: VideoOptions = VideoOptions(),
              progress: Callable[[int, int], None] | None = None,
              on_progress: ProgressCallback | None = None, schema: Any = None,
              format: str | dict[str, Any] | None = None, tools: Sequence[dict[str, Any]] | None = None,
-             tool_choice: Any = None, tool_result: bool = False) -> Reply | Stream:
+             tool_choice: Any = None, tool_result: bool = False,
+             **sampling: Unpack[SamplingKeywords]) -> Reply | Stream:
         """Add a user turn and answer it (a :class:`Reply`, or a :class:`Stream` of pieces).
 
         ``videos`` (one video or a list) are sampled into frames as in
@@ -507,11 +622,11 @@ class Chat:
         turns stay in the conversation. ``schema``/``format`` as in :meth:`Model.ask`;
         ``tools``/``tool_choice`` as in :meth:`Model.chat_completion` (pass the same tools each
         turn: they are part of the system turn, so the KV cache is reused). ``tool_result=True``
-        sends ``prompt`` as the result of the last call (a ``role: "tool"`` message).
+        sends ``prompt`` as the result of the last call (a ``role: "tool"`` message). Sampling
+        keywords as in :meth:`Model.ask`.
         """
         model = self.model
-        sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 repeat_penalty=repeat_penalty, seed=seed)
+        settings = model.sampling.with_overrides(**sampling)
         box = tooling.toolbox(tools, tool_choice)
         if box is not None and (schema is not None or format):
             raise ConfigError("Give tools or a schema/format, not both.")
@@ -523,7 +638,7 @@ class Chat:
                                              max_tokens=check_max_tokens(max_tokens), thinking=self.thinking)
         dropped = self._make_room(user, check_max_tokens(max_tokens), box)
         cancel = threading.Event()
-        pieces = self._turn(user, counts, dropped, tools=box, max_tokens=max_tokens, stop=stop, sampling=sampling,
+        pieces = self._turn(user, counts, dropped, tools=box, max_tokens=max_tokens, stop=stop, sampling=settings,
                             on_progress=_either(on_progress, progress), constraint=shape, cancel=cancel)
         return _deliver(Stream(pieces, cancel=cancel.set), stream)
 
@@ -541,11 +656,26 @@ class Chat:
         self._turns = kept[len(head):-1]
         return dropped
 
+    @overload
+    def regenerate(self, *, stream: Literal[False] = ..., max_tokens: int = ...,
+                   stop: str | Sequence[str] | None = ..., schema: Any = ...,
+                   format: str | dict[str, Any] | None = ..., **sampling: Unpack[SamplingKeywords]) -> Reply: ...
+
+    @overload
+    def regenerate(self, *, stream: Literal[True], max_tokens: int = ...,
+                   stop: str | Sequence[str] | None = ..., schema: Any = ...,
+                   format: str | dict[str, Any] | None = ..., **sampling: Unpack[SamplingKeywords]) -> Stream: ...
+
+    @overload
+    def regenerate(self, *, stream: bool = ..., max_tokens: int = ...,
+                   stop: str | Sequence[str] | None = ..., schema: Any = ...,
+                   format: str | dict[str, Any] | None = ...,
+                   **sampling: Unpack[SamplingKeywords]) -> Reply | Stream: ...
+
     def regenerate(self, *, stream: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS,
-                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                   repeat_penalty: float | None = None, seed: int | None = None,
                    stop: str | Sequence[str] | None = None, schema: Any = None,
-                   format: str | dict[str, Any] | None = None) -> Reply | Stream:
+                   format: str | dict[str, Any] | None = None,
+                   **sampling: Unpack[SamplingKeywords]) -> Reply | Stream:
         """Answer the last question again (say, with another ``seed``), replacing its answer.
 
         The cache still holds everything up to that question, so only the answer is
@@ -557,12 +687,11 @@ class Chat:
         if len(self._turns) < 2 or self._turns[-1].role != "assistant" or self._turns[-2].role != "user":
             raise ConfigError("Nothing to regenerate: the conversation has no answered question yet.")
         model = self.model
-        sampling = model.sampling.with_overrides(temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 repeat_penalty=repeat_penalty, seed=seed)
+        settings = model.sampling.with_overrides(**sampling)
         shape = model.checked(self._tools.constraint()) if self._tools is not None else model.constraint(schema, format)
         self._used = 0
         pieces = self._turn(self._turns[-2], FrameCounts(), 0, tools=self._tools, replace=True,
-                            max_tokens=check_max_tokens(max_tokens), stop=stop, sampling=sampling,
+                            max_tokens=check_max_tokens(max_tokens), stop=stop, sampling=settings,
                             on_progress=None, constraint=shape)
         return _deliver(Stream(pieces), stream)
 

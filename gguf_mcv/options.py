@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 from .errors import ConfigError
 
@@ -76,6 +76,19 @@ class Sampling:
             raise ConfigError(f"Unknown sampling setting(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(known))}.")
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class SamplingKeywords(TypedDict, total=False):
+    """The sampling keywords every question takes (``Model.ask``, ``ask_video``, ``chat_completion``,
+    ``Chat.send``, ``Chat.regenerate``): each overrides the model's :class:`Sampling`; ``None``
+    keeps it. An unknown keyword raises :class:`~gguf_mcv.errors.ConfigError` naming it."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repeat_penalty: float | None
+    seed: int | None
 
 
 def check_sampling(**settings: Any) -> dict[str, Any]:
@@ -148,6 +161,28 @@ def check_text(name: str, value: Any) -> str:
             "decode the input with errors='replace' first."
         ) from None
     return value
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How one answer is generated: the value :meth:`~gguf_mcv.runtime.engine.Engine.generate` takes.
+
+    ``grammar`` (GBNF, checked with ``Engine.check_grammar``) constrains the tokens — from the
+    start, or only once the text ``grammar_after`` (``</think>``) was generated. With ``may_open``
+    (``<think>``) the answer may instead begin with that text, and is then free until
+    ``grammar_after``. With ``must_answer``, a model that ends inside the free block gets
+    ``grammar_after`` written for it, and must then give the constrained answer.
+    """
+
+    sampling: Sampling = Sampling()
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    grammar: str | None = None
+    grammar_after: str | None = None
+    may_open: str | None = None
+    must_answer: bool = True
+
+    def __post_init__(self) -> None:
+        check_max_tokens(self.max_tokens)
 
 
 def check_parallel(value: Any) -> int | str:

@@ -26,7 +26,7 @@ from gguf_mcv.models.catalog import lookup
 from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.errors import IncompatibleProjectorError
 from gguf_mcv.model import Model
-from gguf_mcv.options import Sampling
+from gguf_mcv.options import GenerationOptions, Sampling
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
@@ -116,6 +116,30 @@ def test_thinking_switch_changes_the_prompt(model: Model, generation: str) -> No
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
     expected = on if model.info.thinking_default else off
     assert default.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_a_prompt_measured_by_segments_is_the_whole_tokenization(model: Model) -> None:
+    """The turn builder measures a prompt segment by segment (gguf_mcv/prompt/measure.py): the sum
+    equals the engine's tokenization of the whole, for every template and vocabulary here."""
+    from gguf_mcv.prompt.measure import PromptMeasure
+
+    turns = model.turns
+    wide, low = turns.image(WIDE), turns.image(picture(4, (300, 200)), detail="low")
+    conversations = [
+        [turns.turn("user", ["hi"])],
+        [turns.turn("user", [wide]), turns.turn("assistant", ["x"]), turns.turn("user", ["y"])],
+        turns.system("Be brief.") + [
+            turns.turn("user", [wide, "What is it?"]), turns.turn("assistant", [" A cat.  "]),
+            turns.turn("user", ["and", low, "this one?", " trailing "]),
+            turns.turn("assistant", ["<think>x</think>\n\nok"]),
+            turns.turn("user", ["<|im_end|> typed <s> markup <|eot_id|>"]),
+        ],
+    ]
+    for conversation in conversations:
+        for thinking in ([None, True, False] if model.info.can_think else [None]):
+            rendered = turns.render(conversation, thinking)
+            with model.engine.tokenize(rendered.text, rendered.images) as whole:
+                assert PromptMeasure(model.engine).positions(rendered.text, rendered.images) == whole.n_pos
 
 
 # --- images ------------------------------------------------------------------------
@@ -232,7 +256,7 @@ def _engine_greedy(model: Model, text: str, images: list) -> tuple[Layout, list[
         layout: Layout = [u if isinstance(u, int) else ("image", u.n_pos) for u in prompt.units]
         engine.prefill(prompt)
     greedy = Sampling(temperature=0.0, top_p=1.0, top_k=1, repeat_penalty=1.0)
-    return layout, list(engine.generate(greedy, ORACLE_TOKENS))
+    return layout, list(engine.generate(GenerationOptions(greedy, ORACLE_TOKENS)))
 
 
 def _libmtmd_greedy(model_path: Path, mmproj: Path, text: str, rgb: np.ndarray,

@@ -400,3 +400,22 @@ def test_tools_of_a_failed_send_do_not_stay(tiny_model) -> None:
     again = chat.regenerate(max_tokens=3, temperature=0)
     assert again.usage.prompt_tokens == first.usage.prompt_tokens  # no tool prompt came in
     assert not again.tool_calls and str(again) == str(first)
+
+
+def test_a_misspelt_keyword_names_itself_in_every_question(tiny_model, tmp_path: Path) -> None:
+    """The sampling keywords are one TypedDict (checked by mypy in tests/typing_calls.py); at run
+    time a keyword that is none of a question's is refused before anything runs, by name."""
+    chat = tiny_model.chat()
+    chat.send("Hi.", max_tokens=1, min_p=0.05)  # every question takes every sampling keyword
+    calls = {
+        "ask": lambda: tiny_model.ask("Hi.", temprature=0.1),
+        "ask_video": lambda: tiny_model.ask_video("Hi.", str(tmp_path / "none.mp4"), temprature=0.1),
+        "chat_completion": lambda: tiny_model.chat_completion([{"role": "user", "content": "Hi."}],
+                                                              temprature=0.1),
+        "send": lambda: chat.send("Hi.", temprature=0.1),
+        "regenerate": lambda: chat.regenerate(temprature=0.1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ConfigError, match="temprature"):
+            call()
+        assert len(chat.history) == 2, name

@@ -14,7 +14,7 @@ import gguf_mcv
 from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.runtime.engine import Prompt
 from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
-from gguf_mcv.options import Sampling
+from gguf_mcv.options import GenerationOptions, Sampling
 from gguf_mcv.runtime.slots import Job
 
 N_CTX = 1024
@@ -244,7 +244,7 @@ def test_a_job_for_a_closed_scheduler_is_refused(tiny) -> None:
     scheduler = model.scheduler
     model.close()
     with pytest.raises(ModelClosedError):
-        scheduler.submit(Job(Prompt(units=[1, 2, 3], image_tokens=0), Sampling(), 4))
+        scheduler.submit(Job(Prompt(units=[1, 2, 3], image_tokens=0), GenerationOptions(Sampling(), 4)))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 65, "many", 2.5, True, None])

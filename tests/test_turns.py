@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import PIL.Image
 import pytest
 
 import gguf_mcv
 from gguf_mcv import ConfigError, MediaError
+from gguf_mcv.prompt import plaintext
+from gguf_mcv.prompt.messages import convert
 from gguf_mcv.prompt.turns import Turn, Video, VideoOptions, as_video_list
 
 
@@ -139,3 +144,49 @@ def test_a_failed_decode_does_not_keep_other_threads_waiting(tiny_model) -> None
     with pytest.raises(MediaError):
         tiny_model.turns.image(b"not an image")
     assert tiny_model.turns.image(np.zeros((8, 8, 3), np.uint8)).width == 8
+
+
+def test_a_long_conversation_that_must_drop_turns_is_tokenized_about_twice(tiny, monkeypatch) -> None:
+    """Issue 26.4: fit() measures each turn once (the measure remembers it across calls) and only
+    the answer tokenizes the whole kept prompt. Before, fit() tokenized the whole conversation once
+    per dropped question and the answer once more: 10,437 positions for this 438-position prompt
+    (9 questions dropped), 10,800 for the next question; now 1,882 and 489 (docs/benchmarks.md)."""
+    rng = np.random.default_rng(5)
+    messages: list[dict] = []
+    for i in range(12):
+        content: list[dict] = [{"type": "text", "text": f"Question {i}: " + "what is going on here? " * 4}]
+        if i % 3 == 0:
+            png = io.BytesIO()
+            PIL.Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(png, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        messages += [{"role": "user", "content": content},
+                     {"role": "assistant", "content": f"Answer {i}: " + "it is a picture. " * 6}]
+    messages.append({"role": "user", "content": "And now?"})
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=512) as model:
+        pairs = convert(messages, prepare_image=lambda url, detail: model.turns.image(url, detail=detail))
+        turns, _ = model.turns.conversation(pairs)
+        whole = model.turns.render(turns)
+        with model.engine.tokenize(whole.text, whole.images) as prompt:
+            conversation = prompt.n_pos
+        pieces = len(plaintext.split(whole.text)) + len(whole.images)  # texts and images
+        tokenized: list[int] = []
+        real = model.engine.tokenize
+
+        def counting(text, images=()):
+            prompt = real(text, images)
+            tokenized.append(prompt.n_pos)
+            return prompt
+
+        monkeypatch.setattr(model.engine, "tokenize", counting)
+        reply = model.chat_completion(messages, truncate=True, max_tokens=4, temperature=0)
+        assert reply.dropped_turns >= 4
+        # every piece once (behind an anchor of up to 2 positions), then the kept prompt once
+        assert sum(tokenized) <= conversation + 2 * pieces + reply.usage.prompt_tokens
+        assert tokenized[-1] == reply.usage.prompt_tokens  # the answer's own tokenization comes last
+        # the same conversation again, one question longer: only the new turns are measured
+        tokenized.clear()
+        messages += [{"role": "assistant", "content": str(reply)}, {"role": "user", "content": "Why?"}]
+        again = model.chat_completion(messages, truncate=True, max_tokens=4, temperature=0)
+        assert sum(tokenized[:-1]) <= 40 and tokenized[-1] == again.usage.prompt_tokens
+

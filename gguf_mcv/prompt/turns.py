@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence, Union, cast
 
@@ -24,6 +23,7 @@ from ..vision.media import Image, ImageInput, load_image
 from ..vision.slicing import apply_detail
 from ..vision.video import Frame, Frames, VideoInput, format_timestamp, sample_frames
 from . import plaintext
+from .measure import PromptMeasure
 from .templates import ChatTemplate
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class TurnBuilder:
         self.vision_gpu = vision_gpu
         self.allow_remote_media = allow_remote_media
         self.name = name
+        #: positions of rendered prompts, each piece (a text, a stretch of markup, an image) measured once
+        self.measure = PromptMeasure(engine, lock)
         # One image decoded at a time: a camera photo's decode briefly takes several copies of
         # its full-size pixels (memory.IMAGE_COPIES), and the plan counts that peak once. Threads
         # sharing a model with parallel slots (a server's answers) decoded side by side: 4
@@ -258,7 +260,9 @@ class TurnBuilder:
         """``turns`` with their oldest user turns (each with its answers) dropped, whole turns at a
         time, until the prompt and :meth:`answer_room` fit in the context; also how many user
         turns were dropped. System turns, the first ``keep_first`` user turns and the newest turn
-        are never dropped: :class:`ContextOverflowError` when those alone do not fit.
+        are never dropped: :class:`ContextOverflowError` when those alone do not fit. Each
+        candidate is measured by :attr:`measure`: a turn measured before (in this call or an
+        earlier one) is not tokenized again.
         """
         kept, dropped = list(turns), 0
         while (room := self._room(kept, thinking, max_tokens)) < 0:
@@ -282,10 +286,8 @@ class TurnBuilder:
         return self.n_ctx - self._positions(rendered.text, rendered.images) - self.answer_room(max_tokens)
 
     def _positions(self, text: str, images: Sequence[Image]) -> int:
-        """Positions ``text`` and ``images`` fill, measured by the engine (between answers)."""
-        with self.lock.hold() if self.lock is not None else nullcontext():
-            with self.engine.tokenize(text, images) as prompt:
-                return prompt.n_pos
+        """Positions ``text`` and ``images`` fill, as the engine tokenizes them (see :attr:`measure`)."""
+        return self.measure.positions(text, images)
 
     def _frame_cost(self, frames: Frames, timestamps: bool) -> int:
         """Positions one frame takes in the prompt (its line, markers and image tokens)."""

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
 from ..models.headers import read_projector_header
 from ..models.identity import file_identity
-from ..options import Sampling
+from ..options import GenerationOptions
 from ..output import utf8mask
 from ..prompt import plaintext
 from ..vision.embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
@@ -610,22 +610,19 @@ class Engine:
 
     # -- generate --------------------------------------------------------------
 
-    def generate(self, sampling: Sampling, max_tokens: int, *, grammar: str | None = None,
-                 grammar_after: str | None = None, may_open: str | None = None,
-                 must_answer: bool = True, seq: "SequenceView | None" = None) -> Generator[int, None, None]:
-        """Yield sampled tokens until an end-of-generation token, ``max_tokens`` or a full context.
+    def generate(self, options: GenerationOptions, *,
+                 seq: "SequenceView | None" = None) -> Generator[int, None, None]:
+        """Yield sampled tokens until an end-of-generation token, ``options.max_tokens`` or a full context.
 
         Each token is evaluated into the KV cache only when the consumer asks for the
         next one, so stopping early (a stop string, a cancelled stream) leaves the
         cache holding exactly what was used. ``self.finish_reason`` says why it ended.
-        ``grammar`` (GBNF, checked with :meth:`check_grammar`) constrains the tokens — from
-        the start, or only once the text ``grammar_after`` (``</think>``) was generated. With
-        ``may_open`` (``<think>``) the answer may instead begin with that text, and is then
-        free until ``grammar_after``. With ``must_answer``, a model that ends inside the free
-        block gets ``grammar_after`` written for it, and must then give the constrained answer.
+        ``options`` also holds the sampling and the grammar (see :class:`GenerationOptions`).
         ``seq`` generates into another sequence of the context (see :class:`SequenceView`; the
         parallel scheduler's slots); by default, this engine's own sequence 0.
         """
+        sampling, max_tokens, grammar = options.sampling, options.max_tokens, options.grammar
+        grammar_after, may_open, must_answer = options.grammar_after, options.may_open, options.must_answer
         lc = self._lc
         view = seq if seq is not None else _OwnSequence(self)
         opener = may_open.encode() if grammar and grammar_after and may_open else None

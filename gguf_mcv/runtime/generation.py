@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Generator, Iterator, Protocol, Sequence, cast
 
 from ..errors import AnswerCancelled, ModelBusyError, ModelClosedError
-from ..options import Sampling
+from ..options import GenerationOptions, Sampling
 from ..output.structured import Constraint
 from ..prompt.templates import THINK_OPEN
 from ..reply import Progress, Reply, Timings, Usage
@@ -237,17 +237,18 @@ def respond(
     with lock.hold():
         start = time.perf_counter()
         inside = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
-        options = dict(grammar=constraint.grammar if constraint is not None else None,
-                       grammar_after=_grammar_after(constraint, reasoning),
-                       may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
-                       must_answer=not _tool_auto(constraint))
+        options = GenerationOptions(sampling, max_tokens,
+                                    grammar=constraint.grammar if constraint is not None else None,
+                                    grammar_after=_grammar_after(constraint, reasoning),
+                                    may_open=None if inside or _tool_auto(constraint) else THINK_OPEN,
+                                    must_answer=not _tool_auto(constraint))
         progress = _progress(on_progress, start, cancel)
         source: _Tokens
         if scheduler is None:
             source = _Serial(engine, prompt_text, images, progress, shift=shift)
         else:
             source = _Scheduled(scheduler, engine, prompt_text, images, progress, cancel, shift=shift)
-        stats = source.prefill(sampling, max_tokens, options)
+        stats = source.prefill(options)
         if on_prefill is not None:
             on_prefill(stats)
         assembler = TextAssembler(stop)
@@ -309,7 +310,7 @@ class _Tokens(Protocol):
     @property
     def finish_reason(self) -> str: ...
 
-    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats: ...
+    def prefill(self, options: GenerationOptions) -> PrefillStats: ...
 
     def tokens(self) -> Generator[int, None, None]: ...
 
@@ -327,10 +328,10 @@ class _Serial:
     def finish_reason(self) -> str:
         return self._engine.finish_reason
 
-    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats:
+    def prefill(self, options: GenerationOptions) -> PrefillStats:
         with self._engine.tokenize(self._text, self._images) as prompt:
             stats = self._engine.prefill(prompt, reserve=1, shift=self._shift, progress=self._progress)
-        self._generate = lambda: self._engine.generate(sampling, max_tokens, **options)
+        self._generate = lambda: self._engine.generate(options)
         return stats
 
     def tokens(self) -> Generator[int, None, None]:
@@ -351,9 +352,9 @@ class _Scheduled:
         self._events: Iterator[tuple[str, Any]] = iter(())
         self.finish_reason = "length"
 
-    def prefill(self, sampling: Sampling, max_tokens: int, options: dict[str, Any]) -> PrefillStats:
+    def prefill(self, options: GenerationOptions) -> PrefillStats:
         prompt = self._engine.tokenize(self._text, self._images)
-        job = Job(prompt, sampling, max_tokens, generate=options, shift=self._shift)
+        job = Job(prompt, options, shift=self._shift)
         if self._cancel is not None:
             job.cancelled = self._cancel
         try:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence, cast
 
 from ..errors import AnswerCancelled, ConfigError, EngineError, ModelClosedError
-from ..options import Sampling
+from ..options import GenerationOptions
 from .engine import Engine, PrefillStats, Prompt, check_room
 from .sequence import (
     ImageUnit,
@@ -73,9 +73,7 @@ class Job:
     """
 
     prompt: Prompt
-    sampling: Sampling
-    max_tokens: int
-    generate: dict[str, Any] = field(default_factory=dict)  #: keywords for Engine.generate
+    options: GenerationOptions  #: how Engine.generate answers it
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -483,7 +481,7 @@ class Scheduler:
         slot.stats.prefill_ms = (time.perf_counter() - slot.started) * 1000.0
         job.events.put(("prefilled", slot.stats))
         slot.finish_reason = "length"
-        slot.tokens = self.engine.generate(job.sampling, job.max_tokens, seq=slot, **job.generate)
+        slot.tokens = self.engine.generate(job.options, seq=slot)
         self._advance(slot)
 
     def _advance(self, slot: _Slot) -> None:

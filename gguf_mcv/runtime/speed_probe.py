@@ -392,14 +392,14 @@ def _time_slice(engine: Any, threads: int) -> float:
 def _time_text(engine: Any, threads: int, tokens: int = TIMED_TOKENS, words: int = 100) -> dict[str, float]:
     """A prompt of ``words`` words (100: about 280 tokens), then the median time of
     ``tokens`` greedy tokens (the first one, which ends the prompt's evaluation, not timed)."""
-    from ..options import Sampling
+    from ..options import GenerationOptions, Sampling
 
     text = " ".join(f"w{i % 50}" for i in range(words))
     with engine.tokenize(text) as prompt:
         start = clock()
         engine.prefill(prompt)
         out = {"prefill_s": clock() - start, "prefill_tokens": float(prompt.n_pos)}
-    steps = engine.generate(Sampling(temperature=0.0), tokens + 1)
+    steps = engine.generate(GenerationOptions(Sampling(temperature=0.0), tokens + 1))
     next(steps)
     times = []
     while True:

@@ -73,10 +73,8 @@ def state_of(request: Request) -> State:
 
 def model_stream(state: State, messages: list[dict[str, Any]], options: dict[str, Any]) -> Stream:
     """Start answering ``messages`` (on the answer's thread) under the server's media policy."""
-    stream = state.model.chat_completion(messages, stream=True, policy=state.policy,
-                                         truncate=state.truncate, **options)
-    assert isinstance(stream, Stream)
-    return stream
+    return state.model.chat_completion(messages, stream=True, policy=state.policy,
+                                       truncate=state.truncate, **options)
 
 
 def check_output(model: Model, options: dict[str, Any]) -> None:

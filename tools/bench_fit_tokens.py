@@ -1,0 +1,74 @@
+"""Positions tokenized (and seconds) by one ``chat_completion(truncate=True)`` over a conversation
+that must drop turns, then by the same conversation one question longer (issue 26.4).
+
+    python tools/bench_fit_tokens.py --ladder DIR [--quant Q4_K_M] [--ctx 512]
+
+DIR is a ladder from ``tools/make_test_model.py`` (the tiny preset is enough: this counts
+tokenization, not answers). Run it on two checkouts to compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import gguf_mcv  # noqa: E402
+
+
+def conversation(questions: int) -> list[dict]:
+    """``questions`` questions with their answers (an image every third), then a last question."""
+    rng = np.random.default_rng(5)
+    messages: list[dict] = []
+    for i in range(questions):
+        content: list[dict] = [{"type": "text", "text": f"Question {i}: " + "what is going on here? " * 4}]
+        if i % 3 == 0:
+            png = io.BytesIO()
+            PIL.Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(png, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        messages += [{"role": "user", "content": content},
+                     {"role": "assistant", "content": f"Answer {i}: " + "it is a picture. " * 6}]
+    return messages + [{"role": "user", "content": "And now?"}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ladder", type=Path, required=True)
+    parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--questions", type=int, default=12)
+    args = parser.parse_args()
+    model_path = next(args.ladder.glob(f"*{args.quant}*.gguf"))
+    mmproj = next(args.ladder.glob("mmproj*.gguf"))
+    messages = conversation(args.questions)
+    with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=2) as model:
+        calls: list[int] = []
+        real = model.engine.tokenize
+
+        def counting(text, images=()):
+            prompt = real(text, images)
+            calls.append(prompt.n_pos)
+            return prompt
+
+        model.engine.tokenize = counting  # type: ignore[method-assign]
+        for label in ("first request", "one question longer"):
+            calls.clear()
+            start = time.perf_counter()
+            reply = model.chat_completion(messages, truncate=True, max_tokens=4, temperature=0)
+            took = time.perf_counter() - start
+            print(f"{label}: {reply.dropped_turns} questions dropped, prompt {reply.usage.prompt_tokens} "
+                  f"positions; {len(calls)} tokenize calls, {sum(calls)} positions tokenized; {took:.2f} s")
+            messages += [{"role": "assistant", "content": str(reply)}, {"role": "user", "content": "Why?"}]
+
+
+if __name__ == "__main__":
+    main()
