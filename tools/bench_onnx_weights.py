@@ -6,7 +6,8 @@ the fp32 graph (as the cache does: rounding as ggml does) and three quantized gr
 each quantized graph, in a fresh process: the external data file's size, what its session adds
 to the process (``RssAnon`` / ``RssFile`` from ``/proc/self/status``, with ONNX Runtime's
 prepacking on and with ``session.disable_prepacking``), the median time of one 448-px slice
-(``--runs`` after a warm-up, ``--threads`` threads) and the mean per-token cosine of its
+(``--runs`` after a warm-up, ``--threads`` threads; also as busy time, process CPU ms per thread, which a
+loaded machine distorts less) and the mean per-token cosine of its
 embeddings against the fp32 graph's (run stage by stage) on the validation images (worst image):
 
 * ``int8-tower``: only the SigLIP blocks' MatMuls int8 (before this change; merger/resampler fp32);
@@ -99,15 +100,16 @@ def measure(args: argparse.Namespace) -> dict:
     session = {"anon": _status("RssAnon") - anon, "file": _status("RssFile") - file_}
     outs = [encoder.encode_rgb(rgb, 0) for rgb in images]
     cos = min(float(token_cosines(r, o).mean()) for r, o in zip(reference, outs, strict=True))
-    times = []
+    times, busy = [], []
     rng = np.random.default_rng(0)
     for _ in range(args.runs):
         rgb = rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         encoder.encode_rgb(rgb, 0)
         times.append((time.perf_counter() - start) * 1000)
+        busy.append((time.process_time() - cpu) * 1000 / args.threads)  # CPU ms per thread: less load-bound
     return {"session": session, "cosine": cos, "ms": times, "median_ms": statistics.median(times),
-            "peak": _status("VmHWM")}
+            "busy_ms": statistics.median(busy), "peak": _status("VmHWM")}
 
 
 def main() -> None:
@@ -151,7 +153,7 @@ def main() -> None:
                 rows[(name, prepack)] = r
                 print(f"{name} prepack={prepack}: data {size / 2**20:.1f} MiB, session anon "
                       f"{r['session']['anon'] / 2**20:.1f} MiB file {r['session']['file'] / 2**20:.1f} MiB, "
-                      f"{r['median_ms']:.0f} ms/slice {[round(t) for t in r['ms']]}, cosine vs fp32 {r['cosine']:.5f}",
+                      f"{r['median_ms']:.0f} ms/slice {[round(t) for t in r['ms']]} (busy {r.get('busy_ms', 0):.0f}), cosine vs fp32 {r['cosine']:.5f}",
                       flush=True)
         print(json.dumps({f"{k[0]}:{'prepack' if k[1] else 'no-prepack'}": v for k, v in rows.items()}))
 
