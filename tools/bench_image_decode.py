@@ -85,8 +85,9 @@ def main() -> None:
                    "peak_draft_MiB": peaks["draft"], "max_abs": float(max(d.max() for d in diffs)),
                    "mean_abs": float(np.mean([d.mean() for d in diffs]))}
             if encoder is not None:
-                row["min_token_cosine"] = float(min(token_cosines(encoder.encode_pixels(x), encoder.encode_pixels(y)).min()
-                                                    for x, y in zip(a, b, strict=True)))
+                row["min_token_cosine"] = float(min(
+                    token_cosines(encoder.encode_pixels(x), encoder.encode_pixels(y)).min()
+                    for x, y in zip(a, b, strict=True)))
             rows[detail] = row
             print(detail, json.dumps(row), flush=True)
 

@@ -153,7 +153,8 @@ def main() -> None:
                 rows[(name, prepack)] = r
                 print(f"{name} prepack={prepack}: data {size / 2**20:.1f} MiB, session anon "
                       f"{r['session']['anon'] / 2**20:.1f} MiB file {r['session']['file'] / 2**20:.1f} MiB, "
-                      f"{r['median_ms']:.0f} ms/slice {[round(t) for t in r['ms']]} (busy {r.get('busy_ms', 0):.0f}), cosine vs fp32 {r['cosine']:.5f}",
+                      f"{r['median_ms']:.0f} ms/slice {[round(t) for t in r['ms']]} "
+                      f"(busy {r.get('busy_ms', 0):.0f}), cosine vs fp32 {r['cosine']:.5f}",
                       flush=True)
         print(json.dumps({f"{k[0]}:{'prepack' if k[1] else 'no-prepack'}": v for k, v in rows.items()}))
 
