@@ -315,3 +315,74 @@ print((status("VmHWM") - base) / rgb.nbytes)
     assert done.returncode == 0, done.stderr
     copies = float(done.stdout)
     assert copies <= memory.IMAGE_COPIES + 0.5, copies
+
+
+# --- decoding no larger than the slices need (JPEG draft mode) ---------------------------------
+
+
+def _photo_jpeg(size: tuple[int, int], orientation: int = 1) -> bytes:
+    """The bundled example photo stretched to ``size``, as a JPEG (a camera photo's smooth content)."""
+    from gguf_mcv.vision.onnx_vision import EXAMPLE_IMAGE
+
+    pil = PIL.Image.open(EXAMPLE_IMAGE).convert("RGB").resize(size, PIL.Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    exif = PIL.Image.Exif()
+    exif[0x0112] = orientation
+    pil.save(out, "JPEG", quality=90, exif=exif.tobytes())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_a_jpeg_is_decoded_only_as_large_as_its_slices_need(orientation: int) -> None:
+    """A 12 MP JPEG at detail="auto" is decoded at a reduced scale and resized to the same size as a
+    full decode: the pixels differ only by what the resize's source changes."""
+    from gguf_mcv.vision.media import draft_scale
+    from gguf_mcv.vision.slicing import apply_detail, detail_size
+
+    data = _photo_jpeg((4000, 3000), orientation)
+    fit = lambda w, h: detail_size(w, h, detail="auto")  # noqa: E731
+    full = apply_detail(load_image(data), detail="auto")
+    drafted = load_image(data, fit=fit)
+    upright = (3000, 4000) if orientation == 6 else (4000, 3000)
+    assert (full.width, full.height) == (drafted.width, drafted.height) == fit(*upright)
+    assert draft_scale(upright, fit(*upright)) >= 2  # the decode really was smaller
+    diff = np.abs(full.rgb.astype(np.int16) - drafted.rgb.astype(np.int16))
+    assert diff.mean() < 1.5 and np.percentile(diff, 99) <= 8, (diff.mean(), np.percentile(diff, 99))
+    assert load_image(data, fit=fit).digest == drafted.digest  # deterministic: the embedding cache still hits
+
+
+def test_a_small_or_non_jpeg_image_is_decoded_as_before() -> None:
+    from gguf_mcv.vision.slicing import detail_size
+
+    fit = lambda w, h: detail_size(w, h, detail="auto")  # noqa: E731
+    small = _photo_jpeg((640, 480))
+    assert load_image(small, fit=fit).digest == load_image(small).digest  # nothing to shrink
+    png = io.BytesIO()
+    PIL.Image.open(io.BytesIO(_photo_jpeg((2000, 1500)))).save(png, "PNG")
+    expected = load_image(png.getvalue()).resized_to(*fit(2000, 1500))
+    assert load_image(png.getvalue(), fit=fit).digest == expected.digest  # PNG has no draft mode
+
+
+def test_a_12_megapixel_jpeg_wanted_smaller_decodes_in_a_fraction_of_its_size() -> None:
+    """What the memory model counts for a photo at detail="auto": a 1/2-scale decode."""
+    code = """
+import io, numpy as np
+from PIL import Image as P
+from gguf_mcv.vision.media import load_image
+from gguf_mcv.vision.slicing import detail_size
+a = np.random.default_rng(0).integers(0, 255, (375, 500, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
+b = io.BytesIO(); P.fromarray(a).save(b, "JPEG"); data = b.getvalue(); del a
+def status(k): return int(open("/proc/self/status").read().split(k + ":")[1].split()[0]) * 1024
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
+rgb = load_image(data, fit=lambda w, h: detail_size(w, h, detail="auto")).rgb
+print((status("VmHWM") - base) / (4000 * 3000 * 3))
+"""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc to reset the peak")
+    from gguf_mcv.planning import memory
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    full_copies = float(done.stdout)
+    assert full_copies <= memory.IMAGE_COPIES / 4 + 0.3, full_copies  # a quarter of the pixels, ~the same copies

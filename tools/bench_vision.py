@@ -14,6 +14,13 @@ tower, 1152 wide, 27 blocks), each backend in a fresh process of its own:
   image for the cosine against libmtmd's; peak RSS (``VmHWM``) of the process.
 
     python tools/bench_vision.py --ladder /tmp/bench-onnx --threads 2 --runs 3
+
+``--first-run`` instead runs ``onnx-int8`` twice in fresh processes sharing an empty cache
+folder: the first converts during its load (a user's first question), the second loads the
+conversion from the cache; each one's peak RSS, load time and encode times, the int8 vs fp32
+cosine and the converted files' sizes.
+
+    python tools/bench_vision.py --ladder /tmp/bench-onnx --quant Q4_0 --first-run
 """
 
 from __future__ import annotations
@@ -88,6 +95,22 @@ def run(name: str, args: argparse.Namespace, env: dict, embeddings: Path) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def first_run(args: argparse.Namespace) -> None:
+    """onnx-int8 with an empty cache (the conversion in its load), then from the cache."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GGUF_MCV_CACHE": tmp}
+        runs = {name: run("onnx-int8", args, env, Path(tmp) / f"{name}.npy") for name in ("first", "cached")}
+        manifest = next((Path(tmp) / "onnx").glob("*.json"))
+        saved = json.loads(manifest.read_text())
+    for name, r in runs.items():
+        print(f"{name}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB, load {r['load_s']:.1f} s, "
+              f"{r['median_ms']:.0f} ms per slice {r['encode_ms']}; {r['reason']}")
+    sizes = {name: size for name, (size, _) in saved["files"].items()}
+    print(f"int8 vs fp32 cosine {saved['int8_cosine']:.5f}; files: " +
+          ", ".join(f"{name.split('-')[-1]} {size / 2**20:.1f} MiB" for name, size in sorted(sizes.items())))
+    print(json.dumps({"runs": runs, "files": sizes, "int8_cosine": saved["int8_cosine"]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ladder", required=True, help="folder of tools/make_test_model.py --preset bench")
@@ -98,9 +121,13 @@ def main() -> None:
                     f"{', '.join(BACKENDS)} (llama.cpp is always run: the reference)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--embeddings", help=argparse.SUPPRESS)
+    ap.add_argument("--first-run", action="store_true", help="onnx-int8 converting, then from the cache")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
+        return
+    if args.first_run:
+        first_run(args)
         return
     from gguf_mcv.vision.onnx_vision import token_cosines
 

@@ -341,11 +341,14 @@ def onnx_weight_bytes(vision: VisionShape | None, text_width: int, mmproj_size: 
                       variant: str = "int8") -> int:
     """Bytes of the ONNX graph's weights (``onnx_graph``) that ONNX Runtime holds in memory.
 
-    The tower in fp32: patch embedding, the 4900-row position table, the blocks (their MatMuls
-    int8 with one f32 scale per column in the ``int8`` variant; biases and LayerNorms f32) and
-    the post-norm. The projector in fp32: the resampler from its shape (the 2-D sin/cos keys
-    are an input, not a weight); another projector (MiniCPM-V 4.6's merger) as twice what the
-    F16 mmproj holds beyond the tower. Checked against every conversion of the test presets.
+    The tower: patch embedding, the 4900-row position table and the post-norm in fp32, the
+    blocks' MatMuls int8 with one f32 scale per column in the ``int8`` variant (fp32 in
+    ``fp32``), biases and LayerNorms f32. The projector: the resampler from its shape (the 2-D
+    sin/cos keys are an input, not a weight; in ``int8`` its MatMuls are int8 and its constant
+    queries are stored already projected); another projector (MiniCPM-V 4.6's merger) from what
+    the F16 mmproj holds beyond the tower: half of it in ``int8`` (int8 matrices, and f32 norms
+    and biases the mmproj holds in f32), twice in ``fp32``. Checked against every conversion
+    of the test presets.
     Never more than twice ``mmproj_size`` (the whole F16 file in fp32), which bounds a tower
     nobody described (``VisionShape()``'s SigLIP-400M defaults) by the file actually planned.
     """
@@ -362,10 +365,13 @@ def onnx_weight_bytes(vision: VisionShape | None, text_width: int, mmproj_size: 
         blocks = matmuls * 4 + small
     if v.projector == "resampler":
         d, q = text_width, v.query_tokens
-        projector = (d * w + 5 * d * d + q * d + 10 * d) * 4  # kv, q/k/v/out + proj, queries, biases, LNs
+        if variant == "int8":  # int8 kv, k, v, out, proj + their scales; k/v/out biases, 2 LNs, projected queries
+            projector = d * w + 4 * d * d + (5 * d + 3 * d + 4 * d + q * d) * 4
+        else:
+            projector = (d * w + 5 * d * d + q * d + 10 * d) * 4  # kv, q/k/v/out + proj, queries, biases, LNs
     else:
         tower_f16 = matmuls * 2 + small + (w * patch + ONNX_POS_ROWS * w) * 2 + 3 * w * 4
-        projector = 2 * max(0, mmproj_size - tower_f16)
+        projector = max(0, mmproj_size - tower_f16) * (1 if variant == "int8" else 4) // 2
     return int(min(embed + blocks + projector, 2 * mmproj_size))
 
 
@@ -379,10 +385,36 @@ def onnx_arena_bytes(vision: VisionShape | None) -> int:
 
 
 def image_bytes(image_pixels: int, image_tokens: int, vision: VisionShape | None = None) -> int:
-    """The decoded image (IMAGE_COPIES x W*H*3) and libmtmd's f32 slices held by the prompt."""
+    """The decoded image (IMAGE_COPIES x W*H*3 of what is decoded, see :func:`decoded_size`;
+    when it is resized for its slices, two copies of the resized one: gguf_mcv's and libmtmd's
+    bitmap) and libmtmd's f32 slices held by the prompt."""
     v = vision or VisionShape()
     slices = max(1, -(-image_tokens // v.query_tokens))
-    return int(IMAGE_COPIES * image_pixels * 3 + slices * v.image_size**2 * 3 * 4)
+    decoded, resized = decoded_size(image_pixels, image_tokens, v)
+    held = IMAGE_COPIES * image_pixels * 3  # decoded at full size
+    if resized != decoded:
+        held = IMAGE_COPIES * decoded[0] * decoded[1] * 3 + 2 * resized[0] * resized[1] * 3
+    return int(held + slices * v.image_size**2 * 3 * 4)
+
+
+def decoded_size(image_pixels: int, image_tokens: int,
+                 vision: VisionShape | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(decoded, resized) size of a 4:3 JPEG photo of ``image_pixels`` asked about for
+    ``image_tokens`` (an overview and slices of ``query_tokens`` each): when its slices need it
+    smaller, ``gguf_mcv.vision.media`` decodes it at 1/2, 1/4 or 1/8 scale (JPEG draft mode), no
+    smaller than the resize; else at full size (then libmtmd resizes it: resized == decoded)."""
+    from ..vision.media import draft_scale  # lazy: Pillow
+    from ..vision.slicing import MAX_SLICES, count_slices, fit_slices
+
+    v = vision or VisionShape()
+    width = max(1, round((image_pixels * 4 / 3) ** 0.5))
+    full = (width, max(1, image_pixels // width))
+    max_slices = min(MAX_SLICES, max(0, image_tokens // max(1, v.query_tokens) - 1))
+    if count_slices(*full, v.image_size or 448) <= max_slices:
+        return full, full
+    resized = fit_slices(*full, max_slices, v.image_size or 448)
+    scale = draft_scale(full, resized)
+    return (-(-full[0] // scale), -(-full[1] // scale)), resized
 
 
 def vocab_bytes(text: TextShape) -> int:

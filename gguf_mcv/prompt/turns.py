@@ -20,7 +20,7 @@ import PIL.Image
 from ..errors import ConfigError, ContextOverflowError, MediaError
 from ..options import check_int, check_number, check_text
 from ..vision.media import Image, ImageInput, load_image
-from ..vision.slicing import apply_detail
+from ..vision.slicing import apply_detail, detail_size
 from ..vision.video import Frame, Frames, VideoInput, format_timestamp, sample_frames
 from . import plaintext
 from .measure import PromptMeasure
@@ -127,11 +127,16 @@ class TurnBuilder:
     # -- parts --------------------------------------------------------------------
 
     def image(self, image: ImageInput, *, detail: str = "auto", max_slices: int | None = None) -> Image:
-        """Decode ``image`` and size it for the vision encoder (:func:`~gguf_mcv.vision.slicing.apply_detail`);
+        """Decode ``image`` and size it for the vision encoder (:func:`~gguf_mcv.vision.slicing.detail_size`);
         one image at a time per model, whatever the number of threads asking."""
+        def fit(width: int, height: int) -> tuple[int, int]:
+            return detail_size(width, height, detail=detail, max_slices=max_slices, slice_size=self.slice_size,
+                               vision_gpu=self.vision_gpu)
+
+        fit(1, 1)  # a bad detail or max_slices is refused before anything is decoded
         with self._decoding:
-            return apply_detail(load_image(image, allow_remote=self.allow_remote_media), detail=detail,
-                                max_slices=max_slices, slice_size=self.slice_size, vision_gpu=self.vision_gpu)
+            # decoded no larger than the slices need (a JPEG at 1/2, 1/4 or 1/8 scale)
+            return load_image(image, allow_remote=self.allow_remote_media, fit=fit)
 
     def user_parts(self, prompt: str, images: Images = (), videos: VideoInput | Sequence[VideoInput] = (), *,
                    detail: str = "auto", max_slices: int | None = None) -> list[Part]:

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import IO, Union
+from typing import IO, Callable, Union
 
 import numpy as np
 import PIL.Image
@@ -92,8 +92,25 @@ class Image:
         return self.resized_to(max(1, round(self.width * scale)), max(1, round(self.height * scale)))
 
 
-def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
-    """Decode ``src`` into an :class:`Image`, or raise :class:`MediaError` naming it."""
+#: maps an image's (upright) width and height to the size its caller resizes it to
+FitSize = Callable[[int, int], tuple[int, int]]
+
+
+def load_image(src: ImageInput, *, allow_remote: bool = False, fit: FitSize | None = None) -> Image:
+    """Decode ``src`` into an :class:`Image`, or raise :class:`MediaError` naming it.
+
+    ``fit`` gives the size the image is wanted at, from its own: the image returned has that
+    size. Where that is smaller, a JPEG is decoded at the smallest of 1/8, 1/4 or 1/2 of its
+    size that is still at least as large on both sides (Pillow's draft mode: a 12 MP photo
+    wanted at 1 MP is decoded at 3 MP, never at 12), then resized; only the resize's source
+    differs from a full decode's."""
+    image = _load(src, allow_remote, fit)
+    if fit is None or isinstance(src, (bytes, bytearray, memoryview, str, os.PathLike)):
+        return image  # decoded: already fitted (from the size the file declares)
+    return image.resized_to(*fit(image.width, image.height))
+
+
+def _load(src: ImageInput, allow_remote: bool, fit: FitSize | None) -> Image:
     if isinstance(src, Image):
         return src
     if isinstance(src, np.ndarray):
@@ -102,15 +119,15 @@ def load_image(src: ImageInput, *, allow_remote: bool = False) -> Image:
         return from_pil(src, "<PIL image>")
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
-        return _decode(data, f"<{len(data)} bytes>")
+        return _decode(data, f"<{len(data)} bytes>", fit)
     if isinstance(src, (str, os.PathLike)):
-        return _from_locator(os.fspath(src), allow_remote)
+        return _from_locator(os.fspath(src), allow_remote, fit)
     raise MediaError(f"Unsupported image input of type {type(src).__name__}: pass {ACCEPTED_IMAGES}.")
 
 
-def _from_locator(text: str, allow_remote: bool) -> Image:
+def _from_locator(text: str, allow_remote: bool, fit: FitSize | None = None) -> Image:
     if text.startswith("data:"):
-        return _decode(data_uri_bytes(text), text[:40] + "…")
+        return _decode(data_uri_bytes(text), text[:40] + "…", fit)
     scheme = urllib.parse.urlsplit(text).scheme.lower()
     if scheme in ("http", "https"):
         if not allow_remote:
@@ -118,7 +135,7 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
                 f"Refusing to fetch remote image {text}: remote URLs are off. "
                 "Download it yourself, or pass allow_remote=True."
             )
-        return _decode(_fetch(text), text)
+        return _decode(_fetch(text), text, fit)
     if scheme == "file":
         text = urllib.request.url2pathname(urllib.parse.urlsplit(text).path)
     elif scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
@@ -132,7 +149,7 @@ def _from_locator(text: str, allow_remote: bool) -> Image:
             f"Image file {path} is {size / 2**30:.1f} GiB, over the {MAX_FILE_BYTES / 2**30:g} GiB "
             "an image may have: is it really an image? Convert it to JPEG or PNG first."
         )
-    return _decode(path, str(path))
+    return _decode(path, str(path), fit)
 
 
 def regular_file(path: Path, what: str) -> os.stat_result:
@@ -202,15 +219,45 @@ def _fetch(url: str) -> bytes:
     return data
 
 
-def _decode(data: bytes | Path, source: str) -> Image:
-    """Decode encoded ``data``, or the file at that path (read lazily by Pillow)."""
+def _decode(data: bytes | Path, source: str, fit: FitSize | None = None) -> Image:
+    """Decode encoded ``data``, or the file at that path (read lazily by Pillow); a JPEG at a
+    reduced scale when ``fit`` wants it smaller (see :func:`load_image`)."""
     if not data:
         raise MediaError(f"Image {source} is empty (0 bytes).")
     with _decoding(source), open_pil(io.BytesIO(data) if isinstance(data, bytes) else data) as pil:
         _check_size(pil.size, source)
+        wanted = _wanted_size(pil, fit) if fit is not None else None
+        if wanted is not None and pil.format == "JPEG" and wanted[0] < pil.width and wanted[1] < pil.height:
+            pil.draft(pil.mode, wanted)
+        if wanted is not None and _turned(pil):
+            wanted = wanted[1], wanted[0]
         # an animated image opens on its first frame; asking for the frame count would
         # walk every frame and fail on a file cut short after the first
-        return Image(_to_rgb(pil, source), source)
+        image = Image(_to_rgb(pil, source), source)
+    del pil  # Pillow's decode buffer, before the resize makes its own
+    return image if wanted is None else image.resized_to(*wanted)
+
+
+def draft_scale(size: tuple[int, int], wanted: tuple[int, int]) -> int:
+    """The JPEG scale denominator (1, 2, 4 or 8) Pillow's draft mode decodes ``size`` at for
+    ``wanted``: the largest whose decoded size is still at least ``wanted`` on both sides."""
+    ratio = min(size[0] // max(1, wanted[0]), size[1] // max(1, wanted[1]))
+    return next(s for s in (8, 4, 2, 1) if ratio >= s)
+
+
+def _turned(pil: PIL.Image.Image) -> bool:
+    """Whether EXIF orientation turns ``pil`` by a quarter (the camera was held sideways)."""
+    return pil.getexif().get(_EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+
+
+def _wanted_size(pil: PIL.Image.Image, fit: FitSize) -> tuple[int, int]:
+    """The size ``fit`` wants the opened image at, from the size its file declares (upright for
+    ``fit``), in the file's own orientation."""
+    w, h = pil.size
+    if _turned(pil):
+        tw, th = fit(h, w)
+        return th, tw
+    return fit(w, h)
 
 
 def from_pil(pil: PIL.Image.Image, source: str) -> Image:

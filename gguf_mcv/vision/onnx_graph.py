@@ -35,6 +35,12 @@ EXTERNAL_ALIGN = 4096
 #: LayerNorm gamma channels larger than this many times the median are moved into the next
 #: MatMul's weights before int8 quantization (exact in fp32; see fold_outliers)
 OUTLIER_FACTOR = 4.0
+#: MatMulNBits' block along the input when the tower's MatMuls are 4-bit (``block_bits=4``)
+INT4_BLOCK = 32
+#: metadata key of the graph's stage boundaries (the tensors after the patch embedding, each
+#: block and 4.6's window merger, comma-separated): :func:`gguf_mcv.vision.onnx_vision.run_in_stages`
+#: runs the graph one stage at a time, holding one stage's weights
+STAGES_KEY = "gguf_mcv.stages"
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Weights:
         except (ValueError, OSError, IndexError, KeyError) as exc:
             raise CorruptModelError(f"Could not read {path} as a GGUF file ({exc}); download it again.") from exc
         self._gguf = gguf
+        self._path = os.fspath(path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.fields = {name: f.contents() for name, f in self._reader.fields.items()
                        if not name.startswith("GGUF.")}
@@ -81,7 +88,12 @@ class Weights:
         if t is None:
             raise IncompatibleProjectorError(f"The mmproj has no tensor {name!r}; it is not a MiniCPM-V projector "
                                              "this converter knows.")
-        data = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        # read, not through the reader's map: mapped pages would stay in this process's RSS
+        # until the whole file is unmapped (the F16 tower, on top of a conversion's peak)
+        with open(self._path, "rb") as f:
+            f.seek(int(t.data_offset))
+            raw = np.frombuffer(f.read(int(t.n_bytes)), dtype=t.data.dtype).reshape(t.data.shape)
+        data = self._gguf.quants.dequantize(raw, t.tensor_type)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         return np.asarray(data, dtype=np.float32).reshape(shape)
 
@@ -196,7 +208,7 @@ class _Builder:
     conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
     def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False,
-                 ggml: bool = False) -> None:
+                 ggml: bool = False, block_bits: int = 8) -> None:
         from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
         self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
@@ -204,7 +216,10 @@ class _Builder:
         self.inits: list[Any] = []
         self._n = 0
         self._external, self._location = external, location
-        self.int8 = int8  #: the ViT blocks' MatMuls as int8 DynamicQuantizeMatMul
+        self.int8 = int8  #: every MatMul with a weight (tower blocks, merger, resampler) as int8
+        #: with ``int8``, 4: the tower blocks' MatMuls as 4-bit MatMulNBits instead (evaluated,
+        #: not used by the cache: see docs/vision-encoders.md)
+        self.block_bits = block_bits
         self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
         self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
 
@@ -251,7 +266,9 @@ class _Builder:
 
     def matmul_in_out(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str,
                       rnd: str | None = None) -> str:
-        if self.int8 and hint.startswith("v.blk."):
+        if self.int8 and self.block_bits == 4 and hint.startswith("v.blk."):
+            return self._int4_matmul(x, w_in_out, b, hint)
+        if self.int8:
             return self._int8_matmul(x, w_in_out, b, hint)
         y = self.op("MatMul", [self.rounded(x, rnd), self.const(hint + ".w", w_in_out)], hint + ".matmul")
         return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
@@ -265,6 +282,16 @@ class _Builder:
         if b is not None:
             inputs.append(self.const(hint + ".b", b.astype(np.float32)))
         return self.op("DynamicQuantizeMatMul", inputs, hint, domain="com.microsoft")
+
+    def _int4_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
+        """ONNX Runtime's MatMulNBits: 4-bit symmetric weights in blocks of :data:`INT4_BLOCK`
+        along the input, one f32 scale per block and column; accuracy_level 4 computes in int8."""
+        k, n = w_in_out.shape
+        packed, scales = quantize_blocks4(w_in_out)
+        y = self.op("MatMulNBits", [x, self.const(hint + ".w4", packed), self.const(hint + ".s4", scales)],
+                    hint + ".matmul", domain="com.microsoft", K=k, N=n, bits=4, block_size=INT4_BLOCK,
+                    accuracy_level=4)
+        return self.op("Add", [y, self.const(hint + ".b", b.astype(np.float32))], hint) if b is not None else y
 
     def norm(self, x: str, g: np.ndarray, b: np.ndarray, eps: float, hint: str) -> str:
         return self.op("LayerNormalization", [x, self.const(hint + ".g", g), self.const(hint + ".b", b)],
@@ -299,6 +326,14 @@ class _Builder:
         return self.op("Where", [low, self.const("zero", np.asarray(0.0, np.float32)), y], hint)
 
 
+def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNormalization over the last axis, in float32 (as ONNX's)."""
+    x = x.astype(np.float32)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = np.square(x - mean).mean(axis=-1, keepdims=True)
+    return ((x - mean) / np.sqrt(var + np.float32(eps)) * gamma + beta).astype(np.float32)
+
+
 def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-column int8 of an (in × out) weight: (int8 weight, float32 scale per column)."""
     scale = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
@@ -306,20 +341,38 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
 
 
+def quantize_blocks4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' layout of an (in × out) weight at 4 bits: (uint8 N × blocks × block/2, two
+    values a byte, low nibble first, stored as q + 8; float32 scale per column and block)."""
+    k, n = w.shape
+    blocks = -(-k // INT4_BLOCK)
+    padded = np.zeros((blocks * INT4_BLOCK, n), np.float32)
+    padded[:k] = w
+    cols = padded.T.reshape(n, blocks, INT4_BLOCK)
+    scale = (np.abs(cols).max(axis=2) / 7.0).astype(np.float32)
+    scale[scale == 0] = 1.0
+    q = (np.clip(np.rint(cols / scale[..., None]), -8, 7) + 8).astype(np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), scale.reshape(-1)
+
+
 def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggml: bool = False,
-                external: Path | None = None,
+                external: Path | None = None, block_bits: int = 8,
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
     """The ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
-    nodes. ``fold`` applies :func:`fold_outliers` to each block; ``int8`` makes the tower's
-    MatMuls int8 (:func:`quantize_columns`; patch embedding and projector stay fp32);
+    nodes. ``fold`` applies :func:`fold_outliers` to each LayerNorm that feeds MatMuls (the
+    blocks' and the 4.6 mergers'); ``int8`` makes every MatMul with a weight int8 (the blocks',
+    the merger's and the resampler's: :func:`quantize_columns`; the resampler's constant
+    queries are projected at conversion; the patch embedding stays fp32);
     ``ggml`` rounds where ggml's CPU kernels round (activations to F16/BF16 before a MatMul
     with an F16/BF16 weight and before the patch convolution, Q/K/V to F16 for flash
     attention, GELU through its F16 table), so fp32 embeddings follow libmtmd's closely;
-    ``external`` is the data file for the weights (the model must be saved beside it)."""
+    ``external`` is the data file for the weights (the model must be saved beside it);
+    ``block_bits=4`` (with ``int8``) makes the tower blocks' MatMuls 4-bit MatMulNBits."""
     if external is None:
-        return _build(weights, _Builder(int8=int8, ggml=ggml), fold, progress)
+        return _build(weights, _Builder(int8=int8, ggml=ggml, block_bits=block_bits), fold, progress)
     with open(external, "wb") as f:
-        return _build(weights, _Builder(f, external.name, int8=int8, ggml=ggml), fold, progress)
+        builder = _Builder(f, external.name, int8=int8, ggml=ggml, block_bits=block_bits)
+        return _build(weights, builder, fold, progress)
 
 
 def _build(weights: Weights, g: _Builder, fold: bool,
@@ -329,12 +382,15 @@ def _build(weights: Weights, g: _Builder, fold: bool,
     p = weights.projector()
     total = p.blocks + 2
     x = _patch_embedding(g, weights, p)
+    stages = [x]
     if progress:
         progress(1, total)
     for i in range(p.blocks):
         x = _block(g, weights, p, i, x, fold)
+        stages.append(x)
         if i == p.merger_layer and p.n_merge == 4:
-            x = _window_merger(g, weights, p, x)
+            x = _window_merger(g, weights, p, x, fold)
+            stages.append(x)
         if progress:
             progress(i + 2, total)
     if "v.post_ln.weight" in weights:
@@ -344,7 +400,7 @@ def _build(weights: Weights, g: _Builder, fold: bool,
         out = _resampler(g, weights, p, x)
         extra = [helper.make_tensor_value_info("rpos", TensorProto.FLOAT, ["N", p.n_out])]
     else:
-        out = _final_merger(g, weights, p, x)
+        out = _final_merger(g, weights, p, x, fold)
         extra = [helper.make_tensor_value_info("merge_idx", TensorProto.INT64, [4, "M"])]
         if p.n_merge == 4:
             extra += [helper.make_tensor_value_info(n, TensorProto.INT64, ["N"]) for n in ("win_idx", "inv_win_idx")]
@@ -361,6 +417,7 @@ def _build(weights: Weights, g: _Builder, fold: bool,
                                                     helper.make_opsetid("com.microsoft", 1)],
                               producer_name="gguf_mcv")
     model.ir_version = 9
+    helper.set_model_props(model, {STAGES_KEY: ",".join(stages)})
     if progress:
         progress(total, total)
     return model, quantizable
@@ -417,12 +474,19 @@ def _resampler(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     r = "resampler"
     v = g.linear(x, w[f"{r}.kv.weight"], None, "rs.kv", w.rounding(f"{r}.kv.weight"))
     v = g.norm(v, w[f"{r}.ln_kv.weight"], w[f"{r}.ln_kv.bias"], p.eps, "rs.ln_kv")
-    q = g.norm(g.const("rs.query", w[f"{r}.query"][None]), w[f"{r}.ln_q.weight"], w[f"{r}.ln_q.bias"],
-               p.eps, "rs.ln_q")
     k = g.op("Add", [v, "rpos"], "rs.k_in")
     proj = {n: g.linear(src, w[f"{r}.attn.{n}.weight"], w[f"{r}.attn.{n}.bias"], f"rs.{n}",
                         w.rounding(f"{r}.attn.{n}.weight"))
-            for n, src in (("q", q), ("k", k), ("v", v))}
+            for n, src in (("k", k), ("v", v))}
+    if g.int8:  # the queries are constants: projected here in fp32, no weight kept for them
+        q_in = layer_norm(w[f"{r}.query"], w[f"{r}.ln_q.weight"], w[f"{r}.ln_q.bias"], p.eps)
+        q_out = q_in @ w[f"{r}.attn.q.weight"].T + w[f"{r}.attn.q.bias"]
+        proj["q"] = g.const("rs.q", q_out[None].astype(np.float32))
+    else:
+        q = g.norm(g.const("rs.query", w[f"{r}.query"][None]), w[f"{r}.ln_q.weight"], w[f"{r}.ln_q.bias"],
+                   p.eps, "rs.ln_q")
+        proj["q"] = g.linear(q, w[f"{r}.attn.q.weight"], w[f"{r}.attn.q.bias"], "rs.q",
+                             w.rounding(f"{r}.attn.q.weight"))
     a = g.attention(proj["q"], proj["k"], proj["v"], p.n_out // RESAMPLER_HEAD, "rs.attn")
     o = g.linear(a, w[f"{r}.attn.out.weight"], w[f"{r}.attn.out.bias"], "rs.out", w.rounding(f"{r}.attn.out.weight"))
     o = g.norm(o, w[f"{r}.ln_post.weight"], w[f"{r}.ln_post.bias"], p.eps, "rs.ln_post")
@@ -448,19 +512,33 @@ def _lin(g: _Builder, w: Weights, x: str, name: str, hint: str) -> str:
     return g.linear(x, w[f"{name}.weight"], _optional(w, f"{name}.bias"), hint, w.rounding(f"{name}.weight"))
 
 
-def _mlp(g: _Builder, w: Weights, x: str, up: str, down: str, act: str, hint: str) -> str:
-    y = _lin(g, w, x, up, hint + ".up")
+def _norm_mlp(g: _Builder, w: Weights, x: str, norm: str, up: str, down: str, act: str, hint: str, eps: float,
+              fold: bool) -> str:
+    """LayerNorm ``norm`` (a missing bias is zero), then the MLP ``up`` → ``act`` → ``down``;
+    ``fold`` moves the norm's gamma outliers into ``up`` (:func:`fold_outliers`)."""
+    gamma = w[f"{norm}.weight"]
+    beta = w[f"{norm}.bias"] if f"{norm}.bias" in w else np.zeros_like(gamma)
+    up_io = w[f"{up}.weight"].T.copy()
+    if fold:
+        gamma, beta = fold_outliers(gamma, beta, [up_io])
+    y = g.norm(x, gamma, beta, eps, hint + ".norm")
+    y = g.matmul_in_out(y, up_io, _optional(w, f"{up}.bias"), hint + ".up", w.rounding(f"{up}.weight"))
     y = g.act(y, "gelu", hint + ".act") if act == "gelu" else g.op("Gelu", [y], hint + ".act")
     return _lin(g, w, y, down, hint + ".down")
 
 
-def _window_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
+def _window_merger(g: _Builder, w: Weights, p: Projector, x: str, fold: bool) -> str:
     """MiniCPM-V 4.6's ViT merger: attention inside each 2×2 window, then a 2×2 downsample MLP
     added to the windows' mean (clip_graph_minicpmv4_6::build)."""
     m = "v.vit_merger"
-    h = g.norm(x, w[f"{m}.ln1.weight"], w[f"{m}.ln1.bias"], p.eps, "wm.ln1")
-    h = g.op("Gather", [h, "win_idx"], axis=1)
-    qkv = {n: _lin(g, w, h, f"{m}.attn_{n}", f"wm.{n}") for n in "qkv"}
+    mats = {n: w[f"{m}.attn_{n}.weight"].T.copy() for n in "qkv"}  # in × out
+    gamma, beta = w[f"{m}.ln1.weight"], w[f"{m}.ln1.bias"]
+    if fold:
+        gamma, beta = fold_outliers(gamma, beta, list(mats.values()))
+    h = g.norm(x, gamma, beta, p.eps, "wm.ln1")
+    h = g.op("Gather", [h, "win_idx"], axis=1)  # a permutation of tokens: the fold still holds
+    qkv = {n: g.matmul_in_out(h, mats[n], _optional(w, f"{m}.attn_{n}.bias"), f"wm.{n}",
+                              w.rounding(f"{m}.attn_{n}.weight")) for n in "qkv"}
     windows = g.const("wshape", np.asarray([-1, 4, p.width], np.int64))  # one batch entry per window
     q, k, v = (g.op("Reshape", [qkv[n], windows]) for n in "qkv")
     a = g.op("Reshape", [g.attention(q, k, v, p.heads, "wm.attn"), g.const("shape", np.asarray([1, -1, p.width],
@@ -469,13 +547,11 @@ def _window_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     x = g.op("Add", [g.op("Gather", [a, "inv_win_idx"], axis=1), x], "wm.res")
     parts, cat = _gather_merge(g, x, "ds_idx")
     mean = g.op("Mul", [g.op("Sum", parts), g.const("quarter", np.asarray(0.25, np.float32))])
-    cat = g.norm(cat, w[f"{m}.ds_ln.weight"], w[f"{m}.ds_ln.bias"], p.eps, "wm.ds_ln")
-    return g.op("Add", [_mlp(g, w, cat, f"{m}.ds_ffn_up", f"{m}.ds_ffn_down", "gelu", "wm.ds"), mean], "wm.ds_out")
+    y = _norm_mlp(g, w, cat, f"{m}.ds_ln", f"{m}.ds_ffn_up", f"{m}.ds_ffn_down", "gelu", "wm.ds", p.eps, fold)
+    return g.op("Add", [y, mean], "wm.ds_out")
 
 
-def _final_merger(g: _Builder, w: Weights, p: Projector, x: str) -> str:
+def _final_merger(g: _Builder, w: Weights, p: Projector, x: str, fold: bool) -> str:
     """MiniCPM-V 4.6's final 2×2 merger: LayerNorm over 4 neighbours, MLP with erf GELU."""
     _, cat = _gather_merge(g, x, "merge_idx")
-    bias = w["mm.input_norm.bias"] if "mm.input_norm.bias" in w else np.zeros(4 * p.width, np.float32)
-    cat = g.norm(cat, w["mm.input_norm.weight"], bias, p.eps, "mm.norm")
-    return _mlp(g, w, cat, "mm.up", "mm.down", "gelu_erf", "mm")
+    return _norm_mlp(g, w, cat, "mm.input_norm", "mm.up", "mm.down", "gelu_erf", "mm", p.eps, fold)

@@ -48,14 +48,15 @@ from ..errors import ConfigError, EngineError, NotEnoughDiskError
 from ..units import format_size
 from .media import Image
 from .mtmd_preprocess import PreprocessParams, slice_pixels
-from .onnx_graph import Projector, Weights, build_model, graph_inputs
+from .onnx_graph import STAGES_KEY, Projector, Weights, build_model, graph_inputs
 from .vision_backends import INT8_MIN_COSINE, choose_backend, int8_passes  # noqa: F401  (the rule lives there)
 
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("fp32", "int8")
-#: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content
-MANIFEST_VERSION = 3
+#: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content; 4: the
+#: int8 graph quantizes the merger and resampler too, and the graphs carry their stages
+MANIFEST_VERSION = 4
 #: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
 #: 0.6x, with room to spare
 DISK_FACTOR = 3
@@ -238,7 +239,8 @@ def _convert(mmproj: Path, folder: Path, stem: str,
                                    progress=_step(progress, f"{variant} graph"))
             onnx.save_model(model, str(path))
             del model
-        del weights  # unmaps the mmproj: its pages would count on top of the fp32 session's
+        del weights
+        _trim_heap()
         cosine = (validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=_step(progress, "validation"))
                   if validate_int8 else None)
         files = {}
@@ -293,40 +295,127 @@ def token_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def validate(fp32: Path, int8: Path, projector: Projector, *,
              progress: Callable[[int, int], None] | None = None, n_threads: int | None = None) -> float:
-    """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's."""
+    """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's (the worst
+    validation image's). The fp32 graph runs one stage at a time (:func:`run_in_stages`), so
+    validating never holds more weights than the int8 session a later load holds."""
     images = validation_images()
-    outputs: dict[str, list[np.ndarray]] = {}
-    for n, path in enumerate((fp32, int8)):  # one session at a time: the fp32 one is the size of the tower
-        encoder = OnnxEncoder(path, projector, n_threads=n_threads)
-        outputs[path.name] = [encoder.encode_rgb(rgb, 0) for rgb in images]
-        del encoder
-        if progress:
-            progress(n + 1, 2)
-    scores = [float(token_cosines(a, b).mean()) for a, b in zip(outputs[fp32.name], outputs[int8.name], strict=True)]
+    params = _params(projector)
+    feeds = []
+    for rgb in images:
+        pixels = slice_pixels(rgb, params)[0]
+        h, w = pixels.shape[1] // projector.patch_size, pixels.shape[2] // projector.patch_size
+        feeds.append({"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(projector, h, w)})
+    reference = [out[0] for out in run_in_stages(fp32, feeds, n_threads=n_threads)]
+    if progress:
+        progress(1, 2)
+    encoder = OnnxEncoder(int8, projector, n_threads=n_threads)
+    quantized = [encoder.encode_rgb(rgb, 0) for rgb in images]
+    del encoder
+    _trim_heap()  # the load that follows makes its own session: this one's memory goes back first
+    if progress:
+        progress(2, 2)
+    scores = [float(token_cosines(a, b).mean()) for a, b in zip(reference, quantized, strict=True)]
     return min(scores) if scores else 0.0
+
+
+def run_in_stages(path: Path, feeds: list[dict[str, np.ndarray]], *,
+                  n_threads: int | None = None) -> list[np.ndarray]:
+    """The graph at ``path`` run on each of ``feeds``, one stage (patch embedding, block, merger,
+    projector: ``onnx_graph.STAGES_KEY``) at a time, each stage a session of its own that holds
+    only that stage's weights; returns each feed's ``embeddings``. A graph without stages runs whole."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    props = {p.key: p.value for p in model.metadata_props}
+    if not props.get(STAGES_KEY):
+        session = _session(str(path), n_threads, None)
+        return [session.run(["embeddings"], f)[0] for f in feeds]
+    graph = model.graph
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    inits = {t.name: t for t in graph.initializer}
+    graph_inputs_ = {i.name: i for i in graph.input}
+    values = [dict(f) for f in feeds]
+    start = 0
+    for name in [*props[STAGES_KEY].split(","), "embeddings"]:
+        end = producer[name] + 1
+        nodes = list(graph.node[start:end])
+        made = {o for node in nodes for o in node.output}
+        needed = list(dict.fromkeys(i for node in nodes for i in node.input if i and i not in made))
+        inputs = [n for n in needed if n not in inits]
+        if any(n not in values[0] for n in inputs):
+            raise EngineError(f"{path.name}: stage {name!r} needs {inputs}, which earlier stages do not give.")
+        stage = helper.make_graph(
+            nodes, f"stage_{name}",
+            [graph_inputs_[n] if n in graph_inputs_ else helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+             for n in inputs],
+            [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)],
+            initializer=[inits[n] for n in needed if n in inits])
+        sub = helper.make_model(stage, opset_imports=model.opset_import, ir_version=model.ir_version)
+        session = _session(sub.SerializeToString(), n_threads, path.parent, arena=False)
+        for v in values:
+            v[name] = session.run([name], {n: v[n] for n in inputs})[0]
+            for n in inputs:  # a stage's input is no later stage's (graph inputs stay)
+                if n not in graph_inputs_:
+                    del v[n]
+        del session, sub, stage
+        _trim_heap()
+        start = end
+    return [v["embeddings"] for v in values]
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing): each stage's session frees its weights, and they must not add up in RSS."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _session(model: str | bytes, n_threads: int | None, data_folder: Path | None, *, arena: bool = True) -> Any:
+    """An ONNX Runtime CPU session: all graph optimizations, ``n_threads`` intra-op threads, no
+    spinning; ``data_folder`` is where a model given as bytes finds its external data.
+    ``arena=False``: no memory arena (what a short-lived session's arena held stays in the
+    process's heap after the session is gone)."""
+    import onnxruntime as ort  # lazy: a native library
+
+    options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = arena
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if n_threads:
+        options.intra_op_num_threads = int(n_threads)
+    options.inter_op_num_threads = 1
+    # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if data_folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
+    try:
+        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
+        shown = model if isinstance(model, str) else "a stage of a converted graph"
+        raise EngineError(f"ONNX Runtime could not load {shown}: {exc}") from exc
+
+
+def _params(projector: Projector) -> PreprocessParams:
+    return PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
+                            mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
 
 
 class OnnxEncoder:
     """One ONNX Runtime session of the vision encoder; encodes slices of an image."""
 
     def __init__(self, path: str | os.PathLike, projector: Projector, *, n_threads: int | None = None) -> None:
-        import onnxruntime as ort  # lazy: a native library
-
         self.path = Path(path)
         self.projector = projector
-        self.params = PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
-                                       mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if n_threads:
-            options.intra_op_num_threads = int(n_threads)
-        options.inter_op_num_threads = 1
-        # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
-            raise EngineError(f"ONNX Runtime could not load {self.path}: {exc}") from exc
+        self.params = _params(projector)
+        self._session = _session(str(self.path), n_threads, None)
         self._last: tuple[str, list[np.ndarray]] | None = None
         self.calls = 0
 

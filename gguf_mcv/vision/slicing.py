@@ -88,17 +88,24 @@ def apply_detail(image: Image, *, detail: str = "auto", max_slices: int | None =
     :data:`AUTO_MAX_SLICES_GPU` on a GPU; ``max_slices=N`` sets the budget directly.
     An image more elongated than :data:`MAX_SLICED_ASPECT` is fitted in one slice.
     """
+    return image.resized_to(*detail_size(image.width, image.height, detail=detail, max_slices=max_slices,
+                                         slice_size=slice_size, vision_gpu=vision_gpu))
+
+
+def detail_size(width: int, height: int, *, detail: str = "auto", max_slices: int | None = None,
+                slice_size: int = 448, vision_gpu: bool = False) -> tuple[int, int]:
+    """The size :func:`apply_detail` gives a ``width``×``height`` image (the same when it keeps it)."""
     if detail not in DETAILS:
         raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
     if max_slices is not None and not 0 <= max_slices <= MAX_SLICES:
         raise ConfigError(f"max_slices must be between 0 and {MAX_SLICES}, not {max_slices}.")
-    if detail == "low" or _too_elongated(image.width, image.height):
+    if detail == "low" or _too_elongated(width, height):
         max_slices = 0
     elif max_slices is None and detail == "auto":
         max_slices = AUTO_MAX_SLICES_GPU if vision_gpu else AUTO_MAX_SLICES_CPU
     if max_slices is None:
-        return image
-    return image.resized_to(*fit_slices(image.width, image.height, max_slices, slice_size))
+        return width, height
+    return fit_slices(width, height, max_slices, slice_size)
 
 
 def _too_elongated(width: int, height: int) -> bool:
