@@ -271,7 +271,7 @@ def row(preset: str, run: str, r: dict[str, Any]) -> str:
     plan, last = st.get("plan", {}), next((st[k] for k in ("video", "photo", "loaded", "refused", "plan", "start")
                                            if k in st), {})
     hwm = last.get("VmHWM")
-    ratio = f" ({hwm / plan['peak_rss'] - 1:+.0%})" if hwm and plan.get("peak_rss") else ""
+    ratio = f" ({hwm / plan['peak_rss'] - 1:+.0%})" if hwm and plan.get("peak_rss") and "loaded" in st else ""
     verdict = ("refused (NoQuantFitsError)" if "refused" in st else "OOM-killed" if r["exit"] == 137
                else "answered" if r["exit"] == 0 else f"failed ({r['exit']})")
     shrunk = f"; shrunk {', '.join(plan['shrunk'])}" if plan.get("shrunk") else ""
