@@ -227,6 +227,13 @@ def _read(path: Path) -> str:
 def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One run in a fresh cgroup of ``limit`` bytes; what the child said and what the cgroup saw."""
     group = Cgroup.make(limit)
+    try:
+        return _run_in(group, files, limit, cache, args)
+    finally:  # interrupted or not, the cgroup goes (the child is dead: run() kills it on any exception)
+        group.remove()
+
+
+def _run_in(group: Cgroup, files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", "--model", str(files["model"]), "--mmproj", str(files["mmproj"]),
                "--photo", str(files["photo"]), "--video", str(files["video"]),
                "--ram-budget", "" if args.probe_budget else str(limit)]
@@ -240,17 +247,14 @@ def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Name
     except subprocess.TimeoutExpired as exc:
         code, out, err = "timeout", _text(exc.stdout), _text(exc.stderr)
     wall = time.perf_counter() - start
-    try:
-        stages = {}
-        for line in out.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                stages[record["stage"]] = record
-        return {"limit": limit, "exit": 137 if code == -signal.SIGKILL else code, "wall_s": wall, "stages": stages,
-                "cgroup": f"v{group.version}", "cgroup_peak": group.peak(), "oom_kills": group.oom_kills(),
-                "stderr_tail": err[-1500:] if code not in (0, REFUSED) else ""}
-    finally:
-        group.remove()
+    stages = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            stages[record["stage"]] = record
+    return {"limit": limit, "exit": 137 if code == -signal.SIGKILL else code, "wall_s": wall, "stages": stages,
+            "cgroup": f"v{group.version}", "cgroup_peak": group.peak(), "oom_kills": group.oom_kills(),
+            "stderr_tail": err[-1500:] if code not in (0, REFUSED) else ""}
 
 
 def _text(data: Any) -> str:
@@ -345,10 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(row(args.preset, run, r), flush=True)
                 if r["stderr_tail"]:
                     print(f"<!-- stderr: {r['stderr_tail'][-400:]!r} -->", flush=True)
+                if args.json:  # after every run: an interrupted benchmark keeps what it measured
+                    args.json.write_text(json.dumps(results, indent=2))
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 
