@@ -7,7 +7,9 @@ that size (cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; root needed
 
 1. **first run**: an empty gguf_mcv cache (``GGUF_MCV_CACHE``), so the ONNX conversion of
    the mmproj and the native kernel check happen in it, as on a board's first question;
-2. **second run**: the cache the first one filled.
+2. **second run** ("cached"): the cache the first one filled (when it got that far: a first
+   run killed while converting leaves the second one converting too; ``--cache DIR`` runs
+   both from a cache filled beforehand).
 
 Each loads the preset's pair with ``gguf_mcv.load(model_path=..., mmproj_path=...,
 ram_budget=LIMIT)`` (``--probe-budget``: the budget the hardware probe reads from the
@@ -306,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-budget", action="store_true",
                     help="let load() take its budget from the probe (the cgroup limit less a reserve) "
                          "instead of ram_budget=LIMIT")
+    ap.add_argument("--cache", type=Path,
+                    help="use (and keep) this gguf_mcv cache folder instead of a fresh empty one per limit; a run "
+                         "is a 'first' run only while the folder is empty, else 'cached' (e.g. to measure the "
+                         "steady state where a first run is killed)")
     ap.add_argument("--threads", type=int, help="n_threads for load() (default: the probe's)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
     ap.add_argument("--json", type=Path, help="write every measurement here")
@@ -341,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(HEADER, flush=True)
     for limit in limits:
-        cache = Path(tempfile.mkdtemp(prefix="gguf_mcv_edge_cache_"))
+        cache = args.cache or Path(tempfile.mkdtemp(prefix="gguf_mcv_edge_cache_"))
+        cache.mkdir(parents=True, exist_ok=True)
         try:
-            for run in ("first", "second"):
+            for _ in range(2):
+                run = "cached" if any(cache.iterdir()) else "first"
                 r = measure(files, limit, cache, args)
                 results.append({"preset": args.preset, "run": run, **r})
                 print(row(args.preset, run, r), flush=True)
@@ -352,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:  # after every run: an interrupted benchmark keeps what it measured
                     args.json.write_text(json.dumps(results, indent=2))
         finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            if args.cache is None:
+                shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
