@@ -52,9 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
-    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX,
-                   help=f"context size (default {constants.DEFAULT_N_CTX})")
-    p.add_argument("--kv", choices=KV_CACHE_TYPES, default="f16", help="KV cache type")
+    p.add_argument("--ctx", type=int, help=f"context size (default {constants.DEFAULT_N_CTX}, shrunk to at "
+                                             "least 2048 when nothing fits with it)")
+    p.add_argument("--kv", choices=KV_CACHE_TYPES,
+                   help="KV cache type (default f16, q8_0 when nothing fits with f16)")
     p.add_argument("--quant", help="evaluate this quant only")
     p.add_argument("--detail", choices=DETAILS, default="auto",
                    help="image detail the first-answer prediction assumes (default auto)")
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="catalog name or Hub repo id")
     p.add_argument("--quant", help="e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX)
+    p.add_argument("--ctx", type=int, help=f"context size the plan assumes (default {constants.DEFAULT_N_CTX})")
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _speed_args(p)
@@ -176,14 +177,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--quant", help="quantization, e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, default=constants.DEFAULT_N_CTX,
-                   help=f"context size (default {constants.DEFAULT_N_CTX})")
+    p.add_argument("--ctx", type=int, help=f"context size (default {constants.DEFAULT_N_CTX}, shrunk to at "
+                                             "least 2048 when nothing fits with it)")
     p.add_argument("--threads", type=int, help="CPU threads (default: performance cores)")
     p.add_argument("--gpu-layers", default="0", help="layers to offload to a GPU: N, -1 (all) or auto")
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
                    help="who runs the vision encoder (default auto: ONNX Runtime int8 on a CPU)")
-    p.add_argument("--kv", choices=KV_CACHE_TYPES, default="f16", help="KV cache type")
+    p.add_argument("--kv", choices=KV_CACHE_TYPES,
+                   help="KV cache type (default f16, q8_0 when nothing fits with f16)")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
     _speed_args(p)
 
@@ -526,7 +528,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     common["parallel"] = parallel if parallel == "auto" else _int(parallel, "--parallel")
     local = _local_files(args)
     if local is not None:
-        return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()), **common)
+        return dict(model_path=str(local[0].resolve()), mmproj_path=str(local[1].resolve()),
+                    ram_budget=args.ram, **common)
     return dict(model=args.model, quant=args.quant, ram_budget=args.ram, **common)
 
 

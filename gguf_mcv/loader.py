@@ -8,6 +8,7 @@ sees them; then the text model and the vision projector are loaded into an
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import constants
-from .errors import ConfigError, CorruptModelError, EngineError
+from .errors import ConfigError, CorruptModelError, EngineError, NoQuantFitsError
 from .hardware import probe
 from .model import Model, ModelInfo
 from .models.catalog import CatalogEntry, lookup
@@ -28,8 +29,11 @@ from .resolver import plan_local, pull
 from .runtime import native, native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
+from .units import format_size
 from .vision.embed_cache import EmbeddingCache
 from .vision.vision_backends import VisionSetup, choose_setup
+
+log = logging.getLogger(__name__)
 
 
 def load(
@@ -39,13 +43,13 @@ def load(
     ram_budget: int | str | None = None,
     model_path: str | os.PathLike | None = None,
     mmproj_path: str | os.PathLike | None = None,
-    n_ctx: int = constants.DEFAULT_N_CTX,
+    n_ctx: int | None = None,
     n_threads: int | None = None,
     n_threads_batch: int | None = None,
     n_gpu_layers: int | str = 0,
     vision_gpu: bool | None = None,
     flash_attn: bool | None = None,
-    kv_cache_type: str = "f16",
+    kv_cache_type: str | None = None,
     vision_backend: str = "auto",
     mmproj_precision: str = "auto",
     revision: str | None = None,
@@ -63,7 +67,15 @@ def load(
     (``"openbmb/MiniCPM-V-2_6-gguf"``) or ``"auto"`` (the most capable catalog model
     that fits); or leave it out and pass local ``model_path`` and ``mmproj_path``.
     Without ``quant`` the quantization is planned from ``ram_budget`` (default: what
-    the machine has free). ``n_gpu_layers="auto"`` offloads what the plan says fits
+    the machine has free). Local files are planned too, before anything is loaded: when their
+    predicted memory exceeds ``ram_budget`` (default: the free RAM, container limits included,
+    less a reserve) the load raises :class:`~gguf_mcv.errors.NoQuantFitsError` with the ways
+    out; a larger ``ram_budget`` overrides the probe for callers who know better (not checked
+    when layers are offloaded by hand: ``n_gpu_layers`` > 0 or ``vision_gpu=True``).
+    ``n_ctx`` (default 4096) and ``kv_cache_type`` (default ``"f16"``) left at None may be
+    shrunk by the plan -- to a context of at least 2048 and a q8_0 KV cache -- when nothing
+    fits with them (``model.info.n_ctx`` and a logged warning say so); values given are kept.
+    ``n_gpu_layers="auto"`` offloads what the plan says fits
     (nothing on a CPU-only build); ``vision_gpu=None`` follows the plan when one was
     made for GPU offload, else keeps the vision encoder on the CPU.
     ``n_threads`` defaults to the machine's performance (or physical) cores.
@@ -85,17 +97,20 @@ def load(
     one llama.cpp context, decoded together: see :mod:`gguf_mcv.runtime.slots`); ``"auto"`` takes as
     many as the memory budget holds (at most 8).
     """
-    options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads_batch,
-                          n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu, flash_attn=flash_attn,
-                          kv_cache_type=kv_cache_type, vision_backend=vision_backend,
-                          mmproj_precision=mmproj_precision, parallel=parallel)
+    options = LoadOptions(n_ctx=constants.DEFAULT_N_CTX if n_ctx is None else n_ctx, n_threads=n_threads,
+                          n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu,
+                          flash_attn=flash_attn, kv_cache_type=kv_cache_type or "f16",
+                          vision_backend=vision_backend, mmproj_precision=mmproj_precision, parallel=parallel)
+    if kv_cache_type is None and flash_attn is False:
+        kv_cache_type = "f16"  # a quantized KV cache needs flash attention: not the planner's to pick
     if options.wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
             "with CMAKE_ARGS='-DGGML_CUDA=on' (NVIDIA/Jetson) or '-DGGML_METAL=on' (Apple), or "
             "use n_gpu_layers=0 and vision_gpu=False."
         )
-    if model_path is not None or mmproj_path is not None:
+    local = model_path is not None or mmproj_path is not None
+    if local:
         if model_path is None or mmproj_path is None:
             raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
         if min_tokens_per_s is not None or max_first_answer_s is not None:
@@ -118,9 +133,13 @@ def load(
     projector = read_projector_header(mmproj_path)
     check_pair(text, projector, minicpmv_version=entry.minicpmv_version if entry is not None else None,
                projector_type=entry.projector_type if entry is not None else None)
+    if local:
+        planned = _plan_local_load(model_path, mmproj_path, options, ram_budget, n_ctx, kv_cache_type)
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
                              kv_cache_type=kv_cache_type, vision_backend=vision_backend)
+    if planned is not None:
+        options = _planned_options(options, planned)
     options = _resolved(options, planned)
     vision, kernels = _vision_and_kernels(model_path, mmproj_path, projector, options, planned, ram_budget)
     if options.parallel == "auto":
@@ -128,6 +147,39 @@ def load(
     return _open(model_path, mmproj_path, text, projector, options, vision, kernels, entry,
                  name=name, quant=quant_name, repo=repo, chat_template=chat_template,
                  embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def _plan_local_load(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
+                     ram_budget: int | str | None, n_ctx: int | None, kv_cache_type: str | None) -> Plan | None:
+    """The plan for local files, refused (:class:`NoQuantFitsError`) when they cannot fit the
+    budget even with the defaults shrunk; None when layers are offloaded by hand (the plan
+    cannot describe that split)."""
+    auto = options.n_gpu_layers == "auto"
+    if not auto and (options.n_gpu_layers or options.vision_gpu):
+        return None
+    hardware = probe()
+    if not auto:  # everything stays on the CPU: plan for that, whatever GPU the machine has
+        hardware = replace(hardware, gpu_offload=False)
+    return plan_local(model_path, mmproj_path, hardware=hardware, ram_budget=ram_budget, n_ctx=n_ctx,
+                      kv_cache_type=kv_cache_type, vision_backend=options.vision_backend, must_fit=True)
+
+
+def _planned_options(options: LoadOptions, planned: Plan) -> LoadOptions:
+    """``options`` with the context and KV cache the plan chose; refused when ``parallel``
+    slots beyond the first do not fit beside it."""
+    if planned.shrunk:
+        log.warning("%s", planned.shrunk_note())
+    options = replace(options, n_ctx=planned.n_ctx, kv_cache_type=planned.kv_cache_type)
+    slots = options.parallel if isinstance(options.parallel, int) else 1
+    need = planned.predicted_bytes + (slots - 1) * planned.slot_bytes
+    if planned.fits and slots > 1 and need > planned.budget:
+        raise NoQuantFitsError(
+            f"parallel={slots} needs about {format_size(need)} of RAM ({format_size(planned.slot_bytes)} per "
+            f"slot beyond the first), but the budget is {format_size(planned.budget)}.\nWays out:\n"
+            f"- parallel={planned.slots} (or 'auto', which takes what the budget holds).\n"
+            "- a smaller n_ctx or kv_cache_type='q8_0' (each slot holds n_ctx positions).\n"
+            "- free memory (close other programs) or pass a larger ram_budget if you know better.")
+    return options
 
 
 def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,

@@ -56,10 +56,10 @@ def plan(
     model: str,
     *,
     ram_budget: int | str | None = None,
-    n_ctx: int = constants.DEFAULT_N_CTX,
+    n_ctx: int | None = None,
     quant: str | None = None,
     prefer: str = "quality",
-    kv_cache_type: str = "f16",
+    kv_cache_type: str | None = None,
     revision: str | None = None,
     hardware: Hardware | None = None,
     detail: str = "auto",
@@ -75,7 +75,9 @@ def plan(
     offline; from the catalog when the Hub cannot be reached at all); the text model's
     shape from the catalog, or for a repo the catalog does not know, from a ranged read
     of the model's header. ``ram_budget`` defaults to the available RAM less a reserve.
-    ``model="auto"`` picks the most capable catalog model that fits.
+    ``model="auto"`` picks the most capable catalog model that fits. ``n_ctx`` and
+    ``kv_cache_type`` left at None are the defaults (4096, f16), which the planner shrinks
+    (to at least 2048, and q8_0) when nothing fits with them; the plan's ``shrunk`` says so.
 
     Every row carries predicted speeds (a photo at ``detail``, a 16-frame video) from
     ``rates``, by default this machine's (:func:`gguf_mcv.runtime.speed_probe.rates`: measured
@@ -176,8 +178,8 @@ def pull(
     *,
     quant: str | None = None,
     ram_budget: int | str | None = None,
-    n_ctx: int = constants.DEFAULT_N_CTX,
-    kv_cache_type: str = "f16",
+    n_ctx: int | None = None,
+    kv_cache_type: str | None = None,
     revision: str | None = None,
     progress: bool | None = None,
     min_tokens_per_s: float | None = None,
@@ -194,6 +196,7 @@ def pull(
     ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
     them, as in :func:`plan` (this machine is then probed once, see
     :mod:`gguf_mcv.runtime.speed_probe`). ``vision_backend`` is ``load()``'s (the plan counts its memory).
+    ``n_ctx``/``kv_cache_type`` as in :func:`plan`: the returned ``plan`` holds what to load with.
     """
     planned = None
     limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
@@ -256,15 +259,21 @@ def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
     """The most capable catalog model (by rank) with a quant that fits (and meets the speed
     limits, when given); catalog sizes, no network."""
     needs = []
-    for entry in load_catalog().entries():
-        try:
-            result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
-                            mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
-                            hardware=hardware, **{**options, "quant": None})
-        except NoQuantFitsError as exc:
-            needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
-            continue
-        return replace(result, model=entry.name)
+    # a model that fits with the default context and KV cache first; only then one that
+    # fits once they are shrunk (a smaller model at full context beats a larger cramped one)
+    defaults = {"n_ctx": options.get("n_ctx") or constants.DEFAULT_N_CTX,
+                "kv_cache_type": options.get("kv_cache_type") or "f16"}
+    for shrink in (False, True):
+        for entry in load_catalog().entries():
+            try:
+                result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                                mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
+                                hardware=hardware, **{**options, "quant": None, **({} if shrink else defaults)})
+            except NoQuantFitsError as exc:
+                if shrink:
+                    needs.append(f"{entry.name}: {str(exc).splitlines()[0]}")
+                continue
+            return replace(result, model=entry.name)
     limited = options.get("min_tokens_per_s") is not None or options.get("max_first_answer_s") is not None
     head = "No catalog model fits this machine" + (" and meets the speed limits" if limited else "")
     raise NoQuantFitsError(f"{head}.\n" + "\n".join(needs))

@@ -432,3 +432,18 @@ def test_serve_keeps_the_idle_conversation_when_stopped_by_sigint(tiny, tmp_path
         proc.wait(timeout=60)
     assert proc.returncode == 0
     assert len(list(kept.rglob("*.val"))) == 1  # kept as the server stopped
+
+
+def test_plan_says_what_it_shrank_and_keeps_what_was_given(tiny) -> None:
+    from gguf_mcv.resolver import plan_local
+
+    budget = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, ram_budget=10**12, n_ctx=2048,
+                        kv_cache_type="q8_0").predicted_bytes
+    data = json.loads(run("plan", str(tiny.quants["Q4_K_M"]), "--ram", str(budget), "--json", "--no-probe").stdout)
+    assert (data["n_ctx"], data["kv_cache_type"], data["fits"]) == (2048, "q8_0", True)
+    assert {s["setting"]: s["planned"] for s in data["shrunk"]} == {"n_ctx": 2048, "kv_cache_type": "q8_0"}
+    table = run("plan", str(tiny.quants["Q4_K_M"]), "--ram", str(budget), "--no-probe")
+    assert "Shrunk to fit the budget: n_ctx 4096 -> 2048, kv_cache_type f16 -> q8_0" in table.stdout
+    given = json.loads(run("plan", str(tiny.quants["Q4_K_M"]), "--ram", str(budget), "--ctx", "4096", "--kv", "f16",
+                           "--json", "--no-probe").stdout)
+    assert (given["n_ctx"], given["kv_cache_type"], given["fits"], given["shrunk"]) == (4096, "f16", False, [])

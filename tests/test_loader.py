@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
+import llama_cpp
 import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.errors import ConfigError
+from gguf_mcv.errors import ConfigError, NoQuantFitsError
+from gguf_mcv.resolver import plan_local
 
 
 def load_tiny(tiny, **kw):
@@ -177,3 +182,63 @@ def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx
         ("onnx-int8", None, "onnx-fp32")
     assert "int8 is kept" in planned.table()
     assert backend == "onnx-int8" and "kept" in reason
+
+
+# --- a local load is planned before it starts (issue 27) -------------------------------
+
+
+def local_plan(tiny, **kw):
+    """The plan load() makes for the tiny Q4_K_M with everything on the CPU."""
+    cpu = replace(gguf_mcv.probe(), gpu_offload=False)
+    return plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, hardware=cpu, **{"ram_budget": 10**12, **kw})
+
+
+def kv_type(model) -> int:
+    return model.engine.llama.context_params.type_k
+
+
+def test_local_files_that_cannot_fit_are_refused_with_the_ways_out(tiny) -> None:
+    floor = local_plan(tiny, n_ctx=2048, kv_cache_type="q8_0").predicted_bytes
+    with pytest.raises(NoQuantFitsError) as info:  # even the shrunk defaults do not fit
+        gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, ram_budget=floor - 1)
+    message = str(info.value)
+    assert isinstance(info.value, MemoryError)
+    assert "smaller quant" in message and "n_ctx=" in message and "ram_budget" in message
+    with pytest.raises(NoQuantFitsError):
+        load_tiny(tiny, kv_cache_type="f16", ram_budget=local_plan(tiny, n_ctx=1024).predicted_bytes - 1)
+    with load_tiny(tiny, ram_budget=local_plan(tiny, n_ctx=1024).predicted_bytes) as model:
+        assert model.info.n_ctx == 1024 and kv_type(model) == llama_cpp.GGML_TYPE_F16
+
+
+def test_a_default_context_and_kv_cache_are_shrunk_to_fit(tiny, caplog: pytest.LogCaptureFixture) -> None:
+    budget = local_plan(tiny, n_ctx=2048, kv_cache_type="q8_0").predicted_bytes
+    with caplog.at_level(logging.WARNING, logger="gguf_mcv.loader"):
+        model = gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, ram_budget=budget)
+    with model:
+        assert model.info.n_ctx == 2048 == model.engine.llama.n_ctx()
+        assert kv_type(model) == llama_cpp.GGML_TYPE_Q8_0
+        assert model.ask("?", np.zeros((64, 64, 3), dtype=np.uint8), max_tokens=1).usage.completion_tokens == 1
+    assert any("n_ctx 4096 -> 2048" in r.getMessage() for r in caplog.records)
+
+
+def test_given_settings_are_kept_or_refused_never_shrunk(tiny) -> None:
+    budget = local_plan(tiny, n_ctx=4096, kv_cache_type="q8_0").predicted_bytes
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096,
+                       ram_budget=budget) as model:  # the KV type was not given: q8_0
+        assert model.info.n_ctx == 4096 and kv_type(model) == llama_cpp.GGML_TYPE_Q8_0
+    with pytest.raises(NoQuantFitsError):
+        gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096,
+                      kv_cache_type="f16", ram_budget=budget)
+    at_3072 = local_plan(tiny, n_ctx=3072, kv_cache_type="f16").predicted_bytes
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, flash_attn=False,
+                       ram_budget=at_3072) as model:  # no flash attention: the KV cache stays f16
+        assert kv_type(model) == llama_cpp.GGML_TYPE_F16 and model.info.n_ctx == 3072
+
+
+def test_parallel_slots_that_do_not_fit_are_refused(tiny) -> None:
+    plan = local_plan(tiny, n_ctx=1024)
+    budget = plan.predicted_bytes + plan.slot_bytes
+    with pytest.raises(NoQuantFitsError, match="parallel=3"):
+        load_tiny(tiny, parallel=3, ram_budget=budget)
+    with load_tiny(tiny, parallel=2, ram_budget=budget) as model:
+        assert model.info.parallel == 2

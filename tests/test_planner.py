@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 
 from gguf_mcv import hardware
-
-from gguf_mcv.planning import memory, planner, speed
 from gguf_mcv.errors import ConfigError, NoQuantFitsError
 from gguf_mcv.hardware import Gpu, Hardware
+from gguf_mcv.models.quants import quality_rank
+from gguf_mcv.planning import memory, planner, speed
 from gguf_mcv.planning.memory import TextShape
 from gguf_mcv.planning.planner import QuantCandidate, choose
-from gguf_mcv.models.quants import quality_rank
 
 GB = 10**9
 GiB = 2**30
@@ -227,7 +226,7 @@ def test_budget_at_each_step_picks_the_best_quant_that_fits(quant: str) -> None:
         assert plan_bench(needs[quant] - 1).quant == max(below, key=order.index)
     else:
         with pytest.raises(NoQuantFitsError):
-            plan_bench(needs[quant] - 1)
+            plan_bench(needs[quant] - 1, n_ctx=4096, kv_cache_type="f16")  # given: never shrunk
 
 
 def test_non_monotonic_sizes_prefer_quality_not_size() -> None:
@@ -264,12 +263,12 @@ def test_explicit_quant_must_exist() -> None:
 def test_nothing_fits_names_the_context_that_would() -> None:
     needs = _needs()
     with pytest.raises(NoQuantFitsError) as info:
-        plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=8192)
+        plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=8192, kv_cache_type="f16")
     message = str(info.value)
     assert "n_ctx=8192" in message and "a smaller context: n_ctx=" in message
     suggested = int(message.split("a smaller context: n_ctx=")[1].split()[0])
     assert 1024 <= suggested < 8192
-    assert plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=suggested).quant == "Q2_K"
+    assert plan_bench(needs["Q2_K"] - 30 * 2**20, n_ctx=suggested, kv_cache_type="f16").quant == "Q2_K"
 
 
 def test_unknown_quant_names_are_dropped_and_empty_lists_refused() -> None:
@@ -457,7 +456,7 @@ def test_every_generation_plans_the_best_quant_that_fits_a_small_budget(name: st
     assert chosen.quant == max((q for q in order if needs[q] <= tight), key=order.index)
     assert chosen.predicted_bytes <= tight
     with pytest.raises(NoQuantFitsError):
-        plan_entry(name, smallest - 1)
+        plan_entry(name, smallest - 1, n_ctx=4096, kv_cache_type="f16")
 
 
 def test_the_hybrid_46_needs_less_kv_and_carries_its_recurrent_state() -> None:
@@ -590,8 +589,80 @@ def test_an_onnx_backend_without_onnxruntime_is_refused() -> None:
 def test_nothing_fits_with_libmtmds_tower_suggests_int8_vision() -> None:
     smallest = plan_26(PI5_8GB, ram_budget=10**12, quant="Q2_K", vision_backend="llama.cpp").predicted_bytes
     with pytest.raises(NoQuantFitsError) as info:
-        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp", onnxruntime=ORT)
+        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp", onnxruntime=ORT,
+                n_ctx=4096, kv_cache_type="f16")
     assert "vision_backend='onnx-int8'" in str(info.value) and "(fits)" in str(info.value)
     with pytest.raises(NoQuantFitsError) as info:
-        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp")  # no onnxruntime: no such advice
+        plan_26(PI5_8GB, ram_budget=smallest - 1, vision_backend="llama.cpp",  # no onnxruntime: no such advice
+                n_ctx=4096, kv_cache_type="f16")
     assert "onnx-int8" not in str(info.value)
+
+
+# --- shrinking the defaults before refusing ---------------------------------------------
+
+BIG = machine(64 * GB, 60 * GB, arch="x86_64")
+
+
+def need_26(quant: str, n_ctx: int, kv: str) -> int:
+    """The 2.6 quant's need with these settings (llama.cpp vision: its KV cache matters most)."""
+    return plan_26(BIG, ram_budget=10**12, quant=quant, n_ctx=n_ctx, kv_cache_type=kv,
+                   vision_backend="llama.cpp").predicted_bytes
+
+
+def test_a_default_kv_cache_is_shrunk_to_q8_0_before_refusing() -> None:
+    budget = need_26("Q2_K", 4096, "f16") - 1
+    plan = plan_26(BIG, ram_budget=budget, vision_backend="llama.cpp")
+    assert (plan.quant, plan.n_ctx, plan.kv_cache_type) == ("Q2_K", 4096, "q8_0")
+    assert plan.shrunk == (planner.Shrink("kv_cache_type", "f16", "q8_0"),)
+    assert plan.predicted_bytes == need_26("Q2_K", 4096, "q8_0") <= budget
+    assert all(r.needed == need_26(r.quant, 4096, "q8_0") for r in plan.rows if r.quant == "Q2_K")
+    assert "Shrunk to fit" in plan.table() and "kv_cache_type f16 -> q8_0" in plan.table()
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["shrunk"] == [{"setting": "kv_cache_type", "default": "f16", "planned": "q8_0"}]
+    assert d["kv_cache_type"] == "q8_0"
+    assert plan_26(BIG, ram_budget=10**12).shrunk == () and "Shrunk" not in plan_26(BIG, ram_budget=10**12).table()
+
+
+def test_a_default_context_is_shrunk_to_the_largest_that_fits() -> None:
+    budget = need_26("Q2_K", 3072, "q8_0")
+    plan = plan_26(BIG, ram_budget=budget, vision_backend="llama.cpp")
+    assert (plan.quant, plan.n_ctx, plan.kv_cache_type) == ("Q2_K", 3072, "q8_0")
+    assert plan.shrunk == (planner.Shrink("n_ctx", 4096, 3072), planner.Shrink("kv_cache_type", "f16", "q8_0"))
+    assert plan.predicted_bytes <= budget < need_26("Q2_K", 3328, "q8_0")
+    assert json.loads(json.dumps(plan.to_dict()))["n_ctx"] == 3072
+
+
+def test_a_given_setting_is_never_shrunk() -> None:
+    budget = need_26("Q2_K", 3072, "q8_0")
+    kept_kv = plan_26(BIG, ram_budget=need_26("Q2_K", 3072, "f16"), kv_cache_type="f16", vision_backend="llama.cpp")
+    assert (kept_kv.n_ctx, kept_kv.kv_cache_type) == (3072, "f16")
+    assert kept_kv.shrunk == (planner.Shrink("n_ctx", 4096, 3072),)
+    with pytest.raises(NoQuantFitsError) as info:  # q8_0 alone does not fit at the asked 4096
+        plan_26(BIG, ram_budget=budget, n_ctx=4096, vision_backend="llama.cpp")
+    assert "n_ctx=4096" in str(info.value) and "a smaller context: n_ctx=" in str(info.value)
+    with pytest.raises(NoQuantFitsError):
+        plan_26(BIG, ram_budget=budget, n_ctx=4096, kv_cache_type="f16", vision_backend="llama.cpp")
+
+
+def test_shrinking_stops_at_2048_positions() -> None:
+    assert planner.MIN_SHRUNK_CTX == 2048
+    at_floor = need_26("Q2_K", 2048, "q8_0")
+    assert plan_26(BIG, ram_budget=at_floor, vision_backend="llama.cpp").n_ctx == 2048
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(BIG, ram_budget=at_floor - 1, vision_backend="llama.cpp")
+    assert "ram_budget" in str(info.value)
+
+
+def test_an_asked_quant_is_shrunk_too_and_must_fit_refuses_with_the_ways_out() -> None:
+    budget = need_26("Q8_0", 4096, "q8_0")
+    plan = plan_26(BIG, ram_budget=budget, quant="Q8_0", vision_backend="llama.cpp")
+    assert plan.quant == "Q8_0" and plan.fits and plan.kv_cache_type == "q8_0" and not plan.warnings
+    assert plan_26(BIG, ram_budget=budget, quant="Q8_0", vision_backend="llama.cpp", must_fit=True).fits
+    small = need_26("Q8_0", 2048, "q8_0") - 1
+    unfit = plan_26(BIG, ram_budget=small, quant="Q8_0", vision_backend="llama.cpp")
+    assert not unfit.fits and unfit.shrunk == () and (unfit.n_ctx, unfit.kv_cache_type) == (4096, "f16")
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(BIG, ram_budget=small, quant="Q8_0", vision_backend="llama.cpp", must_fit=True)
+    message = str(info.value)
+    assert "Q8_0" in message and "smaller quant" in message and "ram_budget" in message
+    assert "kv_cache_type='q8_0'" in message

@@ -11,7 +11,6 @@ import uuid as _uuid
 import pytest
 
 import gguf_mcv
-
 from gguf_mcv.errors import ConfigError, NoQuantFitsError
 from gguf_mcv.resolver import plan as _plan
 
@@ -30,7 +29,7 @@ def test_load_picks_the_quant_the_plan_predicts_around_each_step(hub, tiny) -> N
     generous = _plan(_REPO, ram_budget="64GB", n_ctx=1024)
     needs = {row.quant: row.needed for row in generous.rows}
     ladder = sorted(needs, key=lambda q: needs[q])
-    for lower, upper in zip(ladder, ladder[1:]):
+    for lower, upper in zip(ladder, ladder[1:], strict=False):
         if needs[lower] == needs[upper]:
             continue
         at = _plan(_REPO, ram_budget=needs[upper], n_ctx=1024)
@@ -42,7 +41,7 @@ def test_load_picks_the_quant_the_plan_predicts_around_each_step(hub, tiny) -> N
         assert model.info.quant == expected.quant
         assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
     with pytest.raises(gguf_mcv.NoQuantFitsError, match="budget"):
-        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024)
+        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024, kv_cache_type="f16")
 
 
 def test_plan_for_a_repo_the_catalog_does_not_know_reads_the_header(hub, tiny) -> None:
@@ -113,6 +112,7 @@ def test_auto_picks_the_most_capable_catalog_model_that_fits() -> None:
     assert roomy.model == ranked[0].name
     small = _plan("auto", ram_budget="3GB", hardware=hardware)
     assert small.model != ranked[0].name and small.quant
+    assert small.shrunk == ()  # a model that fits with the defaults before one that fits shrunk
     with pytest.raises(gguf_mcv.NoQuantFitsError, match="No catalog model fits"):
         _plan("auto", ram_budget="100MB", hardware=hardware)
 
@@ -212,8 +212,8 @@ def test_a_fake_raspberry_pi_5_with_a_speed_floor_gets_minicpm_v_46(tmp_path) ->
 
 def test_a_local_plan_counts_the_vision_backend_load_would_use(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv.vision import onnx_vision
     from gguf_mcv.resolver import plan_local, vision_options
+    from gguf_mcv.vision import onnx_vision
 
     files = (tiny.quants["Q4_K_M"], tiny.mmproj)
     auto = plan_local(*files, ram_budget="8GB")
@@ -247,8 +247,8 @@ def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
     prediction, which the size-and-quant estimate alone could not know."""
     from dataclasses import replace
 
-    from gguf_mcv.planning import speed
     from gguf_mcv.models.headers import read_tensors, read_text_header
+    from gguf_mcv.planning import speed
     from gguf_mcv.planning.memory import tensor_list
     from gguf_mcv.resolver import plan_local
 

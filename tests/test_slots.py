@@ -257,7 +257,14 @@ def test_auto_parallel_follows_the_budget(tiny) -> None:
     with load(tiny, parallel="auto", ram_budget="64GB") as big:
         assert big.info.parallel == 8
         assert big.scheduler is not None
-    with load(tiny, parallel="auto", ram_budget="1MB") as small:
+    from dataclasses import replace
+
+    from gguf_mcv.resolver import plan_local
+
+    cpu = replace(gguf_mcv.probe(), gpu_offload=False)
+    one = plan_local(tiny.quants["Q8_0"], tiny.mmproj, hardware=cpu, ram_budget=10**12, n_ctx=N_CTX,
+                     kv_cache_type="f16").predicted_bytes  # a budget that holds one slot and no more
+    with load(tiny, parallel="auto", ram_budget=one) as small:
         assert small.info.parallel == 1
         assert small.scheduler is None
 

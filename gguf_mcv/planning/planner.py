@@ -40,8 +40,14 @@ Rules, in order:
   the quants that fit, only those the speed model (:mod:`gguf_mcv.planning.speed`) predicts to
   meet them; none meeting them is a :class:`~gguf_mcv.errors.NoQuantFitsError` naming the
   fastest quant that fits. Without limits the choice is the same as without ``rates``.
-* **Explicit quant**: honoured even when it does not fit; the plan then has
-  ``fits=False`` and a warning instead of raising, since the caller asked for it.
+* **Shrinking defaults**: when nothing fits with the defaults (``n_ctx`` 4096, an f16 KV
+  cache) and the caller left them to the planner (``None``), it first tries a q8_0 KV cache
+  (half the bytes, a quality loss far below one quant step), then the largest ``n_ctx`` of at
+  least :data:`MIN_SHRUNK_CTX` with which some quant fits, and plans that; the plan says so
+  (:attr:`Plan.shrunk`, its table and ``--json``). A value the caller gave is never changed.
+* **Explicit quant**: honoured even when it does not fit (after shrinking the defaults as
+  above); the plan then has ``fits=False`` and a warning instead of raising, since the caller
+  asked for it -- unless ``must_fit`` (local files loaded by ``load()``), which raises.
 * **Nothing fits**: :class:`~gguf_mcv.errors.NoQuantFitsError` naming the smallest
   need, the budget, the ``n_ctx`` that would fit, what a q8_0 KV cache saves, and
   smaller models.
@@ -52,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from .. import constants
 from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import Hardware
 from ..models.quants import normalize_quant, quality_rank
@@ -70,6 +77,11 @@ RESERVE_MIN = 300_000_000
 GPU_HEADROOM = 0.05
 #: The smallest context worth suggesting: one full-detail image plus a short exchange.
 MIN_SUGGESTED_CTX = 1024
+#: The smallest context the planner shrinks a default one to on its own: a full-detail
+#: image (640 tokens) or a 16-frame video, with room for a conversation about it.
+MIN_SHRUNK_CTX = 2048
+#: What a default f16 KV cache is shrunk to when nothing fits with it.
+SHRUNK_KV = "q8_0"
 #: Models to suggest when nothing fits (catalog names, smallest first).
 SMALLER_MODELS = ("minicpm-v-4.6",)
 DEFAULT_MMPROJ_FILE = "mmproj-model-f16.gguf"
@@ -109,6 +121,18 @@ class PlanRow:
 
 
 @dataclass(frozen=True)
+class Shrink:
+    """A default the planner lowered because nothing fitted with it."""
+
+    setting: str  #: "n_ctx" or "kv_cache_type"
+    default: int | str
+    planned: int | str
+
+    def __str__(self) -> str:
+        return f"{self.setting} {self.default} -> {self.planned}"
+
+
+@dataclass(frozen=True)
 class Plan:
     """The chosen quant and how to load it, with the reasoning for every quant."""
 
@@ -139,6 +163,16 @@ class Plan:
     vision: VisionSetup | None = None
     #: RAM needed if the vision setup's fallback runs instead (None: it has none)
     fallback_bytes: int | None = None
+    #: defaults the planner lowered so that the model fits (empty when none was needed)
+    shrunk: tuple[Shrink, ...] = ()
+
+    def shrunk_note(self) -> str:
+        """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
+        if not self.shrunk:
+            return ""
+        asked = " / ".join(f"{s.setting}=" for s in self.shrunk)
+        return (f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the "
+                f"defaults; pass {asked} to choose yourself).")
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
@@ -154,7 +188,9 @@ class Plan:
             c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         lines = [f"Model: {self.model}"] if self.model else []
-        lines += [self.budget_note or f"RAM budget {format_size(self.budget)}", fmt(head)]
+        lines += [self.budget_note or f"RAM budget {format_size(self.budget)}"]
+        lines += [self.shrunk_note()] if self.shrunk else []
+        lines.append(fmt(head))
         lines += [fmt(row) for row in body]
         gpu = "no GPU offload"
         if self.n_gpu_layers or self.vision_on_gpu:
@@ -198,6 +234,7 @@ class Plan:
             "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
             "speed": self.speed.to_dict() if self.speed is not None else None,
             "rates": self.rates.to_dict() if self.rates is not None else None,
+            "shrunk": [s.__dict__.copy() for s in self.shrunk],
         }  # fmt: skip
 
 
@@ -255,8 +292,8 @@ def choose(
     mmproj_size: int,
     hardware: Hardware,
     ram_budget: int | str | None = None,
-    n_ctx: int = 4096,
-    kv_cache_type: str = "f16",
+    n_ctx: int | None = None,
+    kv_cache_type: str | None = None,
     quant: str | None = None,
     prefer: str = "quality",
     image_tokens: int | None = None,
@@ -269,8 +306,14 @@ def choose(
     onnxruntime: str | None = None,
     vision_moves: Callable[[str], str] | None = None,
     int8_cosine: float | None = None,
+    must_fit: bool = False,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
+
+    ``n_ctx`` and ``kv_cache_type`` left at None mean the defaults (4096, ``"f16"``), which the
+    planner may shrink when nothing fits with them; given values are kept as they are.
+    ``must_fit`` makes an explicit ``quant`` that does not fit raise
+    :class:`~gguf_mcv.errors.NoQuantFitsError` instead of being planned with a warning.
 
     ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
     With ``rates`` (:func:`gguf_mcv.runtime.speed_probe.rates`) every row carries predicted
@@ -283,23 +326,32 @@ def choose(
     """
     if prefer not in PREFERENCES:
         raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
-    check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+    may_shrink = (n_ctx is None, kv_cache_type is None)
+    n_ctx = constants.DEFAULT_N_CTX if n_ctx is None else check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
     cands = _dedupe(candidates)
     if not cands:
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
-    ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget)
+    ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type or "f16", image_tokens, budget)
     check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     ctx.vision_moves, ctx.int8_cosine = vision_moves, int8_cosine
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
+    want = _wanted(quant, cands)
     evaluated = _evaluate_all(cands, ctx)
+    shrunk: tuple[Shrink, ...] = ()
+    if not _any_fits(evaluated, ctx, want):
+        smaller = _shrink(cands, ctx, want, *may_shrink)
+        if smaller is not None:
+            ctx, evaluated, shrunk = smaller
     _predict_all(evaluated, ctx)
-    if quant is not None:
-        return _forced(quant, evaluated, ctx, mmproj_file, budget_note)
-    best = _pick(evaluated, ctx, prefer)
-    rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
-    return _plan(best, rows, ctx, mmproj_file, budget_note)
+    if want is not None:
+        plan = _forced(want, evaluated, ctx, mmproj_file, budget_note, must_fit=must_fit)
+    else:
+        best = _pick(evaluated, ctx, prefer)
+        rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
+        plan = _plan(best, rows, ctx, mmproj_file, budget_note)
+    return replace(plan, shrunk=shrunk)
 
 
 def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
@@ -366,6 +418,45 @@ def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated
         evaluated = [(c, _estimate(c, ctx, s), s) for c in cands
                      for s in [_with_vision_backend(_Setup(backend=ctx.backend), c, ctx)]]
     return evaluated
+
+
+def _wanted(quant: str | None, cands: list[QuantCandidate]) -> str | None:
+    """The explicit quant's canonical name (None: none asked for); refused when not offered."""
+    if quant is None:
+        return None
+    want = normalize_quant(quant)
+    if not any(c.quant == want for c in cands):
+        have = ", ".join(c.quant for c in sorted(cands, key=lambda c: quality_rank(c.quant)))
+        raise ConfigError(f"Quant {want} is not available for this model; available: {have}.")
+    return want
+
+
+def _any_fits(evaluated: list[_Evaluated], ctx: _Context, want: str | None) -> bool:
+    """Whether some quant fits (only ``want``, when a quant was asked for)."""
+    return any(_fits(e, s, ctx) for c, e, s in evaluated if want is None or c.quant == want)
+
+
+def _shrink(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool,
+            may_kv: bool) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
+    """The first smaller setup with which something fits (``want``, when asked for): a q8_0
+    KV cache, then the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` (with that KV
+    cache) at which any quant fits. None when the defaults may not change or nothing helps."""
+    kv = SHRUNK_KV if may_kv and ctx.kv_cache_type == "f16" else ctx.kv_cache_type
+    tries = [replace(ctx, kv_cache_type=kv, cpu_only=False)] if kv != ctx.kv_cache_type else []
+    if may_ctx and ctx.n_ctx > MIN_SHRUNK_CTX:
+        base = replace(ctx, kv_cache_type=kv, cpu_only=False)
+        sizes = [_largest_fitting_ctx(c, base, s, floor=MIN_SHRUNK_CTX)
+                 for c, _, s in _evaluate_all(cands, base) if want is None or c.quant == want]
+        n = max((x for x in sizes if x is not None), default=None)
+        if n is not None:
+            tries.append(replace(base, n_ctx=n, cpu_only=False))
+    for smaller in tries:
+        evaluated = _evaluate_all(cands, smaller)
+        if _any_fits(evaluated, smaller, want):
+            shrunk = tuple(Shrink(name, getattr(ctx, name), getattr(smaller, name))
+                           for name in ("n_ctx", "kv_cache_type") if getattr(ctx, name) != getattr(smaller, name))
+            return smaller, evaluated, shrunk
+    return None
 
 
 def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated:
@@ -573,14 +664,13 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     )
 
 
-def _forced(quant: str, evaluated, ctx: _Context, mmproj_file: str, budget_note: str) -> Plan:
-    want = normalize_quant(quant)
-    match = next((x for x in evaluated if x[0].quant == want), None)
-    if match is None:
-        have = ", ".join(c.quant for c, _, _ in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)))
-        raise ConfigError(f"Quant {want} is not available for this model; available: {have}.")
+def _forced(want: str, evaluated, ctx: _Context, mmproj_file: str, budget_note: str, *,
+            must_fit: bool = False) -> Plan:
+    match = next(x for x in evaluated if x[0].quant == want)
     c, e, s = match
     fits = _fits(e, s, ctx)
+    if not fits and must_fit:
+        raise NoQuantFitsError(_nothing_fits_message([match], ctx, asked=True))
     warnings = [] if fits else [
         f"{c.quant} needs about {format_size(e.needed)} but the budget is "
         f"{format_size(ctx.budget)}: expect swapping, or the process being killed."
@@ -593,14 +683,19 @@ def _forced(quant: str, evaluated, ctx: _Context, mmproj_file: str, budget_note:
     return _plan(match, rows, ctx, mmproj_file, budget_note, fits=fits, warnings=warnings)
 
 
-def _nothing_fits_message(evaluated, ctx: _Context) -> str:
+def _nothing_fits_message(evaluated, ctx: _Context, *, asked: bool = False) -> str:
+    """Why nothing fits and the ways out; ``asked``: ``evaluated`` is the one quant asked for."""
     c, e, s = min(evaluated, key=lambda x: x[1].needed)
+    what = f"{c.quant} ({format_size(c.size)} file)" if asked else \
+        f"No quantization fits: the smallest, {c.quant} ({format_size(c.size)} file),"
     lines = [
-        f"No quantization fits: the smallest, {c.quant} ({format_size(c.size)} file), needs about "
-        f"{format_size(e.needed)} of RAM with n_ctx={ctx.n_ctx}, but the budget is "
-        f"{format_size(ctx.budget)}.",
+        f"{what} needs about {format_size(e.needed)} of RAM with n_ctx={ctx.n_ctx} and "
+        f"kv_cache_type={ctx.kv_cache_type!r}, but the budget is {format_size(ctx.budget)}"
+        f"{'; it does not fit' if asked else ''}.",
         "Ways out:",
     ]
+    if asked:
+        lines.append("- a smaller quant of this model (a smaller .gguf file).")
     fitting_ctx = _largest_fitting_ctx(c, ctx, s)
     if fitting_ctx is not None:
         lines.append(f"- a smaller context: n_ctx={fitting_ctx} fits with {c.quant}.")
@@ -633,14 +728,16 @@ def _smaller_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.Memor
     return int8 if int8.needed < _estimate(c, ctx, s).needed else None
 
 
-def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup) -> int | None:
-    """The largest n_ctx (a multiple of 256 below the asked one) with which ``c`` fits.
+def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup,
+                         floor: int = MIN_SUGGESTED_CTX) -> int | None:
+    """The largest n_ctx (a multiple of 256 below the asked one, at least ``floor``) with
+    which ``c`` fits.
 
     Memory grows with n_ctx, so a bisection finds it in a few dozen estimates even for
     an absurd ``n_ctx`` (a linear walk down from 10**10 would take hours).
     """
     fits = lambda steps: _estimate(c, ctx, s, n_ctx=steps * 256).needed <= ctx.budget  # noqa: E731
-    low, high = -(-MIN_SUGGESTED_CTX // 256), (ctx.n_ctx - 1) // 256
+    low, high = -(-floor // 256), (ctx.n_ctx - 1) // 256
     if high < low or not fits(low):
         return None
     while low < high:  # invariant: fits(low)

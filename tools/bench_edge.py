@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""A model on a small board: a first and a second run inside a real memory limit.
+
+For each ``--limit`` (a board's memory budget: ``1.4GB`` for a 2 GB board, ``3GB`` for 4 GB,
+``7GB`` for 8 GB), two fresh processes run one after the other inside a memory cgroup of
+that size (cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; root needed):
+
+1. **first run**: an empty gguf_mcv cache (``GGUF_MCV_CACHE``), so the ONNX conversion of
+   the mmproj and the native kernel check happen in it, as on a board's first question;
+2. **second run** ("cached"): the cache the first one filled (when it got that far: a first
+   run killed while converting leaves the second one converting too; ``--cache DIR`` runs
+   both from a cache filled beforehand).
+
+Each loads the preset's pair with ``gguf_mcv.load(model_path=..., mmproj_path=...,
+ram_budget=LIMIT)`` (``--probe-budget``: the budget the hardware probe reads from the
+cgroup, less its reserve, instead), asks about a 12 MP JPEG photo at ``detail="auto"``
+and about a 16-frame video (``max_frames=16``, no dedupe), and reports: the plan's
+prediction (``needed`` and the peak RSS it predicts, and its parts with ``--json``), the
+process's peak RSS (``VmHWM``), the cgroup's peak usage (``memory.peak`` /
+``memory.max_usage_in_bytes``: page cache included), OOM kills (exit 137,
+``memory.events`` / ``memory.oom_control``), a refusal (``NoQuantFitsError``, exit 3)
+and the times. The models are random-weight builds of ``tools/make_test_model.py``'s
+presets (``4.6-bench``, ``bench`` = 2.6), made once under ``--models``::
+
+    python tools/bench_edge.py 4.6-bench --limit 1.4GB
+    python tools/bench_edge.py bench --limit 1.4GB 3GB 7GB --json /tmp/edge-26.json
+
+Where no memory cgroup can be made (not root, no writable controller) it says so and
+exits 0 without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+PHOTO_SIZE = (4000, 3000)  # 12 MP
+VIDEO_FRAMES = 16
+MAX_TOKENS = 8
+REFUSED = 3  # the child's exit status for NoQuantFitsError
+
+
+# --- the measured process ---------------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    """VmHWM and VmRSS of this process in bytes (Linux)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _say(**fields: Any) -> None:
+    print(json.dumps({**fields, **_status()}), flush=True)
+
+
+def child(args: argparse.Namespace) -> int:
+    """Plan, load, ask about the photo and the video; one JSON line per stage on stdout."""
+    import gguf_mcv
+    from gguf_mcv.errors import NoQuantFitsError
+    from gguf_mcv.resolver import plan_local
+
+    budget = args.ram_budget or None
+    _say(stage="start")
+    start = time.perf_counter()
+    try:
+        from dataclasses import replace
+
+        hardware = replace(gguf_mcv.probe(), gpu_offload=False)  # as load() plans a CPU load
+        plan = plan_local(args.model, args.mmproj, hardware=hardware, ram_budget=budget)
+        _say(stage="plan", budget=plan.budget, needed=plan.predicted_bytes, peak_rss=plan.estimate.total,
+             n_ctx=plan.n_ctx, kv_cache_type=plan.kv_cache_type, vision_backend=plan.vision_backend,
+             shrunk=[str(s) for s in plan.shrunk], fits=plan.fits, estimate=plan.estimate.to_dict())
+        model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, ram_budget=budget,
+                              n_threads=args.threads)
+    except NoQuantFitsError as exc:
+        _say(stage="refused", error=str(exc), seconds=time.perf_counter() - start)
+        return REFUSED
+    _say(stage="loaded", seconds=time.perf_counter() - start, n_ctx=model.info.n_ctx,
+         vision_backend=model.info.vision_backend)
+    with model:
+        t = time.perf_counter()
+        reply = model.ask("What is in this photo?", args.photo, detail="auto", max_tokens=MAX_TOKENS,
+                          temperature=0.0)
+        _say(stage="photo", seconds=time.perf_counter() - t, image_tokens=reply.usage.image_tokens)
+        t = time.perf_counter()
+        reply = model.ask_video("What happens in this video?", args.video, max_frames=VIDEO_FRAMES, fps=None,
+                                dedupe=False, max_tokens=MAX_TOKENS, temperature=0.0)
+        _say(stage="video", seconds=time.perf_counter() - t, image_tokens=reply.usage.image_tokens)
+    return 0
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+def write_photo(path: Path) -> Path:
+    """A 12 MP JPEG with detail everywhere (gradients, shapes, sensor noise), as a phone writes."""
+    import numpy as np
+    import PIL.Image
+    import PIL.ImageDraw
+
+    w, h = PHOTO_SIZE
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    rgb = np.stack([x / w * 200 + 30, y / h * 180 + 40, (x + y) / (w + h) * 150 + 60], axis=-1)
+    rgb += rng.normal(0, 6, rgb.shape).astype(np.float32)
+    image = PIL.Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+    draw = PIL.ImageDraw.Draw(image)
+    for _ in range(60):
+        x0, y0 = int(rng.integers(0, w - 400)), int(rng.integers(0, h - 400))
+        size = int(rng.integers(80, 400))
+        draw.ellipse((x0, y0, x0 + size, y0 + size), fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
+    image.save(path, "JPEG", quality=90)
+    return path
+
+
+def write_video(path: Path, *, seconds: int = 20, fps: int = 10, size: tuple[int, int] = (1280, 720)) -> Path:
+    """A synthetic 720p clip: a drifting background and a moving ball."""
+    import cv2
+    import numpy as np
+
+    w, h = size
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (w, h))
+    for i in range(seconds * fps):
+        t = i / fps
+        frame = np.zeros((h, w, 3), dtype=np.uint8)
+        frame[:] = (40 + int(t * 5) % 80, 90, 140)
+        cv2.circle(frame, (int(60 + (w - 120) * t / seconds), h // 2 + int(80 * np.sin(t))), 50, (0, 220, 255), -1)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+# --- memory cgroups --------------------------------------------------------------------
+
+
+class Cgroup:
+    """A memory cgroup of its own (v2 when the memory controller is there, else v1)."""
+
+    def __init__(self, folder: Path, version: int, limit: int) -> None:
+        self.folder, self.version, self.limit = folder, version, limit
+
+    @classmethod
+    def make(cls, limit: int) -> Cgroup:
+        """A new cgroup limited to ``limit`` bytes; OSError saying why when none can be made."""
+        name = f"gguf_mcv_edge_{uuid.uuid4().hex[:8]}"
+        v2 = Path("/sys/fs/cgroup")
+        v1 = Path("/sys/fs/cgroup/memory")
+        why = []
+        if "memory" in _read(v2 / "cgroup.controllers").split():
+            if "memory" in _read(v2 / "cgroup.subtree_control").split():
+                return cls._create(v2 / name, 2, "memory.max", limit)
+            why.append("cgroup v2 is mounted but its memory controller is not enabled for children "
+                       "(echo +memory > /sys/fs/cgroup/cgroup.subtree_control)")
+        if (v1 / "memory.limit_in_bytes").exists():
+            return cls._create(v1 / name, 1, "memory.limit_in_bytes", limit)
+        why.append("no cgroup v1 memory controller at /sys/fs/cgroup/memory")
+        raise OSError("; ".join(why))
+
+    @classmethod
+    def _create(cls, folder: Path, version: int, limit_file: str, limit: int) -> Cgroup:
+        folder.mkdir()
+        try:
+            (folder / limit_file).write_text(str(limit))
+            # no swap to spill into either, where the kernel accounts it
+            swap, value = (("memory.memsw.limit_in_bytes", str(limit)) if version == 1 else ("memory.swap.max", "0"))
+            if (folder / swap).exists():
+                (folder / swap).write_text(value)
+        except OSError:
+            folder.rmdir()
+            raise
+        return cls(folder, version, limit)
+
+    def join(self) -> None:
+        """Move the calling process into the cgroup (a child's ``preexec_fn``)."""
+        (self.folder / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        """The cgroup's peak usage in bytes, page cache included."""
+        text = _read(self.folder / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+        return int(text) if text.strip().isdigit() else None
+
+    def oom_kills(self) -> int | None:
+        """Processes the kernel OOM-killed in the cgroup (None where the kernel does not say)."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        for line in _read(self.folder / name).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    def remove(self) -> None:
+        for _ in range(50):  # the killed process's exit can take a moment to be accounted
+            try:
+                self.folder.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove {self.folder}", file=sys.stderr)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+# --- the parent ------------------------------------------------------------------------
+
+
+def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One run in a fresh cgroup of ``limit`` bytes; what the child said and what the cgroup saw."""
+    group = Cgroup.make(limit)
+    try:
+        return _run_in(group, files, limit, cache, args)
+    finally:  # interrupted or not, the cgroup goes (the child is dead: run() kills it on any exception)
+        group.remove()
+
+
+def _run_in(group: Cgroup, files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", "--model", str(files["model"]), "--mmproj", str(files["mmproj"]),
+               "--photo", str(files["photo"]), "--video", str(files["video"]),
+               "--ram-budget", "" if args.probe_budget else str(limit)]
+    command += ["--threads", str(args.threads)] if args.threads else []
+    env = {**os.environ, "GGUF_MCV_CACHE": str(cache), "GGUF_MCV_NO_PROBE": "1", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=group.join,
+                              timeout=args.timeout)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = "timeout", _text(exc.stdout), _text(exc.stderr)
+    wall = time.perf_counter() - start
+    stages = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            stages[record["stage"]] = record
+    return {"limit": limit, "exit": 137 if code == -signal.SIGKILL else code, "wall_s": wall, "stages": stages,
+            "cgroup": f"v{group.version}", "cgroup_peak": group.peak(), "oom_kills": group.oom_kills(),
+            "stderr_tail": err[-1500:] if code not in (0, REFUSED) else ""}
+
+
+def _text(data: Any) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _mb(n: int | None) -> str:
+    return "–" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _s(stage: dict[str, Any] | None) -> str:
+    return "–" if not stage or "seconds" not in stage else f"{stage['seconds']:.1f}"
+
+
+def row(preset: str, run: str, r: dict[str, Any]) -> str:
+    """One Markdown table row."""
+    st = r["stages"]
+    plan, last = st.get("plan", {}), next((st[k] for k in ("video", "photo", "loaded", "refused", "plan", "start")
+                                           if k in st), {})
+    hwm = last.get("VmHWM")
+    ratio = f" ({hwm / plan['peak_rss'] - 1:+.0%})" if hwm and plan.get("peak_rss") and "loaded" in st else ""
+    verdict = ("refused (NoQuantFitsError)" if "refused" in st else "OOM-killed" if r["exit"] == 137
+               else "answered" if r["exit"] == 0 else f"failed ({r['exit']})")
+    shrunk = f"; shrunk {', '.join(plan['shrunk'])}" if plan.get("shrunk") else ""
+    settings = f"n_ctx {plan['n_ctx']}, {plan['vision_backend']}{shrunk}" if plan else ""
+    kills = "–" if r["oom_kills"] is None else r["oom_kills"]
+    return (f"| {preset} | {_gb(r['limit'])} | {run} | {verdict} | {kills} "
+            f"| {_mb(plan.get('needed'))} / {_mb(plan.get('peak_rss'))} | {_mb(hwm)}{ratio} | {_mb(r['cgroup_peak'])} "
+            f"| {_s(st.get('loaded'))} | {_s(st.get('photo'))} | {_s(st.get('video'))} | {r['wall_s']:.0f} "
+            f"| {settings} |")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:g} GB"
+
+
+HEADER = ("| preset | limit | run | outcome | OOM kills | plan: needs / peak RSS | process peak RSS (vs plan) "
+          "| cgroup peak | load s | photo s | video s | wall s | planned |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("preset", nargs="?", help="tools/make_test_model.py preset, e.g. 4.6-bench or bench (2.6)")
+    ap.add_argument("--limit", nargs="+", default=["1.4GB"], help="memory limits (budgets), e.g. 1.4GB 3GB 7GB")
+    ap.add_argument("--quant", default="Q4_0", help="text quant to build and load (default Q4_0)")
+    ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gguf_mcv_edge",
+                    help="folder for the preset's build, reused across calls")
+    ap.add_argument("--probe-budget", action="store_true",
+                    help="let load() take its budget from the probe (the cgroup limit less a reserve) "
+                         "instead of ram_budget=LIMIT")
+    ap.add_argument("--cache", type=Path,
+                    help="use (and keep) this gguf_mcv cache folder instead of a fresh empty one per limit; a run "
+                         "is a 'first' run only while the folder is empty, else 'cached' (e.g. to measure the "
+                         "steady state where a first run is killed)")
+    ap.add_argument("--threads", type=int, help="n_threads for load() (default: the probe's)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
+    ap.add_argument("--json", type=Path, help="write every measurement here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for name in ("model", "mmproj", "photo", "video", "ram-budget"):
+        ap.add_argument(f"--{name}", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    if not args.preset:
+        ap.error("name a preset")
+    from gguf_mcv.testing.synthetic import PRESETS, build
+    from gguf_mcv.units import parse_size
+
+    if args.preset not in PRESETS:
+        ap.error(f"unknown preset {args.preset!r}; one of {', '.join(sorted(PRESETS))}")
+    limits = [parse_size(x) for x in args.limit]
+    try:
+        Cgroup.make(limits[0]).remove()
+    except OSError as exc:
+        print(f"skipped: no memory cgroup can be made here ({exc}); this benchmark needs root and a "
+              "cgroup v1 or v2 memory controller.", file=sys.stderr)
+        return 0
+    folder = args.models / args.preset
+    built = build(folder, PRESETS[args.preset], [args.quant])
+    files = {"model": built.quants[args.quant], "mmproj": built.mmproj}
+    inputs = args.models / "inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    files["photo"] = inputs / "photo-12mp.jpg" if (inputs / "photo-12mp.jpg").exists() else write_photo(
+        inputs / "photo-12mp.jpg")
+    files["video"] = inputs / "clip-720p.avi" if (inputs / "clip-720p.avi").exists() else write_video(
+        inputs / "clip-720p.avi")
+    results = []
+    print(HEADER, flush=True)
+    for limit in limits:
+        cache = args.cache or Path(tempfile.mkdtemp(prefix="gguf_mcv_edge_cache_"))
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            for _ in range(2):
+                run = "cached" if any(cache.iterdir()) else "first"
+                r = measure(files, limit, cache, args)
+                results.append({"preset": args.preset, "run": run, **r})
+                print(row(args.preset, run, r), flush=True)
+                if r["stderr_tail"]:
+                    print(f"<!-- stderr: {r['stderr_tail'][-400:]!r} -->", flush=True)
+                if args.json:  # after every run: an interrupted benchmark keeps what it measured
+                    args.json.write_text(json.dumps(results, indent=2))
+        finally:
+            if args.cache is None:
+                shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
