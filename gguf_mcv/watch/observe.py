@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
           threshold: float = DEFAULT_THRESHOLD, only_changes: bool = False, answer_unchanged: bool = False,
           schema: Any = None, detail: str = "auto", max_slices: int | None = None,
           max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, seed: int | None = None,
-          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> Iterator[Observation]:
+          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> Generator[Observation, None, None]:
     """Ask ``prompt`` about ``source`` every ``every_s`` seconds; an iterator of :class:`Observation`.
 
     ``source``: a camera index or device path, a video file (played at its own frame rate), an
@@ -111,9 +111,7 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     check_text("prompt", prompt)
     if system is not None:
         check_text("system", system)
-    every_s = check_number("every_s", every_s)
-    if not 0 < every_s <= MAX_EVERY_S:
-        raise ConfigError(f"every_s must be more than 0 and at most {MAX_EVERY_S:g} seconds, not {every_s:g}.")
+    every_s = check_every(every_s)
     if detail not in DETAILS:
         raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
     if max_slices is not None:
@@ -130,6 +128,14 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     run = _Watch(model, prompt, options, ChangeTracker(check_threshold(threshold)), detail=detail,
                  max_slices=max_slices, answer_unchanged=answer_unchanged)
     return run.observations(spec, every_s=every_s, only_changes=only_changes, give_up_s=check_give_up(give_up_s))
+
+
+def check_every(value: Any) -> float:
+    """``every_s`` checked: seconds between ticks, more than 0 and at most a day."""
+    every_s = check_number("every_s", value)
+    if not 0 < every_s <= MAX_EVERY_S:
+        raise ConfigError(f"every_s must be more than 0 and at most {MAX_EVERY_S:g} seconds, not {every_s:g}.")
+    return every_s
 
 
 class _Watch:
@@ -149,7 +155,7 @@ class _Watch:
         self.last: Reply | None = None
 
     def observations(self, spec: Any, *, every_s: float, only_changes: bool,
-                     give_up_s: float) -> Iterator[Observation]:
+                     give_up_s: float) -> Generator[Observation, None, None]:
         frames: FrameSource = start_source(spec, give_up_s=give_up_s)
         try:
             start = time.monotonic()
