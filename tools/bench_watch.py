@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Watch: what a tick costs when one slice changed, when nothing did, and how far behind a stream it runs.
+
+On the benchmark-size generated model (tools/make_test_model.py --preset bench: SigLIP-400M
+vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``detail="high"``
+(overview + 6 slices), each phase drives :func:`gguf_mcv.watch` and times its ticks:
+
+* **full vs one slice**: a tick whose frame is new everywhere (7 encoder passes) against a
+  tick where one object moved inside one slice (the overview and that slice: 2 passes);
+  ``max_tokens=1``, so a tick is encoding plus prefill. Target: ≤ 0.3×.
+* **static**: noisy frames of an unchanged scene; the default (no model call) and
+  ``answer_unchanged=True`` (prefill served by the KV cache, 4 tokens). Target: ≤ 50 ms a tick.
+* **lag**: a 10 fps video played in real time (a stream) with a moving object, answered every 2 s:
+  latency from the frame's reading to the answer, frames and ticks skipped.
+* **agreement**: on noisy copies of static scenes (Gaussian sensor noise, σ 3 and 6), the greedy
+  answer watch gives (it reuses the clean frame's embeddings: nothing passes the threshold)
+  against a full re-encode of the noisy frame; and, for scale, two full re-encodes of two
+  noise draws against each other.
+* **soak**: ``--soak`` ticks on a synthetic stream (noisy static frames, one small object moved every
+  200 ticks: the fast path with occasional re-encodes), resident memory sampled every 100 ticks.
+
+    python tools/bench_watch.py --ladder /tmp/watch_bench --threads 2 --json /tmp/bench_watch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import psutil
+
+W, H = 1280, 720
+
+
+def scene(seed: int) -> np.ndarray:
+    """A synthetic 1280×720 scene: gradients, a few objects, some text."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:H, 0:W]
+    rgb = np.stack([(x * 200 // W + 20), (y * 180 // H + 40), ((x + y) * 100 // (W + H) + 60)],
+                   axis=2).astype(np.uint8)
+    for _ in range(10):
+        cx, cy, r = int(rng.integers(60, W - 60)), int(rng.integers(60, H - 60)), int(rng.integers(15, 50))
+        cv2.circle(rgb, (cx, cy), r, tuple(int(v) for v in rng.integers(0, 255, 3)), -1)
+    cv2.putText(rgb, f"scene {seed}", (40, 80), cv2.FONT_HERSHEY_SIMPLEX, 2, (255, 255, 255), 4)
+    return rgb
+
+
+def noisy(rgb: np.ndarray, seed: int, sigma: float = 3.0) -> np.ndarray:
+    return np.clip(rgb + np.random.default_rng(seed).normal(0, sigma, rgb.shape), 0, 255).astype(np.uint8)
+
+
+def moved(rgb: np.ndarray, k: int) -> np.ndarray:
+    """``rgb`` with one small square drawn inside slice 1 + k % 6 (well away from its borders)."""
+    out = rgb.copy()
+    col, row = k % 3, (k // 3) % 2
+    x, y = col * 426 + 150 + (k * 7) % 60, row * 360 + 120 + (k * 5) % 60
+    out[y:y + 60, x:x + 60] = ((k * 50) % 255, 255 - (k * 30) % 255, 128)
+    return out
+
+
+class Ticks:
+    """Frames handed to watch one at a time, each tick timed from handing out the frame to the observation."""
+
+    def __init__(self, model, **options) -> None:
+        self.frame: np.ndarray | None = None
+        self.model = model
+        self.watching = __import__("gguf_mcv").watch(model, self._frames(), "Describe the scene.", every_s=1e-3,
+                                                      detail="high", temperature=0, **options)
+
+    def _frames(self):
+        while self.frame is not None:
+            yield self.frame
+
+    def tick(self, frame: np.ndarray):
+        self.frame = frame
+        start = time.perf_counter()
+        seen = next(self.watching)
+        return seen, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.watching.close()
+
+
+def full_vs_slice(model, rounds: int) -> dict:
+    ticks = Ticks(model, max_tokens=1)
+    full, part, encoded = [], [], []
+    try:
+        for r in range(rounds):
+            base = scene(100 + r)
+            seen, took = ticks.tick(base)
+            assert seen.slices_encoded == 7, seen
+            full.append(took)
+            seen, took = ticks.tick(moved(base, r))
+            encoded.append(seen.slices_encoded)
+            part.append(took)
+            print(f"  round {r}: full {full[-1]:.2f} s, one slice {part[-1]:.2f} s "
+                  f"({seen.slices_encoded} encoded, {seen.slices_reused} reused)", flush=True)
+    finally:
+        ticks.close()
+    return {"full_s": statistics.median(full), "one_slice_s": statistics.median(part),
+            "ratio": statistics.median(part) / statistics.median(full), "one_slice_encoded": encoded,
+            "rounds": rounds}
+
+
+def static(model, n: int) -> dict:
+    out = {}
+    for again in (False, True):
+        ticks = Ticks(model, max_tokens=4, answer_unchanged=again)
+        base = scene(7)
+        calls = model.engine.encoder_calls
+        try:
+            ticks.tick(base)
+            calls = model.engine.encoder_calls
+            times = [ticks.tick(noisy(base, i))[1] for i in range(n)]
+        finally:
+            ticks.close()
+        name = "answer_again" if again else "no_model_call"
+        out[name] = {"median_ms": statistics.median(times) * 1000, "max_ms": max(times) * 1000,
+                     "encoder_calls": model.engine.encoder_calls - calls}
+        print(f"  static, {name}: median {out[name]['median_ms']:.1f} ms a tick, max {out[name]['max_ms']:.1f} ms, "
+              f"{out[name]['encoder_calls']} encoder calls over {n} ticks", flush=True)
+    return out
+
+
+def write_stream(path: Path, seconds: int, fps: int = 10) -> Path:
+    """A 10 fps clip of a static scene with one object crossing it (sensor noise on every frame)."""
+    base = scene(3)
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (W, H))
+    for i in range(seconds * fps):
+        frame = base.copy()
+        x = 50 + int((W - 150) * i / (seconds * fps))
+        cv2.rectangle(frame, (x, 500), (x + 80, 580), (255, 40, 40), -1)
+        writer.write(cv2.cvtColor(noisy(frame, i), cv2.COLOR_RGB2BGR))
+    writer.release()
+    return path
+
+
+def lag(model, seconds: int) -> dict:
+    import gguf_mcv
+
+    with tempfile.TemporaryDirectory() as folder:
+        clip = write_stream(Path(folder) / "stream.avi", seconds)
+        seen = list(gguf_mcv.watch(model, clip, "What moves?", every_s=2.0, detail="high", max_tokens=8))
+    rest = seen[1:]  # the first tick encodes the whole frame
+    out = {"ticks": len(seen), "latency_s_median": statistics.median(o.latency_s for o in rest),
+           "latency_s_max": max(o.latency_s for o in rest), "first_latency_s": seen[0].latency_s,
+           "frames_skipped_median": statistics.median(o.frames_skipped for o in rest),
+           "ticks_skipped": sum(o.ticks_skipped for o in seen),
+           "slices_encoded_median": statistics.median(o.slices_encoded for o in rest),
+           "stream_seconds": seconds}
+    print(f"  lag behind a 10 fps stream, every 2 s: {out}", flush=True)
+    return out
+
+
+def agreement(model, scenes: int, sigmas: tuple[float, ...]) -> dict:
+    out: dict = {}
+    for sigma in sigmas:
+        same_watch = same_full = 0
+        for s in range(scenes):
+            base = scene(200 + s)
+            ticks = Ticks(model, max_tokens=16)
+            try:
+                ticks.tick(base)
+                seen, _ = ticks.tick(noisy(base, 1, sigma))
+            finally:
+                ticks.close()
+            assert seen.slices_encoded == 0, seen  # nothing passed the threshold
+            full1 = model.ask("Describe the scene.", noisy(base, 1, sigma), detail="high", max_tokens=16,
+                              temperature=0)
+            full2 = model.ask("Describe the scene.", noisy(base, 2, sigma), detail="high", max_tokens=16,
+                              temperature=0)
+            same_watch += str(seen.answer) == str(full1)
+            same_full += str(full1) == str(full2)
+        out[f"sigma_{sigma:g}"] = {"scenes": scenes, "watch_vs_full_reencode": same_watch / scenes,
+                                   "full_vs_full_other_noise": same_full / scenes}
+        print(f"  agreement, noise σ {sigma:g}: {out[f'sigma_{sigma:g}']}", flush=True)
+    return out
+
+
+def soak(model, n: int) -> dict:
+    proc = psutil.Process()
+    ticks = Ticks(model, max_tokens=2)
+    base = scene(11)
+    samples, encoded = [], 0
+    start = time.perf_counter()
+    try:
+        current = base
+        for i in range(n):
+            if i and i % 200 == 0:
+                current = moved(base, i // 200)
+            seen, _ = ticks.tick(noisy(current, i))
+            encoded += seen.slices_encoded
+            if i % 100 == 0 or i == n - 1:
+                samples.append((i, proc.memory_info().rss / 2**20))
+    finally:
+        ticks.close()
+    warm = next(rss for i, rss in samples if i >= 200)
+    out = {"ticks": n, "seconds": time.perf_counter() - start, "slices_encoded": encoded,
+           "rss_mb_after_200": warm, "rss_mb_last": samples[-1][1], "peak_rss_mb": max(r for _, r in samples),
+           "rss_drift_mb": samples[-1][1] - warm, "samples": samples}
+    print(f"  soak: {n} ticks in {out['seconds']:.0f} s, {encoded} slices encoded, RSS {warm:.0f} -> "
+          f"{samples[-1][1]:.0f} MB (drift {out['rss_drift_mb']:+.1f} MB), peak {out['peak_rss_mb']:.0f} MB",
+          flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench"))
+    parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vision-backend", default="auto")
+    parser.add_argument("--rounds", type=int, default=3, help="full / one-slice pairs timed")
+    parser.add_argument("--static-ticks", type=int, default=50)
+    parser.add_argument("--lag-seconds", type=int, default=30)
+    parser.add_argument("--agreement-scenes", type=int, default=4)
+    parser.add_argument("--soak", type=int, default=2000)
+    parser.add_argument("--skip", default="", help="comma-separated phases to skip: full,static,lag,agreement,soak")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import gguf_mcv
+    from gguf_mcv.testing import synthetic
+
+    built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict = {}
+    with gguf_mcv.load(model_path=built.quants[args.quant], mmproj_path=built.mmproj, n_ctx=4096,
+                       n_threads=args.threads, vision_backend=args.vision_backend) as model:
+        results["vision_backend"] = model.info.vision_backend
+        print(f"bench model {args.quant}, {args.threads} threads, vision encoder {model.info.vision_backend}",
+              flush=True)
+        phases = [("full", lambda: full_vs_slice(model, args.rounds)),
+                  ("static", lambda: static(model, args.static_ticks)),
+                  ("lag", lambda: lag(model, args.lag_seconds)),
+                  ("agreement", lambda: agreement(model, args.agreement_scenes, (3.0, 6.0))),
+                  ("soak", lambda: soak(model, args.soak))]
+        for name, phase in phases:
+            if name not in skip:
+                results[name] = phase()
+                if args.json:
+                    args.json.write_text(json.dumps(results, indent=2))
+    ok = True
+    if "full" in results:
+        ok &= results["full"]["ratio"] <= 0.3
+        print(f"one changed slice / full frame: {results['full']['ratio']:.3f}× (target ≤ 0.3×)")
+    if "static" in results:
+        ok &= results["static"]["no_model_call"]["median_ms"] <= 50
+        print(f"static tick: {results['static']['no_model_call']['median_ms']:.1f} ms (target ≤ 50 ms)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
