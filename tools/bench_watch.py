@@ -10,14 +10,16 @@ vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``d
   ``max_tokens=1``, so a tick is encoding plus prefill. Target: ≤ 0.3×.
 * **static**: noisy frames of an unchanged scene; the default (no model call) and
   ``answer_unchanged=True`` (prefill served by the KV cache, 4 tokens). Target: ≤ 50 ms a tick.
-* **lag**: a 10 fps video played in real time (a stream) with a moving object, answered every 2 s:
-  latency from the frame's reading to the answer, frames and ticks skipped.
+* **lag**: a 10 fps MJPEG-over-HTTP stream served on 127.0.0.1 (a static scene with an object
+  crossing it), answered every 2 s: latency from the frame's reading to the answer, frames and
+  ticks skipped.
 * **agreement**: on noisy copies of static scenes (Gaussian sensor noise, σ 3 and 6), the greedy
   answer watch gives (it reuses the clean frame's embeddings: nothing passes the threshold)
   against a full re-encode of the noisy frame; and, for scale, two full re-encodes of two
   noise draws against each other.
 * **soak**: ``--soak`` ticks on a synthetic stream (noisy static frames, one small object moved every
-  200 ticks: the fast path with occasional re-encodes), resident memory sampled every 100 ticks.
+  ``--soak-change-every`` ticks: the no-model-call path with occasional two-slice re-encodes and
+  2-token answers), resident memory sampled every 100 ticks.
 
     python tools/bench_watch.py --ladder /tmp/watch_bench --threads 2 --json /tmp/bench_watch.json
 """
@@ -28,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -69,10 +70,12 @@ class Ticks:
     """Frames handed to watch one at a time, each tick timed from handing out the frame to the observation."""
 
     def __init__(self, model, **options) -> None:
+        import gguf_mcv
+
         self.frame: np.ndarray | None = None
-        self.model = model
-        self.watching = __import__("gguf_mcv").watch(model, self._frames(), "Describe the scene.", every_s=1e-3,
-                                                      detail="high", temperature=0, **options)
+        options = {"detail": "high", **options}
+        self.watching = gguf_mcv.watch(model, self._frames(), "Describe the scene.", every_s=1e-3, temperature=0,
+                                       **options)
 
     def _frames(self):
         while self.frame is not None:
@@ -113,7 +116,7 @@ def static(model, n: int) -> dict:
     out = {}
     for again in (False, True):
         ticks = Ticks(model, max_tokens=4, answer_unchanged=again)
-        base = scene(7)
+        base = moved(scene(100), 0)  # the full phase's last frame: its slices are in the embedding cache
         calls = model.engine.encoder_calls
         try:
             ticks.tick(base)
@@ -129,73 +132,81 @@ def static(model, n: int) -> dict:
     return out
 
 
-def write_stream(path: Path, seconds: int, fps: int = 10) -> Path:
-    """A 10 fps clip of a static scene with one object crossing it (sensor noise on every frame)."""
-    base = scene(3)
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (W, H))
-    for i in range(seconds * fps):
-        frame = base.copy()
-        x = 50 + int((W - 150) * i / (seconds * fps))
-        cv2.rectangle(frame, (x, 500), (x + 80, 580), (255, 40, 40), -1)
-        writer.write(cv2.cvtColor(noisy(frame, i), cv2.COLOR_RGB2BGR))
-    writer.release()
-    return path
-
-
-def lag(model, seconds: int) -> dict:
+def lag(model, ticks_after_first: int) -> dict:
+    """A 10 fps MJPEG-over-HTTP stream (tests/mjpegserver.py) of a static scene with an object crossing
+    it, answered every 2 s: the first tick encodes the whole frame, the next ones what moved."""
     import gguf_mcv
 
-    with tempfile.TemporaryDirectory() as folder:
-        clip = write_stream(Path(folder) / "stream.avi", seconds)
-        seen = list(gguf_mcv.watch(model, clip, "What moves?", every_s=2.0, detail="high", max_tokens=8))
-    rest = seen[1:]  # the first tick encodes the whole frame
-    out = {"ticks": len(seen), "latency_s_median": statistics.median(o.latency_s for o in rest),
-           "latency_s_max": max(o.latency_s for o in rest), "first_latency_s": seen[0].latency_s,
-           "frames_skipped_median": statistics.median(o.frames_skipped for o in rest),
-           "ticks_skipped": sum(o.ticks_skipped for o in seen),
-           "slices_encoded_median": statistics.median(o.slices_encoded for o in rest),
-           "stream_seconds": seconds}
-    print(f"  lag behind a 10 fps stream, every 2 s: {out}", flush=True)
-    return out
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from mjpegserver import MjpegServer
+
+    base = scene(3)
+    frames = []
+    for i in range(40):
+        frame = base.copy()
+        x = 50 + (W - 150) * i // 40
+        cv2.rectangle(frame, (x, 500), (x + 80, 580), (255, 40, 40), -1)
+        frames.append(noisy(frame, i))
+    seen = []
+    with MjpegServer(frames, fps=10) as server:
+        watching = gguf_mcv.watch(model, server.url, "What moves?", every_s=2.0, detail="high", max_tokens=8)
+        try:
+            for o in watching:
+                seen.append(o)
+                print(f"  lag tick {len(seen)}: latency {o.latency_s:.2f} s, {o.slices_encoded} encoded, "
+                      f"{o.frames_skipped} frames and {o.ticks_skipped} ticks skipped", flush=True)
+                if len(seen) > ticks_after_first:
+                    break
+        finally:
+            watching.close()
+    rest = seen[1:]
+    return {"ticks": len(seen), "first_latency_s": seen[0].latency_s,
+            "latency_s_median": statistics.median(o.latency_s for o in rest),
+            "latency_s_max": max(o.latency_s for o in rest),
+            "frames_skipped_median": statistics.median(o.frames_skipped for o in rest),
+            "ticks_skipped_median": statistics.median(o.ticks_skipped for o in rest),
+            "slices_encoded_median": statistics.median(o.slices_encoded for o in rest)}
 
 
-def agreement(model, scenes: int, sigmas: tuple[float, ...]) -> dict:
-    out: dict = {}
-    for sigma in sigmas:
-        same_watch = same_full = 0
-        for s in range(scenes):
-            base = scene(200 + s)
-            ticks = Ticks(model, max_tokens=16)
-            try:
-                ticks.tick(base)
+def agreement(model, scenes: int, sigmas: tuple[float, ...], detail: str) -> dict:
+    same_watch = {s: 0 for s in sigmas}
+    same_full = {s: 0 for s in sigmas}
+    for k in range(scenes):
+        base = scene(200 + k)
+        ticks = Ticks(model, max_tokens=16, detail=detail)
+        try:
+            ticks.tick(base)  # the clean frame, encoded once
+            for sigma in sigmas:
                 seen, _ = ticks.tick(noisy(base, 1, sigma))
-            finally:
-                ticks.close()
-            assert seen.slices_encoded == 0, seen  # nothing passed the threshold
-            full1 = model.ask("Describe the scene.", noisy(base, 1, sigma), detail="high", max_tokens=16,
-                              temperature=0)
-            full2 = model.ask("Describe the scene.", noisy(base, 2, sigma), detail="high", max_tokens=16,
-                              temperature=0)
-            same_watch += str(seen.answer) == str(full1)
-            same_full += str(full1) == str(full2)
-        out[f"sigma_{sigma:g}"] = {"scenes": scenes, "watch_vs_full_reencode": same_watch / scenes,
-                                   "full_vs_full_other_noise": same_full / scenes}
-        print(f"  agreement, noise σ {sigma:g}: {out[f'sigma_{sigma:g}']}", flush=True)
-    return out
+                assert seen.slices_encoded == 0, seen  # nothing passed the threshold: the clean embeddings
+                full1 = model.ask("Describe the scene.", noisy(base, 1, sigma), detail=detail, max_tokens=16,
+                                  temperature=0)
+                full2 = model.ask("Describe the scene.", noisy(base, 2, sigma), detail=detail, max_tokens=16,
+                                  temperature=0)
+                same_watch[sigma] += str(seen.answer) == str(full1)
+                same_full[sigma] += str(full1) == str(full2)
+                marks = ["=" if a == b else "≠" for a, b in ((str(seen.answer), str(full1)), (str(full1), str(full2)))]
+                print(f"  agreement, scene {k}, noise σ {sigma:g}: watch {marks[0]} full re-encode; "
+                      f"two noise draws {marks[1]}", flush=True)
+        finally:
+            ticks.close()
+    return {f"sigma_{s:g}": {"scenes": scenes, "watch_vs_full_reencode": same_watch[s] / scenes,
+                             "full_vs_full_other_noise": same_full[s] / scenes} for s in sigmas}
 
 
-def soak(model, n: int) -> dict:
+def soak(model, n: int, change_every: int) -> dict:
     proc = psutil.Process()
     ticks = Ticks(model, max_tokens=2)
-    base = scene(11)
+    base = moved(scene(100), 0)
+    noise = [np.random.default_rng(i).normal(0, 3.0, base.shape).round().astype(np.int16) for i in range(4)]
     samples, encoded = [], 0
     start = time.perf_counter()
     try:
-        current = base
+        current = base.astype(np.int16)
         for i in range(n):
-            if i and i % 200 == 0:
-                current = moved(base, i // 200)
-            seen, _ = ticks.tick(noisy(current, i))
+            if i and i % change_every == 0:
+                current = moved(base, i // change_every).astype(np.int16)
+            seen, _ = ticks.tick(np.clip(current + noise[i % 4], 0, 255).astype(np.uint8))
             encoded += seen.slices_encoded
             if i % 100 == 0 or i == n - 1:
                 samples.append((i, proc.memory_info().rss / 2**20))
@@ -219,9 +230,11 @@ def main() -> int:
     parser.add_argument("--vision-backend", default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="full / one-slice pairs timed")
     parser.add_argument("--static-ticks", type=int, default=50)
-    parser.add_argument("--lag-seconds", type=int, default=30)
+    parser.add_argument("--lag-ticks", type=int, default=5, help="lag: ticks timed after the first")
     parser.add_argument("--agreement-scenes", type=int, default=4)
+    parser.add_argument("--agreement-detail", default="high", help="detail of the agreement phase")
     parser.add_argument("--soak", type=int, default=2000)
+    parser.add_argument("--soak-change-every", type=int, default=200, help="soak: ticks between two moves")
     parser.add_argument("--skip", default="", help="comma-separated phases to skip: full,static,lag,agreement,soak")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -239,9 +252,9 @@ def main() -> int:
               flush=True)
         phases = [("full", lambda: full_vs_slice(model, args.rounds)),
                   ("static", lambda: static(model, args.static_ticks)),
-                  ("lag", lambda: lag(model, args.lag_seconds)),
-                  ("agreement", lambda: agreement(model, args.agreement_scenes, (3.0, 6.0))),
-                  ("soak", lambda: soak(model, args.soak))]
+                  ("soak", lambda: soak(model, args.soak, args.soak_change_every)),
+                  ("lag", lambda: lag(model, args.lag_ticks)),
+                  ("agreement", lambda: agreement(model, args.agreement_scenes, (3.0, 6.0), args.agreement_detail))]
         for name, phase in phases:
             if name not in skip:
                 results[name] = phase()

@@ -186,7 +186,6 @@ class _Watch:
                 time.sleep(max(0.0, start + upcoming * every_s - time.monotonic()))
         finally:
             frames.close()
-            self._drop(self.reference)
 
     def _answer(self, rgb: np.ndarray) -> tuple[float, int, int, bool]:
         """Answer about one frame: (fraction changed, slices encoded, slices reused, model asked)."""
@@ -233,7 +232,7 @@ class _Watch:
 
     def _drop(self, image: Image | None) -> None:
         """Take a frame no longer asked about out of the embedding cache (its embeddings are held
-        here while needed): a watch leaves at most one frame in the cache, however long it runs."""
+        here while needed): a watch leaves one frame in the cache (the last), however long it runs."""
         if image is None or self.model.closed:
             return
         engine = self.model.engine
