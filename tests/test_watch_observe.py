@@ -128,7 +128,8 @@ def test_a_video_file_is_watched_in_real_time(model, tmp_path: Path) -> None:
     clip = write_avi(tmp_path / "clip.avi", n=30, fps=20.0, size=(448, 336))  # 1.5 s
     seen = _run(model, clip, every_s=0.4)
     assert 2 <= len(seen) <= 6
-    assert seen[-1].frame_index <= 29 and all(o.frame_index > p.frame_index for p, o in zip(seen, seen[1:]))
+    indexes = [o.frame_index for o in seen]
+    assert indexes == sorted(set(indexes)) and indexes[-1] <= 29
     assert sum(o.frames_skipped for o in seen[1:]) > 0  # a tick takes the newest frame, not the next
 
 
