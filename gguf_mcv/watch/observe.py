@@ -101,7 +101,7 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     so an unchanged picture gives an unchanged answer. A stream or camera that drops is
     reopened with backoff; after ``give_up_s`` seconds without a frame,
     :class:`~gguf_mcv.errors.SourceLostError`. The watch ends when a file or iterable does;
-    closing the iterator (or leaving a ``for`` loop) releases the source.
+    closing the iterator releases the source (as does leaving a ``for`` loop over ``watch(...)`` itself).
 
     Arguments are checked here, before anything is opened (:class:`ConfigError`,
     :class:`~gguf_mcv.errors.SourceError` for a missing file).
