@@ -85,7 +85,7 @@ def test_a_static_scene_costs_no_encoder_call_after_the_first(model) -> None:
     assert all(o.slices_encoded == 0 and not o.asked and o.answer is seen[0].answer for o in seen[1:])
     assert [o.frame_index for o in seen] == [0, 1, 2, 3, 4]
     assert seen[1].ticks_skipped > 0  # the first answer took longer than every_s
-    assert all(o.latency_s < 0.5 for o in seen[1:])
+    assert all(o.latency_s < 2.0 for o in seen[1:])  # no model call: milliseconds, on a busy machine too
 
 
 def test_answer_unchanged_asks_again_from_the_kv_cache(model) -> None:
