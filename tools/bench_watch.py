@@ -99,26 +99,31 @@ class Ticks:
 
 def full_vs_slice(model, rounds: int) -> dict:
     ticks = Ticks(model, max_tokens=1)
-    full, part, full_cpu, part_cpu, encoded = [], [], [], [], []
+    full, part, full_cpu, part_cpu, encoded, split = [], [], [], [], [], []
     try:
         for r in range(rounds):
             base = scene(100 + r)
-            seen, took = ticks.tick(base)
-            assert seen.slices_encoded == 7, seen
+            first, took = ticks.tick(base)
+            assert first.slices_encoded == 7, first
             full.append(took)
             full_cpu.append(ticks.cpu_s)
             seen, took = ticks.tick(moved(base, r))
             encoded.append(seen.slices_encoded)
             part.append(took)
             part_cpu.append(ticks.cpu_s)
-            print(f"  round {r}: full {full[-1]:.2f} s ({full_cpu[-1]:.1f} CPU s), one slice {part[-1]:.2f} s "
-                  f"({part_cpu[-1]:.1f} CPU s; {seen.slices_encoded} encoded, {seen.slices_reused} reused)", flush=True)
+            split.append([(o.answer.timings.encode_ms / 1000, o.answer.timings.prefill_ms / 1000)
+                          for o in (first, seen)])
+            print(f"  round {r}: full {full[-1]:.2f} s ({full_cpu[-1]:.1f} CPU s; encode/prefill "
+                  f"{split[-1][0][0]:.1f}/{split[-1][0][1]:.1f} s), one slice {part[-1]:.2f} s "
+                  f"({part_cpu[-1]:.1f} CPU s; encode/prefill {split[-1][1][0]:.1f}/{split[-1][1][1]:.1f} s; "
+                  f"{seen.slices_encoded} encoded, {seen.slices_reused} reused)", flush=True)
     finally:
         ticks.close()
     return {"full_s": statistics.median(full), "one_slice_s": statistics.median(part),
             "ratio": statistics.median(part) / statistics.median(full), "full_cpu_s": statistics.median(full_cpu),
             "one_slice_cpu_s": statistics.median(part_cpu),
             "cpu_ratio": statistics.median(part_cpu) / statistics.median(full_cpu), "one_slice_encoded": encoded,
+            "encode_prefill_s": split,
             "rounds": rounds}
 
 
