@@ -33,6 +33,8 @@ from .errors import (
     OutputBusyError,
     OutputError,
     SavedChatError,
+    SourceError,
+    SourceLostError,
 )
 from .hardware import Hardware, probe
 from .loader import checked_llama, load
@@ -48,6 +50,7 @@ from .units import format_size, parse_size
 from .vision.embed_cache import EmbeddingCache
 from .vision.media import Image, load_image
 from .vision.video import Frame, Frames, sample_frames
+from .watch import Observation, watch
 
 try:
     __version__ = _metadata.version("gguf-mcv")
@@ -69,3 +72,4 @@ __all__ = [
 __all__ += ["NativeKernelError", "checked_llama"]  # native faults
 __all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs
 __all__ += ["SamplingKeywords"]  # the sampling keywords of every question, for typed wrappers
+__all__ += ["Observation", "SourceError", "SourceLostError", "watch"]  # watching a camera or stream

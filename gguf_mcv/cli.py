@@ -166,6 +166,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="with --ray: model copies (default: one per node)")
     p.set_defaults(func=_batch)
 
+    p = sub.add_parser("watch", help="answer a question about a camera, video file or stream at every tick, "
+                                     "one JSON line per answer")
+    _model_args(p)
+    p.add_argument("source", help="camera index (0), device (/dev/video0), video file, or rtsp:// / http(s):// URL")
+    p.add_argument("--prompt", required=True, help="the question asked at every tick")
+    p.add_argument("--every", type=float, default=2.0, metavar="S", help="seconds between ticks (default 2)")
+    p.add_argument("--schema", help="JSON schema file: answers are JSON, 'parsed' holds the value")
+    p.add_argument("--only-changes", action="store_true",
+                   help="print a line only when the answer (with --schema, the parsed value) changes")
+    p.add_argument("--answer-unchanged", action="store_true",
+                   help="ask again when nothing in the picture changed (default: repeat the last answer)")
+    p.add_argument("--threshold", type=float, help="fraction of a slice that must change for it to be "
+                   "encoded again (default 0.002)")
+    p.add_argument("--detail", choices=DETAILS, default="auto")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--give-up", type=float, default=30.0, metavar="S",
+                   help="stop when the source gives no frame for S seconds, reconnecting meanwhile (default 30)")
+    p.add_argument("--jsonl", metavar="OUT", help="also append each line to this file")
+    p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.set_defaults(func=_watch)
+
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
     p.set_defaults(func=_selftest)
     return parser
@@ -495,6 +518,80 @@ def _batch(args: argparse.Namespace) -> int:
     print(f"{summary.answered} answered ({summary.failed} errors), {summary.skipped} already in {args.out}, "
           f"{summary.items_per_s:.2f} items/s{repaired}", file=sys.stderr)
     return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from .watch import watch  # lazy: per command
+    from .watch.changes import DEFAULT_THRESHOLD  # lazy: per command
+    from .watch.sources import check_source  # lazy: per command
+
+    schema = None
+    if args.schema:
+        from .jobs.batch_input import load_schema  # lazy: per command
+
+        schema = load_schema(args.schema)
+    from .watch.changes import check_threshold  # lazy: per command
+    from .watch.observe import check_every  # lazy: per command
+    from .watch.sources import check_give_up  # lazy: per command
+
+    check_source(args.source)  # a missing file, a bad URL or number, before minutes of loading
+    check_every(args.every)
+    check_give_up(args.give_up)
+    if args.threshold is not None:
+        check_threshold(args.threshold)
+    out = _open_jsonl(args.jsonl) if args.jsonl else None
+    status = None if args.quiet or not sys.stderr.isatty() else _status_line
+    lines = 0
+    try:
+        with _load(args) as model:
+            watching = watch(model, args.source, args.prompt, every_s=args.every, schema=schema,
+                             only_changes=args.only_changes, answer_unchanged=args.answer_unchanged,
+                             threshold=DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
+                             detail=args.detail, max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=args.seed, give_up_s=args.give_up)
+            try:
+                for seen in watching:
+                    line = json.dumps(seen.to_dict(), ensure_ascii=False)
+                    if status is not None:
+                        print("\r\x1b[K", end="", file=sys.stderr)
+                    print(line, flush=True)
+                    if out is not None:
+                        out.write(line + "\n")
+                        out.flush()
+                    lines += 1
+                    if status is not None:
+                        status(seen, lines)
+            except KeyboardInterrupt:
+                if status is not None:
+                    print("\r\x1b[K", end="", file=sys.stderr)
+                print(f"(stopped after {lines} observation(s))", file=sys.stderr)
+                return 130
+            finally:
+                watching.close()  # releases the camera or stream
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _open_jsonl(path: str) -> Any:
+    """``path`` opened for appending lines; a clear error for a folder or an unwritable place."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"--jsonl {target} is a folder: name a file (lines are appended to it).")
+    try:
+        return open(target, "a", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot write --jsonl {target}: {exc.strerror or exc}.") from exc
+
+
+def _status_line(seen: Any, lines: int) -> None:
+    """One live line on stderr (a terminal) saying what the last tick did."""
+    what = "asked" if seen.asked else "unchanged"
+    print(f"frame {seen.frame_index} · {seen.changed:.1%} changed · {seen.slices_encoded} encoded / "
+          f"{seen.slices_reused} reused · {what} · {seen.latency_s:.2f} s · skipped {seen.frames_skipped} "
+          f"frames, {seen.ticks_skipped} ticks · reconnects {seen.reconnects} · {lines} lines",
+          end="", file=sys.stderr, flush=True)
 
 
 def _selftest(args: argparse.Namespace) -> int:

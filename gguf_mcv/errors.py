@@ -104,3 +104,11 @@ class SavedChatError(GgufMcvError, ValueError):
 
 class AnswerCancelled(GgufMcvError, RuntimeError):
     """An answer was cancelled (its stream closed, its client gone) before it ended."""
+
+
+class SourceError(GgufMcvError, OSError):
+    """A watched source (camera, video file, stream) could not be opened, or gave frames that cannot be used."""
+
+
+class SourceLostError(SourceError, ConnectionError):
+    """A watched source stopped delivering frames and did not come back in time (unplugged, stream down)."""

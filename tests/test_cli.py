@@ -447,3 +447,49 @@ def test_plan_says_what_it_shrank_and_keeps_what_was_given(tiny) -> None:
     given = json.loads(run("plan", str(tiny.quants["Q4_K_M"]), "--ram", str(budget), "--ctx", "4096", "--kv", "f16",
                            "--json", "--no-probe").stdout)
     assert (given["n_ctx"], given["kv_cache_type"], given["fits"], given["shrunk"]) == (4096, "f16", False, [])
+
+
+def test_watch_prints_one_json_line_per_observation(tiny, tmp_path: Path) -> None:
+    from test_watch_sources import write_avi
+
+    clip = write_avi(tmp_path / "clip.avi", n=16, fps=20.0, size=(320, 240))
+    out = tmp_path / "seen.jsonl"
+    done = run("watch", str(tiny.quants["Q4_K_M"]), str(clip), "--prompt", "What happens?", "--every", "0.3",
+               "--max-tokens", "2", "--vision-backend", "llama.cpp", "--jsonl", str(out))
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines and lines[0]["frame"] == 0 and lines[0]["asked"] is True and lines[0]["slices_encoded"] == 1
+    assert [json.loads(line) for line in out.read_text().splitlines()] == lines
+
+
+def test_watch_refuses_a_missing_source_before_loading(tiny, tmp_path: Path) -> None:
+    done = run("watch", str(tiny.quants["Q4_K_M"]), str(tmp_path / "none.mp4"), "--prompt", "?")
+    assert done.returncode == 1 and "does not exist" in done.stderr and len(done.stderr.splitlines()) == 1
+    done = run("watch", str(tiny.quants["Q4_K_M"]), "0", "--prompt", "?", "--every", "0")
+    assert done.returncode == 1 and "every_s must be more than 0" in done.stderr
+
+
+def test_watch_stops_cleanly_on_ctrl_c_and_keeps_its_lines(tiny, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from mjpegserver import MjpegServer
+
+    out = tmp_path / "seen.jsonl"
+    with MjpegServer([np.zeros((240, 320, 3), np.uint8)], fps=10) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "watch", str(tiny.quants["Q4_K_M"]), server.url,
+                                 "--prompt", "?", "--every", "0.2", "--max-tokens", "2", "--vision-backend",
+                                 "llama.cpp", "--jsonl", str(out)], env=os.environ, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()  # the first observation is out
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            rest, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130 and "stopped after" in stderr and "Traceback" not in stderr
+    printed = [json.loads(line) for line in (first + rest).splitlines()]
+    assert printed and [json.loads(line) for line in out.read_text().splitlines()] == printed

@@ -59,6 +59,17 @@ def test_disk_tier_survives_a_new_cache_and_is_trimmed_least_recently_used_first
     assert first.get("x59") is not None  # memory tier; the disk tier reopens when needed
 
 
+def test_discard_drops_an_entry_from_both_tiers(tmp_path: Path) -> None:
+    cache = EmbeddingCache(disk_dir=tmp_path)
+    cache.put("a", np.ones(8, np.float32))
+    cache.put("b", np.ones(8, np.float32))
+    cache.discard("a")
+    cache.discard("never stored")  # nothing to drop: no error
+    assert cache.get("a") is None and len(cache) == 1 and cache.nbytes == 32
+    assert EmbeddingCache(disk_dir=tmp_path).get("a") is None  # gone from the disk too
+    assert EmbeddingCache(disk_dir=tmp_path).get("b") is not None
+
+
 def test_keys_name_backend_and_projector() -> None:
     keys = {cache_key("llama.cpp", "p1", "d"), cache_key("onnx-int8", "p1", "d"),
             cache_key("llama.cpp", "p2", "d"), cache_key("llama.cpp", "p1", "d", 1)}

@@ -132,6 +132,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"runtime"}),
     ("api", {"model", "openai_compat", "loader", "resolver", "chat_handler", "selftest"}),
     ("jobs", {"jobs"}),
+    ("watch", {"watch"}),
     ("server", {"server"}),
     ("command", {"cli", "__main__", ""}),
 ]

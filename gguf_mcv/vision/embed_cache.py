@@ -139,6 +139,18 @@ class EmbeddingCache:
         self._remember(key, value)
         self._write_disk(key, value)
 
+    def discard(self, key: str) -> None:
+        """Drop the entry under ``key`` from both tiers (nothing happens when there is none)."""
+        with self._lock:
+            self._forget(key)
+        disk = self._open_disk()
+        if disk is None:
+            return
+        try:
+            disk.delete(key)
+        except Exception as exc:  # noqa: BLE001 - see _disk_error
+            self._disk_error("delete", exc)
+
     def clear(self) -> None:
         """Drop everything held in memory (the disk tier is kept)."""
         with self._lock:

@@ -1,0 +1,259 @@
+"""``watch``: answers about a live source, one :class:`Observation` per tick, re-encoding only what changed.
+
+At each tick the newest frame is taken from the source (:mod:`.sources`), sized for the
+vision encoder, and compared, box by box, with what each box (the overview and every
+slice) was last encoded from (:mod:`.changes`). A slice that did not change keeps its
+embedding: it is put into the model's embedding cache under the new frame's key before the
+question is asked, so the engine takes it from there and only the stale slices (and the
+overview, whenever any slice changed) go through the vision encoder. A frame in which
+nothing changed costs no encoder call; it is answered again (``answer_unchanged=True``:
+the previous prompt, so the KV cache serves all of it) or reported with the last answer
+and no model call at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..options import DETAILS, check_int, check_max_tokens, check_number, check_text
+from ..reply import Reply
+from ..vision.media import Image
+from ..vision.slicing import MAX_SLICES, slice_grid
+from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, grey_cells
+from .sources import (
+    DEFAULT_GIVE_UP_S,
+    NETWORK_TIMEOUT_S,
+    FrameSource,
+    SourceInput,
+    check_give_up,
+    check_source,
+    start_source,
+)
+
+if TYPE_CHECKING:
+    from ..model import Model
+
+#: Longest ``every_s`` accepted (a day): a longer wait looks like a hang.
+MAX_EVERY_S = 86_400.0
+#: An answer's default token budget: a watch asks the same short question again and again.
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a watch saw at one tick.
+
+    ``answer`` is the model's :class:`~gguf_mcv.reply.Reply` (with usage and timings); when
+    nothing changed and ``answer_unchanged`` is off, it is the previous answer and ``asked`` is
+    False. ``changed`` is the fraction of the picture that differs from what was last encoded;
+    ``slices_encoded`` went through the vision encoder, ``slices_reused`` did not (the overview
+    counts as a slice). ``frames_skipped``: frames the source delivered since the previous
+    observation's frame that no observation looked at; ``ticks_skipped``: ticks missed because
+    the previous answer took longer than ``every_s``; ``reconnects``: times the source dropped
+    and was reopened so far.
+    """
+
+    time: float  #: when the frame was read (``time.time()``)
+    frame_index: int
+    changed: float
+    slices_encoded: int
+    slices_reused: int
+    answer: Reply
+    parsed: Any
+    asked: bool
+    latency_s: float  #: from the frame's reading to the answer
+    frames_skipped: int
+    ticks_skipped: int
+    reconnects: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The observation as JSON data (one line of ``gguf-mcv watch``)."""
+        return {"time": round(self.time, 3), "frame": self.frame_index, "changed": round(self.changed, 4),
+                "slices_encoded": self.slices_encoded, "slices_reused": self.slices_reused,
+                "asked": self.asked, "answer": str(self.answer), "parsed": _jsonable(self.parsed),
+                "latency_s": round(self.latency_s, 3), "frames_skipped": self.frames_skipped,
+                "ticks_skipped": self.ticks_skipped, "reconnects": self.reconnects}
+
+
+def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 2.0,
+          threshold: float = DEFAULT_THRESHOLD, only_changes: bool = False, answer_unchanged: bool = False,
+          schema: Any = None, detail: str = "auto", max_slices: int | None = None,
+          max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, seed: int | None = None,
+          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> Generator[Observation, None, None]:
+    """Ask ``prompt`` about ``source`` every ``every_s`` seconds; an iterator of :class:`Observation`.
+
+    ``source``: a camera index or device path, a video file (played at its own frame rate), an
+    ``rtsp://`` or ``http(s)://`` stream, or an iterable of frames (one per tick). Each tick
+    takes the newest frame; ticks that pass while an answer runs are skipped and counted.
+    Slices that changed by no more than ``threshold`` (a fraction of their area, see
+    :mod:`gguf_mcv.watch.changes`) reuse their previous embedding; a frame where nothing did
+    costs no encoder call, and, unless ``answer_unchanged``, no model call either.
+    ``only_changes`` yields an observation only when the answer (with ``schema``, the parsed
+    value) differs from the last one yielded. Answers are greedy by default (``temperature=0``),
+    so an unchanged picture gives an unchanged answer. A stream or camera that drops is
+    reopened with backoff; after ``give_up_s`` seconds without a frame,
+    :class:`~gguf_mcv.errors.SourceLostError`. The watch ends when a file or iterable does;
+    closing the iterator releases the source (as does leaving a ``for`` loop over ``watch(...)`` itself).
+
+    Arguments are checked here, before anything is opened (:class:`ConfigError`,
+    :class:`~gguf_mcv.errors.SourceError` for a missing file).
+    """
+    if not (hasattr(model, "ask") and hasattr(model, "prepare_image") and hasattr(model, "engine")):
+        raise ConfigError(f"model must be a gguf_mcv Model (from gguf_mcv.load), not {type(model).__name__}.")
+    check_text("prompt", prompt)
+    if system is not None:
+        check_text("system", system)
+    every_s = check_every(every_s)
+    if detail not in DETAILS:
+        raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
+    if max_slices is not None:
+        check_int("max_slices", max_slices, low=0, high=MAX_SLICES)
+    for name, flag in (("only_changes", only_changes), ("answer_unchanged", answer_unchanged)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, not {flag!r}.")
+    options: dict[str, Any] = dict(max_tokens=check_max_tokens(max_tokens), temperature=temperature, seed=seed,
+                                   system=system, schema=schema)
+    model.sampling.with_overrides(temperature=temperature, seed=seed)  # a bad value, before anything runs
+    if schema is not None:
+        model.constraint(schema)
+    spec = check_source(source)
+    run = _Watch(model, prompt, options, ChangeTracker(check_threshold(threshold)), detail=detail,
+                 max_slices=max_slices, answer_unchanged=answer_unchanged)
+    return run.observations(spec, every_s=every_s, only_changes=only_changes, give_up_s=check_give_up(give_up_s))
+
+
+def check_every(value: Any) -> float:
+    """``every_s`` checked: seconds between ticks, more than 0 and at most a day."""
+    every_s = check_number("every_s", value)
+    if not 0 < every_s <= MAX_EVERY_S:
+        raise ConfigError(f"every_s must be more than 0 and at most {MAX_EVERY_S:g} seconds, not {every_s:g}.")
+    return every_s
+
+
+class _Watch:
+    """One watch's state: what each box was last encoded from, and its embeddings."""
+
+    def __init__(self, model: "Model", prompt: str, options: dict[str, Any], tracker: ChangeTracker, *,
+                 detail: str, max_slices: int | None, answer_unchanged: bool) -> None:
+        self.model = model
+        self.prompt = prompt
+        self.options = options
+        self.tracker = tracker
+        self.detail = detail
+        self.max_slices = max_slices
+        self.answer_unchanged = answer_unchanged
+        self.held: dict[int, np.ndarray] = {}  # box -> the embedding it was last encoded to
+        self.reference: Image | None = None  # the image last asked about
+        self.last: Reply | None = None
+
+    def observations(self, spec: Any, *, every_s: float, only_changes: bool,
+                     give_up_s: float) -> Generator[Observation, None, None]:
+        frames: FrameSource = start_source(spec, give_up_s=give_up_s)
+        try:
+            start = time.monotonic()
+            served = 0  # the tick number last served
+            after, skipped_ticks = -1, 0
+            shown: Any = _NOTHING
+            while True:
+                grab = frames.newest(after, timeout=give_up_s + NETWORK_TIMEOUT_S)
+                if grab is None:
+                    return
+                skipped_frames = grab.index - after - 1
+                after = grab.index
+                changed, encoded, reused, asked = self._answer(grab.rgb)
+                assert self.last is not None
+                seen = Observation(time=grab.time, frame_index=grab.index, changed=changed, slices_encoded=encoded,
+                                   slices_reused=reused, answer=self.last, parsed=self.last.parsed, asked=asked,
+                                   latency_s=max(0.0, time.time() - grab.time), frames_skipped=skipped_frames,
+                                   ticks_skipped=skipped_ticks, reconnects=frames.reconnects)
+                key = _answer_key(self.last, self.options["schema"] is not None)
+                if not only_changes or key != shown:
+                    shown = key
+                    yield seen
+                # the next tick: the first one still ahead; those passed meanwhile are skipped
+                now = time.monotonic()
+                upcoming = max(served + 1, math.floor((now - start) / every_s) + 1)
+                skipped_ticks = upcoming - served - 1
+                served = upcoming
+                time.sleep(max(0.0, start + upcoming * every_s - time.monotonic()))
+        finally:
+            frames.close()
+
+    def _answer(self, rgb: np.ndarray) -> tuple[float, int, int, bool]:
+        """Answer about one frame: (fraction changed, slices encoded, slices reused, model asked)."""
+        model = self.model
+        engine = model.engine
+        image = model.prepare_image(rgb, detail=self.detail, max_slices=self.max_slices)
+        grid = slice_grid(image.width, image.height, engine.slice_size)
+        cells = grey_cells(image.rgb)
+        changes = self.tracker.compare(cells, (image.width, image.height), grid)
+        n_boxes = len(changes.fractions)
+        stale = set(changes.stale) | {i for i in range(n_boxes) if i not in self.held}
+        if not stale and self.reference is not None:
+            if not self.answer_unchanged:
+                return changes.fraction, 0, n_boxes, False
+            self.last = self._ask(self.reference)  # the same prompt: the KV cache holds all of it
+            return changes.fraction, self.last.timings.slices_encoded, n_boxes - self.last.timings.slices_encoded, True
+        stale.add(0)  # the overview sees every slice
+        cache = engine.embed_cache
+        for i in range(n_boxes):
+            if i not in stale:
+                cache.put(engine.image_key(image.digest, i), self.held[i])
+        self.last = self._ask(image)
+        kept = []
+        for i in sorted(stale):
+            embedding = cache.get(engine.image_key(image.digest, i))
+            if embedding is None:  # the cache is too small to hold a frame: encode it next time too
+                self.held.pop(i, None)
+                self.tracker.forget(i)
+            else:
+                self.held[i] = embedding
+                kept.append(i)
+        self.tracker.encoded(cells, kept)
+        if self.reference is not None and self.reference.digest != image.digest:
+            self._drop(self.reference)
+        self.reference = image
+        timings = self.last.timings
+        return changes.fraction, timings.slices_encoded, timings.slices_from_cache, True
+
+    def _ask(self, image: Image) -> Reply:
+        options = self.options
+        return self.model.ask(self.prompt, image, detail="high", max_tokens=options["max_tokens"],
+                              temperature=options["temperature"], seed=options["seed"], system=options["system"],
+                              schema=options["schema"])
+
+    def _drop(self, image: Image | None) -> None:
+        """Take a frame no longer asked about out of the embedding cache (its embeddings are held
+        here while needed): a watch leaves one frame in the cache (the last), however long it runs."""
+        if image is None or self.model.closed:
+            return
+        engine = self.model.engine
+        for i in range(1 + MAX_SLICES):
+            engine.embed_cache.discard(engine.image_key(image.digest, i))
+
+
+_NOTHING = object()
+
+
+def _answer_key(reply: Reply, structured: bool) -> Any:
+    """What ``only_changes`` compares: the parsed value with a schema (when it parsed), else the text."""
+    if structured and reply.parsed is not None:
+        return ("parsed", _jsonable(reply.parsed))
+    return ("text", " ".join(str(reply).split()))
+
+
+def _jsonable(value: Any) -> Any:
+    """A parsed answer as JSON data (pydantic models and dataclasses become dicts)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

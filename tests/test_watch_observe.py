@@ -1,0 +1,191 @@
+"""gguf_mcv.watch.observe: watch() on the tiny synthetic model — encoder calls, reuse, events, failures."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from mjpegserver import MjpegServer  # tests/ is on sys.path
+from test_watch_sources import write_avi
+
+import gguf_mcv
+from gguf_mcv.errors import ConfigError, SourceError
+from gguf_mcv.vision.slicing import slice_grid
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    """The tiny model with libmtmd's encoder (the fastest to start in tests)."""
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048, n_threads=2,
+                       vision_backend="llama.cpp") as loaded:
+        yield loaded
+
+
+def _scene(w: int, h: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 255, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+    return np.ascontiguousarray(cv2.resize(small, (w, h), interpolation=cv2.INTER_NEAREST))
+
+
+def _noisy(rgb: np.ndarray, seed: int, sigma: float = 4.0) -> np.ndarray:
+    noise = np.random.default_rng(seed).normal(0, sigma, rgb.shape)
+    return np.clip(rgb + noise, 0, 255).astype(np.uint8)
+
+
+def _run(model, frames, **kw) -> list[gguf_mcv.Observation]:
+    kw = {"every_s": 0.001, "max_tokens": 3, **kw}
+    return list(gguf_mcv.watch(model, frames, "What is happening?", **kw))
+
+
+def test_slice_indexes_follow_libmtmd_chunk_order(model) -> None:
+    """Index 0 is the overview, then the slices row by row: a change in the right half of a
+    2×1 image changes the embeddings of 0 and 2 only (what watch relies on to reuse 1)."""
+    engine = model.engine
+    left_right = _scene(900, 448)
+    assert slice_grid(900, 448, engine.slice_size) == (2, 1)
+    changed = left_right.copy()
+    changed[150:300, 600:750] = 255 - changed[150:300, 600:750]
+
+    def embeddings(rgb: np.ndarray) -> list[np.ndarray]:
+        image = model.prepare_image(rgb, detail="high")
+        reply = model.ask("Describe.", image, detail="high", max_tokens=1)
+        assert reply.timings.slices_encoded == 3
+        return [engine.embed_cache.get(engine.image_key(image.digest, i)) for i in range(3)]
+
+    before, after = embeddings(left_right), embeddings(changed)
+    assert np.array_equal(before[1], after[1])
+    assert not np.array_equal(before[0], after[0]) and not np.array_equal(before[2], after[2])
+
+
+def test_one_region_changing_encodes_its_slice_and_the_overview_only(model) -> None:
+    engine = model.engine
+    scene = _scene(900, 448, seed=1)
+    moved = scene.copy()
+    moved[100:200, 100:200] = 0  # in the left slice (index 1)
+    calls = engine.encoder_calls
+    first, second, third = _run(model, [scene, moved, _noisy(moved, 1)], detail="high")
+    assert (first.slices_encoded, first.slices_reused, first.asked) == (3, 0, True)
+    assert (second.slices_encoded, second.slices_reused, second.asked) == (2, 1, True)
+    assert 0 < second.changed < 0.1 and second.frame_index == 1 and second.frames_skipped == 0
+    assert (third.slices_encoded, third.asked) == (0, False)  # noise only: nothing to encode
+    assert engine.encoder_calls - calls == 5
+
+
+def test_a_static_scene_costs_no_encoder_call_after_the_first(model) -> None:
+    engine = model.engine
+    scene = _scene(448, 336, seed=2)
+    calls = engine.encoder_calls
+    seen = _run(model, [_noisy(scene, s) for s in range(5)])
+    assert engine.encoder_calls - calls == 1 and seen[0].slices_encoded == 1
+    assert all(o.slices_encoded == 0 and not o.asked and o.answer is seen[0].answer for o in seen[1:])
+    assert [o.frame_index for o in seen] == [0, 1, 2, 3, 4]
+    assert seen[1].ticks_skipped > 0  # the first answer took longer than every_s
+    assert all(o.latency_s < 2.0 for o in seen[1:])  # no model call: milliseconds, on a busy machine too
+
+
+def test_answer_unchanged_asks_again_from_the_kv_cache(model) -> None:
+    engine = model.engine
+    scene = _scene(448, 336, seed=3)
+    calls = engine.encoder_calls
+    seen = _run(model, [scene, _noisy(scene, 1), _noisy(scene, 2)], answer_unchanged=True)
+    assert engine.encoder_calls - calls == 1
+    for o in seen[1:]:
+        assert o.asked and o.slices_encoded == 0 and o.answer is not seen[0].answer
+        usage = o.answer.usage
+        assert usage.prompt_tokens - usage.cached_tokens <= 1  # only the last token evaluated again
+        assert str(o.answer) == str(seen[0].answer)  # greedy by default
+
+
+def test_only_changes_yields_when_the_answer_changes(model) -> None:
+    scene = _scene(448, 336, seed=4)
+    seen = _run(model, [scene] * 4, answer_unchanged=True, only_changes=True)
+    assert len(seen) == 1 and seen[0].frame_index == 0
+
+
+def test_schema_answers_carry_parsed_and_serialise(model) -> None:
+    schema = {"type": "object", "properties": {"people": {"type": "integer"}}, "required": ["people"]}
+    seen = _run(model, [_scene(448, 336, seed=5)] * 2, schema=schema, max_tokens=12)
+    assert seen[0].parsed == seen[0].answer.parsed
+    line = json.loads(json.dumps(seen[1].to_dict()))
+    assert line["frame"] == 1 and line["asked"] is False and line["answer"] == str(seen[0].answer)
+    assert set(line) >= {"time", "changed", "slices_encoded", "slices_reused", "parsed", "latency_s",
+                         "frames_skipped", "ticks_skipped", "reconnects"}
+
+
+def test_a_changing_scene_leaves_one_frame_in_the_embedding_cache(model) -> None:
+    cache = model.engine.embed_cache
+    held = len(cache)
+    _run(model, [_scene(448, 336, seed=10 + i) for i in range(4)])
+    assert len(cache) <= held + 1  # each frame's entries are dropped once the next one replaces it
+
+
+def test_a_video_file_is_watched_in_real_time(model, tmp_path: Path) -> None:
+    clip = write_avi(tmp_path / "clip.avi", n=30, fps=20.0, size=(448, 336))  # 1.5 s
+    seen = _run(model, clip, every_s=0.4)
+    assert 2 <= len(seen) <= 6
+    indexes = [o.frame_index for o in seen]
+    assert indexes == sorted(set(indexes)) and indexes[-1] <= 29
+    assert sum(o.frames_skipped for o in seen[1:]) > 0  # a tick takes the newest frame, not the next
+
+
+def test_an_mjpeg_stream_that_drops_is_reported_not_raised(model) -> None:
+    server = MjpegServer([_scene(448, 336, seed=6)], fps=20).start()
+    restarted = threading.Event()
+
+    def bounce() -> None:
+        server.stop()
+        time.sleep(0.5)
+        server.start()
+        restarted.set()
+
+    try:
+        seen = []
+        for o in gguf_mcv.watch(model, server.url, "What is happening?", every_s=0.2, max_tokens=2, give_up_s=10):
+            seen.append(o)
+            if len(seen) == 2:
+                threading.Thread(target=bounce, daemon=True).start()
+            if o.reconnects >= 1 or len(seen) > 60:
+                break
+        assert seen[-1].reconnects >= 1 and restarted.is_set()
+        assert seen[-1].slices_encoded == 0  # the same picture after the reconnect: nothing encoded
+    finally:
+        server.stop()
+    time.sleep(0.3)
+    assert not [t for t in threading.enumerate() if t.name.startswith("gguf-mcv watch")]  # released
+
+
+def test_a_corrupt_frame_ends_the_watch_with_a_clear_error(model) -> None:
+    frames = iter([_scene(448, 336, seed=2), np.zeros((10, 10, 3), np.float64)])
+    watching = gguf_mcv.watch(model, frames, "What?", every_s=0.001, max_tokens=2)
+    assert next(watching).frame_index == 0
+    with pytest.raises(SourceError, match="Frame 1 .*cannot be used"):
+        next(watching)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"every_s": 0}, "every_s"), ({"every_s": -1}, "every_s"), ({"every_s": 1e12}, "every_s"),
+    ({"every_s": float("nan")}, "every_s"), ({"every_s": "2"}, "every_s"), ({"threshold": 2}, "threshold"),
+    ({"detail": "ultra"}, "detail"), ({"max_slices": 10}, "max_slices"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"only_changes": "yes"}, "only_changes"),
+    ({"answer_unchanged": 1}, "answer_unchanged"), ({"give_up_s": 0}, "give_up_s"), ({"seed": 1.5}, "seed"),
+    ({"schema": {"type": "no such type"}}, "schema|type"), ({"system": 5}, "system"),
+])
+def test_wrong_arguments_are_refused_before_anything_opens(model, change: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        gguf_mcv.watch(model, [np.zeros((8, 8, 3), np.uint8)], "What?", **change)
+
+
+def test_wrong_model_prompt_or_source_is_refused(model, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="gguf_mcv Model"):
+        gguf_mcv.watch("model.gguf", 0, "What?")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prompt"):
+        gguf_mcv.watch(model, 0, None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="source"):
+        gguf_mcv.watch(model, 2.5, "What?")  # type: ignore[arg-type]
+    with pytest.raises(SourceError, match="does not exist"):
+        gguf_mcv.watch(model, tmp_path / "missing.mp4", "What?")
