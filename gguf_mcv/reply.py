@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -124,3 +125,12 @@ class Progress:
     cached: int
     elapsed_s: float
     eta_s: float | None
+
+
+def parsed_as_json(value: Any) -> Any:
+    """A parsed answer (``Reply.parsed``) as JSON data: pydantic models and dataclasses become dicts."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

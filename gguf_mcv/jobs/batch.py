@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from .. import progress
 from ..errors import ModelClosedError
+from ..reply import parsed_as_json
 from .batch_input import Item, collect, for_model, load_schema, model_identity
 from .batch_output import ResultsFile
 
@@ -129,7 +130,7 @@ def answer(model: "Model", item: Item) -> dict[str, Any]:
                timings=dataclasses.asdict(reply.timings),
                video=dataclasses.asdict(reply.video) if reply.video is not None else None)
     if item.schema is not None:
-        row.update(parsed=_jsonable(reply.parsed), parse_error=reply.parse_error)
+        row.update(parsed=parsed_as_json(reply.parsed), parse_error=reply.parse_error)
     return row
 
 
@@ -159,15 +160,6 @@ def progress_bar(total: int, initial: int, show: bool | None) -> Any:
     """The job's bar on stderr (items/s, ETA) starting at ``initial`` of ``total``, drawn when
     ``show``, or when it is None and stderr is a terminal (:func:`gguf_mcv.progress.bar`)."""
     return progress.bar(total, initial=initial, desc="batch", unit="item", show=show)
-
-
-def _jsonable(value: Any) -> Any:
-    """A parsed answer as JSON data (pydantic models and dataclasses become dicts)."""
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
 
 
 def iter_rows(path: str | os.PathLike) -> Iterator[dict[str, Any]]:

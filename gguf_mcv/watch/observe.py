@@ -13,7 +13,6 @@ and no model call at all.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Generator
@@ -24,7 +23,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..options import DETAILS, check_int, check_max_tokens, check_number, check_text
-from ..reply import Reply
+from ..reply import Reply, parsed_as_json
 from ..vision.media import Image
 from ..vision.slicing import MAX_SLICES, slice_grid
 from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, grey_cells
@@ -78,7 +77,7 @@ class Observation:
         """The observation as JSON data (one line of ``gguf-mcv watch``)."""
         return {"time": round(self.time, 3), "frame": self.frame_index, "changed": round(self.changed, 4),
                 "slices_encoded": self.slices_encoded, "slices_reused": self.slices_reused,
-                "asked": self.asked, "answer": str(self.answer), "parsed": _jsonable(self.parsed),
+                "asked": self.asked, "answer": str(self.answer), "parsed": parsed_as_json(self.parsed),
                 "latency_s": round(self.latency_s, 3), "frames_skipped": self.frames_skipped,
                 "ticks_skipped": self.ticks_skipped, "reconnects": self.reconnects}
 
@@ -246,14 +245,5 @@ _NOTHING = object()
 def _answer_key(reply: Reply, structured: bool) -> Any:
     """What ``only_changes`` compares: the parsed value with a schema (when it parsed), else the text."""
     if structured and reply.parsed is not None:
-        return ("parsed", _jsonable(reply.parsed))
+        return ("parsed", parsed_as_json(reply.parsed))
     return ("text", " ".join(str(reply).split()))
-
-
-def _jsonable(value: Any) -> Any:
-    """A parsed answer as JSON data (pydantic models and dataclasses become dicts)."""
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
