@@ -269,6 +269,17 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
     }
 
 
+def _settled_health(base: str, wait_s: float = 15.0) -> dict:
+    """/health once no request is in flight (a dropped stream ends on the server a moment after
+    its client let go), or as it is after ``wait_s`` (a request that never ends shows there)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        health = requests.get(f"{base}/health", timeout=30).json()
+        if health.get("in_flight") == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a local .gguf (default: the tiny generated model)")
@@ -305,7 +316,7 @@ def main() -> int:
     try:
         at_start = rss.samples[0][1]
         outcomes, wall = run_load(server.base, server.name, args)
-        health = requests.get(f"{server.base}/health", timeout=30).json()
+        health = _settled_health(server.base)
         metrics_ok = requests.get(f"{server.base}/metrics", timeout=30).ok
         rss.stop()
         high_water = rss.high_water() or rss.peak
