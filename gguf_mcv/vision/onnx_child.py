@@ -5,9 +5,10 @@ kernels and leaves heap behind: about 30 MiB that a later load from the cache ne
 :func:`run` does that work in a child Python (``gguf_mcv.vision.onnx_vision.main``, through
 :func:`child_main`) while the caller holds the conversion's lock; the caller then loads the
 cached result as every later run does, and its peak is a cached run's. The child reports
-progress and its result on stdout (lines that begin with :data:`PROTOCOL`); its own errors come back as the same exception classes, and a child
-killed by a signal (the kernel's OOM killer, say) is an :class:`~gguf_mcv.errors.EngineError`
-that says so, with nothing left in the cache.
+progress and its result on stdout (lines that begin with :data:`PROTOCOL`); its own errors
+come back as the same exception classes, and a child killed by a signal (the kernel's OOM
+killer, say) is an :class:`~gguf_mcv.errors.EngineError` that says so, with nothing left in
+the cache.
 
 ``GGUF_MCV_ONNX_FAULT`` (for tests) makes the child fail just before it validates:
 a signal's name (``SIGKILL``) kills it, ``OSError`` / ``EngineError`` / ``KeyboardInterrupt``
