@@ -24,6 +24,7 @@ from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projec
 from .options import LoadOptions, Sampling
 from .planning.memory import estimate_files, parallel_for_budget, slot_bytes
 from .planning.planner import Plan, resolve_budget
+from .planning.speed import slice_budget
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
 from .resolver import plan_local, pull
 from .runtime import native, native_check
@@ -195,7 +196,7 @@ def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
                                 fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
     backends = [vision.backend] + ([vision.fallback] if vision.fallback else [])
     needed = max(estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                                vision_backend=b).needed for b in backends)
+                                vision_backend=b, image_slices=_auto_slices(options)).needed for b in backends)
     text = read_text_header(model_path).shape
     per_slot = slot_bytes(text, options.n_ctx, options.kv_cache_type, vision=projector.shape,
                           vision_backend=vision.backend)
@@ -260,9 +261,15 @@ def _fits_budget(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, 
     def fits(backend: str) -> bool:
         budget, _ = resolve_budget(probe(), ram_budget)
         return estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                              vision_backend=backend).needed <= budget
+                              vision_backend=backend, image_slices=_auto_slices(options)).needed <= budget
 
     return fits
+
+
+def _auto_slices(options: LoadOptions) -> int:
+    """The slices a photo at detail="auto" is cut into where this load runs the encoder: the
+    decoded image the plan counts (:attr:`Plan.image_detail`)."""
+    return slice_budget("auto", vision_on_gpu=bool(options.vision_gpu))
 
 
 def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,

@@ -171,10 +171,12 @@ def test_plan_announces_the_int8_fallback_and_load_takes_it(tiny, own_onnx_cache
 def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx_cache, monkeypatch) -> None:
     pytest.importorskip("onnxruntime")
     from gguf_mcv.planning.memory import estimate_files
+    from gguf_mcv.planning.speed import slice_budget
     from gguf_mcv.vision import vision_backends
 
     monkeypatch.setattr(vision_backends, "INT8_MIN_COSINE", 1.01)
-    need = {b: estimate_files(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, vision_backend=b).needed
+    need = {b: estimate_files(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, vision_backend=b,
+                              image_slices=slice_budget("auto")).needed  # the photo the plan counts
             for b in ("onnx-int8", "onnx-fp32")}
     budget = (need["onnx-int8"] + need["onnx-fp32"]) // 2
     planned, backend, reason = _plan_and_load(tiny, ram_budget=budget)

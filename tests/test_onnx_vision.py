@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import gguf_mcv
+from gguf_mcv.errors import ConfigError, EngineError, NotEnoughDiskError
+from gguf_mcv.runtime.engine import file_identity
 from gguf_mcv.vision import onnx_vision
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.engine import file_identity
-from gguf_mcv.errors import ConfigError, EngineError, NotEnoughDiskError
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.onnx_vision import INT8_MIN_COSINE, choose_backend, prepare
 
@@ -110,21 +110,50 @@ def test_a_damaged_cache_is_rebuilt_not_used(tiny, tmp_path: Path, monkeypatch: 
     assert prepare(tiny.mmproj, identity).convert_s == 0.0
 
 
-def test_an_interrupted_conversion_leaves_nothing_that_is_used(tiny, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fault", ["SIGKILL", "KeyboardInterrupt", "EngineError"])
+def test_an_interrupted_conversion_leaves_nothing_that_is_used(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               fault: str) -> None:
+    """The converting child killed (as by the OOM killer), interrupted or failing after it wrote
+    the graphs: a clear error here, nothing cached, no temporary folder; the next call converts."""
+    from gguf_mcv.vision import onnx_child
+
     monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(onnx_vision, "validate", killed)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setenv(onnx_child.ENV_FAULT, fault)
+    expected = {"SIGKILL": pytest.raises(EngineError, match="SIGKILL"),
+                "KeyboardInterrupt": pytest.raises(KeyboardInterrupt),
+                "EngineError": pytest.raises(EngineError, match=onnx_child.ENV_FAULT)}[fault]
+    with expected:
         prepare(tiny.mmproj, file_identity(tiny.mmproj))
     assert not list(tmp_path.glob("onnx/*.json")) and not list(tmp_path.glob("onnx/*.onnx"))
     assert not [p for p in tmp_path.glob("onnx/.*") if p.is_dir()]  # no temporary folder left
-    monkeypatch.undo()
-    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    monkeypatch.delenv(onnx_child.ENV_FAULT)
     assert prepare(tiny.mmproj, file_identity(tiny.mmproj)).convert_s > 0
+
+
+def test_auto_falls_back_to_llama_cpp_when_the_converting_child_cannot_write(tiny, tmp_path, monkeypatch) -> None:
+    """An OSError in the child (the cache cannot be written) is an OSError here: ``auto`` falls
+    back to libmtmd as when the conversion ran in this process."""
+    from gguf_mcv.vision import onnx_child
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    monkeypatch.setenv(onnx_child.ENV_FAULT, "OSError")
+    with _load(tiny, "auto") as model:
+        assert model.info.vision_backend == "llama.cpp"
+        assert "ONNX conversion cannot be made" in model.info.vision_backend_reason
+    with pytest.raises(OSError, match=onnx_child.ENV_FAULT):
+        _load(tiny, "onnx-int8")
+
+
+def test_the_converting_process_never_imports_onnx(tiny, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    child = ("import sys; from gguf_mcv.vision import onnx_vision; from gguf_mcv.runtime.engine import file_identity; "
+             "c = onnx_vision.prepare(sys.argv[1], file_identity(sys.argv[1])); "
+             "print(c.convert_s > 0, 'onnx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", child, str(tiny.mmproj)], capture_output=True, text=True,
+                         timeout=300, check=True, env={**os.environ, "GGUF_MCV_CACHE": str(tmp_path)})
+    assert out.stdout.strip().splitlines()[-1] == "True False"
 
 
 def test_concurrent_loads_convert_once(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -529,24 +558,16 @@ peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 102
 print(json.dumps({"peak": peak, "reason": model.info.vision_backend_reason}))
 """
 
-_IMPORT_CHILD = """
-def rss(): return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
-import numpy, gguf, onnxruntime, PIL.Image, gguf_mcv
-before = rss()
-import onnx
-print(rss() - before)
-"""
-
-
 @pytest.mark.slow
 def test_a_first_run_peaks_no_higher_than_a_cached_run(tmp_path: Path) -> None:
-    """The conversion on first use (weights read one at a time, graphs written weight by weight,
-    the fp32 graph validated one stage at a time) must peak no higher than a later load from the
-    cache. What a first run keeps that a cached run never has is allowed: the ``onnx`` package
-    (imported to write the graphs; measured here, ~11 MiB), the pages of ONNX Runtime's library
-    that only the fp32 graph's kernels touch (~11 MiB, file-backed) and a few MiB of heap the
-    conversion leaves to Python and glibc: 20 MiB for the last two. A conversion that held the
-    fp32 graph (~200 MB) or the mmproj's pages (~100 MB) would exceed that several times over."""
+    """The conversion on first use runs in a child process (``onnx_child``): the loading process
+    never imports ``onnx`` nor runs the fp32 graph, and then loads the conversion from the cache
+    as a later run does, so it peaks where a later run peaks. The 4 MiB allowed is what differs
+    between two such processes and is not the conversion's: the 1 MiB blocks the files are
+    hashed in, the pipe and bookkeeping of the child and the heap's fragmentation (measured here:
+    the first run 1.5 MiB *below* the cached one; on the 2.6 bench shape +0.4 MiB). Before, the
+    converting process kept ``onnx`` (~11 MiB), the fp32 kernels' pages (~11 MiB) and leftover
+    heap: 26-34 MiB above a cached run."""
     import subprocess
     import sys
 
@@ -562,8 +583,6 @@ def test_a_first_run_peaks_no_higher_than_a_cached_run(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    out = subprocess.run([sys.executable, "-c", _IMPORT_CHILD], capture_output=True, text=True, timeout=120)
-    onnx_import = int(out.stdout.strip().splitlines()[-1])
     first, cached = runs[0]["peak"], runs[1]["peak"]
     assert "int8 vs fp32 cosine" in runs[0]["reason"]  # the first run converted and validated
-    assert first <= cached + onnx_import + 20 * 2**20, (first / 2**20, cached / 2**20, onnx_import / 2**20)
+    assert first <= cached + 4 * 2**20, (first / 2**20, cached / 2**20)

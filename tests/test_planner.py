@@ -285,6 +285,27 @@ def test_default_image_tokens_is_one_full_detail_image() -> None:
     assert low.predicted_bytes < plan_46(PI5_4GB).predicted_bytes
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_decoded_image_follows_the_detail_the_plan_assumes(gpu: bool) -> None:
+    """A 12 MP photo at detail="auto" on a CPU encoder is cut into at most 4 slices and so
+    JPEG-draft-decoded at half size; detail="high" (9 slices) decodes it whole. The plan counts
+    the photo its ``detail`` decodes on this machine, says which, and what "high" adds."""
+    hw = JETSON_ORIN_NANO if gpu else PI5_4GB
+    auto, high = plan_46(hw), plan_46(hw, detail="high")
+    low = plan_46(hw, detail="low")
+    full = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, planner.default_image_tokens(), memory.VisionShape())
+    assert high.estimate.images == full and high.high_detail_extra == 0
+    assert low.estimate.images < auto.estimate.images
+    if gpu:  # auto allows 9 slices on a GPU encoder: the whole photo, as high
+        assert auto.vision_on_gpu and auto.estimate.images == full and auto.high_detail_extra == 0
+    else:
+        assert auto.estimate.images < full / 2
+        assert auto.high_detail_extra == full - auto.estimate.images
+        assert high.predicted_bytes - auto.predicted_bytes == auto.high_detail_extra
+    assert auto.image_detail == "auto" and high.image_detail == "high"
+    assert "detail='auto'" in auto.table() and json.loads(json.dumps(auto.to_dict()))["image_detail"] == "auto"
+
+
 def test_table_lists_every_quant_aligned() -> None:
     plan = plan_26(PI5_8GB)
     lines = plan.table().splitlines()

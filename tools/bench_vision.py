@@ -63,6 +63,7 @@ def worker(args: argparse.Namespace) -> dict:
     import gguf_mcv
     from gguf_mcv.vision.embed_cache import EmbeddingCache
 
+    tree = _TreePeak()
     cache = EmbeddingCache()
     start = time.perf_counter()
     backend = args.worker.removesuffix("-bf16")
@@ -82,8 +83,44 @@ def worker(args: argparse.Namespace) -> dict:
         times.append(reply.timings.encode_ms)
     info = model.info
     model.close()
+    import resource  # the largest child's peak: the converting child's on a first run
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"backend": info.vision_backend, "reason": info.vision_backend_reason, "load_s": load_s,
-            "encode_ms": times, "median_ms": statistics.median(times), "peak_rss": _vmhwm()}
+            "encode_ms": times, "median_ms": statistics.median(times), "peak_rss": _vmhwm(),
+            "children_peak_rss": children, "tree_peak_rss": tree.stop()}
+
+
+class _TreePeak:
+    """The largest memory of this process and its children together (what a memory cgroup
+    counts), sampled every 20 ms: their PSS (a page two processes share counts half in each; a
+    forked child's RSS would count its parent's pages twice)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self.peak, self._done = 0, threading.Event()
+        me = psutil.Process()
+
+        def sample() -> None:
+            while not self._done.wait(0.02):
+                total = 0
+                for p in [me, *me.children(recursive=True)]:
+                    try:
+                        total += p.memory_full_info().pss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
 
 
 def run(name: str, args: argparse.Namespace, env: dict, embeddings: Path) -> dict:
@@ -103,7 +140,9 @@ def first_run(args: argparse.Namespace) -> None:
         manifest = next((Path(tmp) / "onnx").glob("*.json"))
         saved = json.loads(manifest.read_text())
     for name, r in runs.items():
-        print(f"{name}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB, load {r['load_s']:.1f} s, "
+        print(f"{name}: peak RSS {r['peak_rss'] / 2**20:.0f} MiB (largest child "
+              f"{r['children_peak_rss'] / 2**20:.0f} MiB, process and children together "
+              f"{r['tree_peak_rss'] / 2**20:.0f} MiB), load {r['load_s']:.1f} s, "
               f"{r['median_ms']:.0f} ms per slice {r['encode_ms']}; {r['reason']}")
     sizes = {name: size for name, (size, _) in saved["files"].items()}
     print(f"int8 vs fp32 cosine {saved['int8_cosine']:.5f}; files: " +

@@ -69,6 +69,7 @@ def answers(gen: str, files, jobs, backend: str, ggml: bool = True, **kw) -> lis
     real = onnx_vision.build_model
     # the plain graph for the "plain" row: the backend converts with ggml=True
     onnx_vision.build_model = lambda w, **k: real(w, **{**k, "ggml": ggml and k.get("ggml", False)})
+    onnx_vision.CONVERT_IN_CHILD = False  # a child would not see the patch
     try:
         with tempfile.TemporaryDirectory() as cache:
             os.environ["GGUF_MCV_CACHE"] = cache
@@ -76,6 +77,7 @@ def answers(gen: str, files, jobs, backend: str, ggml: bool = True, **kw) -> lis
                 return [str(model.ask("Describe.", rgb, max_tokens=16, temperature=0, detail=d)) for rgb, d in jobs]
     finally:
         onnx_vision.build_model = real
+        onnx_vision.CONVERT_IN_CHILD = True
 
 
 def time_graphs(ladder: Path, folder: Path, runs: int) -> None:

@@ -532,6 +532,7 @@ def estimate(
     cpu: str | None = None,
     tensors: Iterable[tuple[str, str, int]] | None = None,
     vision_backend: str = "llama.cpp",
+    image_slices: int | None = None,
 ) -> MemoryEstimate:
     """Predict the memory of ``gguf_mcv.load(...)`` followed by one image question.
 
@@ -544,7 +545,9 @@ def estimate(
     :data:`REPACKED_TYPES` (default: this machine); ``tensors`` the file's tensor list
     (name, type, bytes) when its header is at hand, for exact repacking. ``vision_backend``
     is who runs the encoder ("llama.cpp", "onnx-int8" or "onnx-fp32"; resolve "auto" first,
-    with :func:`gguf_mcv.vision.vision_backends.choose_backend`).
+    with :func:`gguf_mcv.vision.vision_backends.choose_backend`). ``image_slices``: the most slices
+    the question's photo is cut into (its detail's budget, :func:`gguf_mcv.planning.speed.slice_budget`),
+    which decides how large it is decoded (``images``); None: as many as ``image_tokens`` holds.
     """
     t, v = text, vision or VisionShape()
     check_vision_backend(vision_backend, resolved=True)
@@ -591,7 +594,7 @@ def estimate(
         vision_weights=_vision_weights(v, t.n_embd, mmproj_size, vision_backend, vision_on_gpu),
         vision_compute=(onnx_arena_bytes(v) if onnx else 0 if vision_on_gpu
                         else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision)),
-        images=image_bytes(image_pixels, image_tokens, v),
+        images=image_bytes(image_pixels, _decoded_tokens(image_tokens, image_slices, v), v),
         vocab=vocab_bytes(t),
         overhead=(RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (ORT_RUNTIME if onnx else 0)
                   + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0)),
@@ -602,6 +605,14 @@ def estimate(
         unified=unified_memory,
         vision_backend=vision_backend,
     )
+
+
+def _decoded_tokens(image_tokens: int, image_slices: int | None, v: VisionShape) -> int:
+    """The image tokens of the photo the ``images`` term decodes: ``image_tokens``, no more than
+    an overview and ``image_slices`` slices."""
+    if image_slices is None:
+        return image_tokens
+    return min(image_tokens, (max(0, image_slices) + 1) * v.query_tokens)
 
 
 def _vision_weights(v: VisionShape, text_width: int, mmproj_size: int, backend: str, on_gpu: bool) -> int:

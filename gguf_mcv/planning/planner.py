@@ -165,6 +165,10 @@ class Plan:
     fallback_bytes: int | None = None
     #: defaults the planner lowered so that the model fits (empty when none was needed)
     shrunk: tuple[Shrink, ...] = ()
+    #: the detail the ``images`` term assumes (``detail=``): a 12 MP photo decoded for that detail's slices
+    image_detail: str = "auto"
+    #: what a photo at detail="high" decodes beyond that (0 when the plan assumed it already)
+    high_detail_extra: int = 0
 
     def shrunk_note(self) -> str:
         """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
@@ -173,6 +177,15 @@ class Plan:
         asked = " / ".join(f"{s.setting}=" for s in self.shrunk)
         return (f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the "
                 f"defaults; pass {asked} to choose yourself).")
+
+    def images_note(self) -> str:
+        """One sentence on the photo the ``images`` term assumes (and what detail="high" adds)."""
+        note = (f"Images: a 12 MP photo asked about at detail={self.image_detail!r} "
+                f"({format_size(self.estimate.images)} decoded).")
+        if self.high_detail_extra > 0:
+            note += (f" detail='high' decodes {format_size(self.high_detail_extra)} more: plan with "
+                     "detail='high' if you ask for it.")
+        return note
 
     def table(self) -> str:
         """An aligned, readable table of the rows, with the budget above it."""
@@ -208,6 +221,7 @@ class Plan:
         elif self.vision is not None and self.vision.over_budget is not None:
             lines.append(f"int8 is kept even if its embeddings fail their check against fp32: "
                          f"{self.vision.over_budget} would not fit the budget.")
+        lines.append(self.images_note())
         lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
                      f"n_threads={self.n_threads}, {gpu}.")
         if self.speed is not None and self.rates is not None:
@@ -235,6 +249,7 @@ class Plan:
             "speed": self.speed.to_dict() if self.speed is not None else None,
             "rates": self.rates.to_dict() if self.rates is not None else None,
             "shrunk": [s.__dict__.copy() for s in self.shrunk],
+            "image_detail": self.image_detail, "high_detail_extra": self.high_detail_extra,
         }  # fmt: skip
 
 
@@ -351,7 +366,9 @@ def choose(
         best = _pick(evaluated, ctx, prefer)
         rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
-    return replace(plan, shrunk=shrunk)
+    high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
+    return replace(plan, shrunk=shrunk, image_detail=ctx.detail,
+                   high_detail_extra=max(0, high - plan.estimate.images) if ctx.detail != "high" else 0)
 
 
 def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
@@ -405,6 +422,8 @@ def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None
         vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
         unified_memory=setup.unified, cpu=memory.cpu_family(ctx.hardware.machine),
         vision_backend=setup.vision_backend,
+        # the photo decoded as ``detail`` cuts it on this encoder (auto: 4 slices on a CPU)
+        image_slices=speed.slice_budget(ctx.detail, vision_on_gpu=setup.vision_on_gpu),
     )
 
 

@@ -373,12 +373,18 @@ def encode_seconds(vision: VisionShape | None, text_width: int, rates: Rates, *,
 def photo_slices(detail: str = "auto", *, vision_on_gpu: bool = False,
                  size: tuple[int, int] = PHOTO_SIZE, slice_size: int = 448) -> int:
     """Encoder passes for a photo of ``size`` at ``detail``: the slices plus the overview."""
+    width, height = fit_slices(*size, slice_budget(detail, vision_on_gpu=vision_on_gpu), slice_size)
+    return 1 + count_slices(width, height, slice_size)
+
+
+def slice_budget(detail: str = "auto", *, vision_on_gpu: bool = False) -> int:
+    """The most slices (beside the overview) an image is cut into at ``detail``, as
+    :func:`gguf_mcv.vision.slicing.detail_size` cuts it: 0 low, 9 high, auto 4 on a CPU encoder
+    and 9 on a GPU."""
     if detail not in DETAILS:
         raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
-    budget = {"low": 0, "high": MAX_SLICES,
-              "auto": AUTO_MAX_SLICES_GPU if vision_on_gpu else AUTO_MAX_SLICES_CPU}[detail]
-    width, height = fit_slices(*size, budget, slice_size)
-    return 1 + count_slices(width, height, slice_size)
+    return {"low": 0, "high": MAX_SLICES,
+            "auto": AUTO_MAX_SLICES_GPU if vision_on_gpu else AUTO_MAX_SLICES_CPU}[detail]
 
 
 def predict(*, model_size: int, text: TextShape, quant: str | None, vision: VisionShape | None,

@@ -11,7 +11,8 @@ manifest with each file's size and SHA-256 and a digest of its own content is wr
 and checked on every load (the projector's numbers are read again from the mmproj), so a
 killed conversion, a damaged file or an edited manifest is rebuilt, never used. At conversion the int8
 graph's embeddings are compared with the fp32 graph's on the bundled example image and
-synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8.
+synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8. Both run in
+a child process (``gguf_mcv.vision.onnx_child``): the caller then loads the cached result.
 :class:`OnnxEncoder` runs one slice: libmtmd's preprocessing (``mtmd_preprocess``) and the
 position inputs for that slice's size.
 """
@@ -67,6 +68,9 @@ TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}(?:\.json\.part)?|(?P<old>.+
 STANDIN_TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}\.part")
 #: the bundled example photo (also the self-test's)
 EXAMPLE_IMAGE = Path(__file__).resolve().parent.parent / "assets" / "example.png"
+#: False: convert in this process (tools that patch the graph builder); True: in a child process
+#: (:mod:`gguf_mcv.vision.onnx_child`), so this process's peak is a cached load's
+CONVERT_IN_CHILD = True
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,11 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
     (``int8_cosine`` None); a later call that validates does so then and keeps the result.
 
     A damaged conversion (a file or the manifest changed, a folder or a symlink in a file's
-    place) is rebuilt with one warning; temporary files of killed conversions are removed."""
+    place) is rebuilt with one warning; temporary files of killed conversions are removed.
+
+    Converting and validating run in a child process (:mod:`gguf_mcv.vision.onnx_child`), so
+    this process peaks no higher than a later load from the cache; its errors are raised here
+    as they were, and a child killed by a signal (out of memory) is an EngineError, nothing cached."""
     version = onnxruntime_version()
     if version is None:
         raise ConfigError("onnxruntime is not installed: pip install onnxruntime onnx, or use "
@@ -133,10 +141,72 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
         if found is not None and (found.int8_cosine is not None or not validate_int8):
             return found
         if found is not None:
-            cosine = validate(found.fp32, found.int8, found.projector, progress=_step(progress, "validation"))
+            cosine = _in_child({"do": "validate", "mmproj": os.fspath(mmproj_path), "fp32": os.fspath(found.fp32),
+                                "int8": os.fspath(found.int8)}, progress)["int8_cosine"]
             _update_manifest(folder, stem, int8_cosine=cosine)
             return dataclasses.replace(found, int8_cosine=cosine)
-        return _convert(Path(mmproj_path), folder, stem, progress, validate_int8)
+        mmproj = Path(mmproj_path)
+        _check_disk(mmproj, folder)
+        if not CONVERT_IN_CHILD:
+            return _convert(mmproj, folder, stem, progress, validate_int8)
+        start = time.perf_counter()
+        try:
+            _in_child({"do": "convert", "mmproj": os.fspath(mmproj), "folder": os.fspath(folder), "stem": stem,
+                       "validate_int8": validate_int8}, progress)
+        finally:
+            sweep(folder, TEMP_NAME, stem)  # what a killed child left
+        # loaded as every later run loads it: the files hashed, the projector read from the mmproj
+        converted = _load_manifest(folder, stem, mmproj)
+        if converted is None:
+            raise EngineError(f"Converting {mmproj.name} for ONNX Runtime wrote no manifest in {folder}.")
+        return dataclasses.replace(converted, convert_s=time.perf_counter() - start)
+
+
+def _in_child(task: dict[str, Any], progress: Callable[[str, int, int], None] | None) -> dict[str, Any]:
+    """``task`` run by :mod:`gguf_mcv.vision.onnx_child` in a child process (this one never
+    imports ``onnx`` nor runs the fp32 graph's kernels: its peak stays a cached load's)."""
+    from . import onnx_child
+
+    if not CONVERT_IN_CHILD:
+        projector = Weights(Path(task["mmproj"])).projector()
+        return {"int8_cosine": validate(Path(task["fp32"]), Path(task["int8"]), projector,
+                                        progress=_step(progress, "validation"))}
+    return onnx_child.run(task, progress)
+
+
+def main() -> int:
+    """The converting child's entry point (:func:`gguf_mcv.vision.onnx_child.run` starts it)."""
+    from . import onnx_child
+
+    return onnx_child.child_main(_child_task)
+
+
+def _child_task(task: dict[str, Any]) -> dict[str, Any]:
+    """In the child: convert (``{"do": "convert", ...}``) or validate a cached conversion."""
+    from . import onnx_child
+
+    def progress(what: str, done: int, total: int) -> None:
+        onnx_child.say("progress", {"what": what, "done": done, "total": total})
+
+    mmproj = Path(task["mmproj"])
+    if task["do"] == "convert":
+        converted = _convert(mmproj, Path(task["folder"]), task["stem"], progress, bool(task["validate_int8"]),
+                             checkpoint=onnx_child.inject_fault)
+        return {"int8_cosine": converted.int8_cosine, "convert_s": converted.convert_s}
+    onnx_child.inject_fault()
+    cosine = validate(Path(task["fp32"]), Path(task["int8"]), Weights(mmproj).projector(),
+                      progress=_step(progress, "validation"))
+    return {"int8_cosine": cosine}
+
+
+def _check_disk(mmproj: Path, folder: Path) -> None:
+    need = DISK_FACTOR * mmproj.stat().st_size
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise NotEnoughDiskError(
+            f"Converting {mmproj.name} for ONNX Runtime needs about {format_size(need)} free in {folder} "
+            f"(the fp32 graph, a temporary copy and the int8 graph); {format_size(free)} is free. Free some "
+            f"space, point GGUF_MCV_CACHE elsewhere, or use vision_backend='llama.cpp'.")
 
 
 def known_int8_cosine(identity: str) -> float | None:
@@ -209,17 +279,13 @@ def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
                      int8_cosine=None if cosine is None else float(cosine), convert_s=0.0)
 
 
-def _convert(mmproj: Path, folder: Path, stem: str,
-             progress: Callable[[str, int, int], None] | None, validate_int8: bool = True) -> Converted:
+def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int, int], None] | None,
+             validate_int8: bool = True, *, checkpoint: Callable[[], None] | None = None) -> Converted:
+    """Convert and validate into ``folder`` (its lock held by the caller); ``checkpoint`` is
+    called once the graphs are written, before validating (the child's fault injection)."""
     import onnx
 
-    need = DISK_FACTOR * mmproj.stat().st_size
-    free = shutil.disk_usage(folder).free
-    if free < need:
-        raise NotEnoughDiskError(
-            f"Converting {mmproj.name} for ONNX Runtime needs about {format_size(need)} free in {folder} "
-            f"(the fp32 graph, a temporary copy and the int8 graph); {format_size(free)} is free. Free some "
-            f"space, point GGUF_MCV_CACHE elsewhere, or use vision_backend='llama.cpp'.")
+    _check_disk(mmproj, folder)
     start = time.perf_counter()
     weights = Weights(mmproj)
     projector = weights.projector()
@@ -241,6 +307,8 @@ def _convert(mmproj: Path, folder: Path, stem: str,
             del model
         del weights
         _trim_heap()
+        if checkpoint is not None:
+            checkpoint()
         cosine = (validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=_step(progress, "validation"))
                   if validate_int8 else None)
         files = {}
