@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import gguf_mcv
-from gguf_mcv.runtime import native_check
 from gguf_mcv.errors import NativeKernelError
+from gguf_mcv.runtime import native_check
 from gguf_mcv.runtime.llama_load import uses_extra_bufts
 from gguf_mcv.selftest import EXAMPLE_IMAGE
 from gguf_mcv.testing.synthetic import SyntheticModel
@@ -207,8 +206,8 @@ def test_the_chat_handler_refuses_a_llama_whose_kernels_crash(
 
 
 def test_the_speed_probe_runs_in_a_child_that_may_die(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv.runtime import speed_probe
     from gguf_mcv.errors import EngineError
+    from gguf_mcv.runtime import speed_probe
 
     _fault(monkeypatch, "speed-probe=SIGSEGV")
     with pytest.raises(EngineError, match="killed by SIGSEGV"):
@@ -227,12 +226,6 @@ def test_the_real_check_decides_and_the_load_answers(fresh: Path, tiny: Syntheti
     with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048) as model:
         assert uses_extra_bufts(model.engine.llama) == decision.extra_bufts
         assert model.ask("Describe it.", EXAMPLE_IMAGE, max_tokens=2, seed=1).usage.image_tokens > 0
-
-
-def test_signal_names_in_the_words_of_a_death() -> None:
-    assert native_check.death(-signal.SIGILL, ["", "Illegal instruction"]) == \
-        "killed by SIGILL (Illegal instruction)"
-    assert native_check.death(3) == "exited with status 3"
 
 
 def test_plan_and_selftest_lines_name_the_fallback(fresh: Path, monkeypatch: pytest.MonkeyPatch,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import native_verdict
+from ..children import child_command, child_env, death
 from ..errors import NativeKernelError
 from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
     CHECK_VERSION,
@@ -161,35 +162,6 @@ def run_paths(paths: list[str], timeout: float | None = None) -> dict[str, Outco
             _one_child(pending, Path(tmp), timeout, results)
             pending = [p for p in pending if p not in results]
     return results
-
-
-def child_env() -> dict[str, str]:
-    """This process's environment, with this copy of gguf_mcv first on the import path (a child
-    started with :func:`child_command` runs the same code as its parent)."""
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def child_command(module: str, *args: str) -> list[str]:
-    """The command that runs ``module``'s ``main()`` in a child Python (``-c``, not ``-m``:
-    ``-m`` would run a second copy of a module the package has already imported)."""
-    return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main())", *args]
-
-
-def death(returncode: int, stderr_tail: Iterable[str] = ()) -> str:
-    """How a child ended, in words: "killed by SIGILL (its last line)", "exited with status 3"."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        what = f"killed by {name}"
-    else:
-        what = f"exited with status {returncode}"
-    said = [line.strip() for line in stderr_tail if line.strip()]
-    return f"{what}" + (f" ({said[-1][:200]})" if said else "")
 
 
 def _unchecked(paths: list[str], results: dict[str, Outcome], why: str) -> None:

@@ -161,7 +161,7 @@ PROBE_TIMEOUT_S = 600.0
 def measure_in_child(threads: int, timeout: float = PROBE_TIMEOUT_S) -> Rates:
     """:func:`measure` in a child process: a native kernel that crashes or hangs while it is
     timed kills the child, never the caller (an :class:`EngineError` says how it ended)."""
-    from .native_check import child_command, child_env, death
+    from ..children import child_command, child_env, death
 
     command = child_command("gguf_mcv.runtime.speed_probe", str(threads))
     try:

@@ -41,6 +41,7 @@ from uvicorn import Config
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process
 
+from ..children import death
 from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
 from ..runtime import native_check
@@ -203,7 +204,7 @@ class Supervisor(Multiprocess):
     def _after(self, process: Process) -> None:
         """Start a worker again after ``process`` died, or stop the server."""
         code = process.exitcode if process.exitcode is not None else -signal.SIGKILL
-        how = native_check.death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
+        how = death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
         loaded = _marker(self.worker.run_dir, "loaded", process.pid).exists()
         if code == 0:
             log.info("The model worker [%s] stopped: stopping the server.", process.pid)

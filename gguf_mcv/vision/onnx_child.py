@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from .. import errors
+from ..children import child_command, child_env, death
 from ..errors import EngineError, GgufMcvError
 
 PROTOCOL = "gguf-mcv-onnx-child:"
@@ -41,10 +42,8 @@ def run(task: dict[str, Any], progress: Callable[[str, int, int], None] | None =
     """Run ``task`` (``{"do": "convert" | "validate", ...}``: ``onnx_vision._child_task``) in a child and
     return its result; ``progress`` is called with the child's progress as it comes. The child's
     own error is raised again here as the same class; a child killed or silent is an EngineError."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    command = [sys.executable, "-c", "import sys; from gguf_mcv.vision.onnx_vision import main; sys.exit(main())",
-               json.dumps(task)]
+    env = child_env()
+    command = child_command("gguf_mcv.vision.onnx_vision", json.dumps(task))
     what = f"Converting {Path(task['mmproj']).name} for ONNX Runtime"
     with tempfile.TemporaryFile() as stderr:
         try:
@@ -93,15 +92,10 @@ def _tail(stream: IO[bytes]) -> list[str]:
 
 
 def _death(code: int, tail: list[str]) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        what = f"was killed by {name}" + (" (the out-of-memory killer's signal)" if name == "SIGKILL" else "")
-    else:
-        what = f"exited with status {code}" if code else "ended without a result"
-    return what + (f" ({tail[-1][:200]})" if tail else "")
+    if code == 0:
+        return "ended without a result" + (f" ({tail[-1][:200]})" if tail else "")
+    oom = " (the out-of-memory killer's signal)" if code == -signal.SIGKILL else ""
+    return death(code) + oom + (f" ({tail[-1][:200]})" if tail else "")
 
 
 def _exception(name: str, message: str, what: str) -> BaseException:
