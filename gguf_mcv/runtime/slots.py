@@ -370,12 +370,13 @@ class Scheduler:
         from_store = usable_prefix(stored, units, self._can_rewind) if stored is not None else 0
         # kept before it is overwritten (the stretch a shift drops is dropped for good)
         cache.keep_in(self.store, n_positions(cache.units[:keep if match is None else sum(match)]))
-        if (min(from_store, limit) > max(keep, shared if self._can_rewind else 0)
-                and cache.restore_from(cast(StateStore, self.store), cast(KVState, stored), slot.n_ctx)):
+        from_the_store = min(from_store, limit) > max(keep, shared if self._can_rewind else 0)
+        if from_the_store and cache.restore_from(cast(StateStore, self.store), cast(KVState, stored), slot.n_ctx):
             self.restored_states += 1
             cache.truncate(min(from_store, limit))
         else:
-            keep, match = self._reusable(slot, job)  # a refused state may have emptied the sequence
+            if from_the_store:  # refused: the sequence may be empty now
+                keep, match = self._reusable(slot, job)
             if self._can_rewind and source is not None and min(shared, limit) > keep:
                 self.copied_positions += cache.copy_from(source.cache, min(shared, limit))
             else:
