@@ -131,3 +131,33 @@ def test_merger_indices_follow_libmtmd() -> None:
     # make_ds_idx(off_r, off_c, h/2, w/2, w) and the window-major order of clip.cpp, on a 4x4 grid
     assert merge_indices(4, 4).tolist() == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]]
     assert window_order(4, 4)[:8].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("gen", ["2.6", "4.6"])
+def test_int8_scope_blocks_keeps_the_projector_fp32(gen: str, tmp_path: Path) -> None:
+    # int8_scope="blocks" rebuilds the int8 graph of before issue 27 (tools/vision_fidelity.py --int8):
+    # only the tower blocks' MatMuls int8; "all" (the default, what the cache converts) every MatMul
+    mmproj = synthetic.write_mmproj(tmp_path / "mmproj.gguf", synthetic.PRESETS[gen])
+    weights = Weights(mmproj)
+    ops = {}
+    for scope in ("all", "blocks"):
+        model, _ = build_model(weights, fold=True, int8=True, int8_scope=scope)
+        ops[scope] = [(n.op_type, n.name) for n in model.graph.node
+                      if n.op_type in ("MatMul", "DynamicQuantizeMatMul")]
+        _save(onnx, model, tmp_path / f"int8-{scope}.onnx")
+    projector = [name for op, name in ops["all"] if not name.startswith("v.blk.")]
+    assert projector and all(op == "DynamicQuantizeMatMul" for op, _ in ops["all"])
+    blocks = {name for op, name in ops["blocks"] if op == "DynamicQuantizeMatMul"}
+    assert blocks == {name for _, name in ops["all"] if name.startswith("v.blk.")}
+    plain = [name for op, name in ops["blocks"] if op == "MatMul"]
+    assert plain and all(not name.startswith("v.blk.") for name in plain)
+    assert len(plain) >= len(projector)  # the resampler's query projection is in the graph again
+    fp32, _ = build_model(weights)
+    _save(onnx, fp32, tmp_path / "fp32.onnx")
+    rgb = np.random.default_rng(3).integers(0, 256, (300, 200, 3), dtype=np.uint8)
+    ref = OnnxEncoder(tmp_path / "fp32.onnx", weights.projector()).encode_rgb(rgb, 0)
+    for scope in ops:
+        got = OnnxEncoder(tmp_path / f"int8-{scope}.onnx", weights.projector()).encode_rgb(rgb, 0)
+        assert got.shape == ref.shape and token_cosines(ref, got).min() > 0.9, (gen, scope)
+    with pytest.raises(ValueError, match="int8_scope"):
+        build_model(weights, int8=True, int8_scope="merger")

@@ -37,6 +37,10 @@ EXTERNAL_ALIGN = 4096
 OUTLIER_FACTOR = 4.0
 #: MatMulNBits' block along the input when the tower's MatMuls are 4-bit (``block_bits=4``)
 INT4_BLOCK = 32
+#: what ``int8`` quantizes (``int8_scope``): "all", every MatMul with a weight (what the cache
+#: converts); "blocks", the tower blocks' only, the merger/resampler fp32 and unfolded (the int8
+#: graph before issue 27, rebuilt to measure against: tools/vision_fidelity.py --int8)
+INT8_SCOPES = ("all", "blocks")
 #: metadata key of the graph's stage boundaries (the tensors after the patch embedding, each
 #: block and 4.6's window merger, comma-separated): :func:`gguf_mcv.vision.onnx_vision.run_in_stages`
 #: runs the graph one stage at a time, holding one stage's weights
@@ -208,7 +212,7 @@ class _Builder:
     conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
     def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False,
-                 ggml: bool = False, block_bits: int = 8) -> None:
+                 ggml: bool = False, block_bits: int = 8, int8_scope: str = "all") -> None:
         from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
         self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
@@ -220,6 +224,11 @@ class _Builder:
         #: with ``int8``, 4: the tower blocks' MatMuls as 4-bit MatMulNBits instead (evaluated,
         #: not used by the cache: see docs/vision-encoders.md)
         self.block_bits = block_bits
+        if int8_scope not in INT8_SCOPES:
+            raise ValueError(f"int8_scope must be one of {INT8_SCOPES}, not {int8_scope!r}")
+        #: with ``int8``, "blocks": only the tower blocks' MatMuls int8 (evaluated, not used by
+        #: the cache: :data:`INT8_SCOPES`)
+        self.int8_scope = int8_scope
         self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
         self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
 
@@ -268,10 +277,15 @@ class _Builder:
                       rnd: str | None = None) -> str:
         if self.int8 and self.block_bits == 4 and hint.startswith("v.blk."):
             return self._int4_matmul(x, w_in_out, b, hint)
-        if self.int8:
+        if self.int8 and (self.projector_int8 or hint.startswith("v.blk.")):
             return self._int8_matmul(x, w_in_out, b, hint)
         y = self.op("MatMul", [self.rounded(x, rnd), self.const(hint + ".w", w_in_out)], hint + ".matmul")
         return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
+
+    @property
+    def projector_int8(self) -> bool:
+        """Whether the MatMuls after the tower blocks (4.6's mergers, the resampler) are int8."""
+        return self.int8 and self.int8_scope == "all"
 
     def _int8_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
         """ONNX Runtime's DynamicQuantizeMatMul (what its quantize_dynamic + graph fusion give for
@@ -356,7 +370,7 @@ def quantize_blocks4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggml: bool = False,
-                external: Path | None = None, block_bits: int = 8,
+                external: Path | None = None, block_bits: int = 8, int8_scope: str = "all",
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
     """The ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
     nodes. ``fold`` applies :func:`fold_outliers` to each LayerNorm that feeds MatMuls (the
@@ -367,11 +381,16 @@ def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggm
     with an F16/BF16 weight and before the patch convolution, Q/K/V to F16 for flash
     attention, GELU through its F16 table), so fp32 embeddings follow libmtmd's closely;
     ``external`` is the data file for the weights (the model must be saved beside it);
-    ``block_bits=4`` (with ``int8``) makes the tower blocks' MatMuls 4-bit MatMulNBits."""
+    ``block_bits=4`` (with ``int8``) makes the tower blocks' MatMuls 4-bit MatMulNBits;
+    ``int8_scope="blocks"`` (with ``int8``) quantizes the tower blocks only, as before issue 27:
+    the mergers' and resampler's MatMuls stay fp32, their LayerNorms unfolded, the resampler's
+    queries projected in the graph (an evaluation option, :data:`INT8_SCOPES`; the cache
+    converts with "all")."""
     if external is None:
-        return _build(weights, _Builder(int8=int8, ggml=ggml, block_bits=block_bits), fold, progress)
+        builder = _Builder(int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope)
+        return _build(weights, builder, fold, progress)
     with open(external, "wb") as f:
-        builder = _Builder(f, external.name, int8=int8, ggml=ggml, block_bits=block_bits)
+        builder = _Builder(f, external.name, int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope)
         return _build(weights, builder, fold, progress)
 
 
@@ -389,7 +408,7 @@ def _build(weights: Weights, g: _Builder, fold: bool,
         x = _block(g, weights, p, i, x, fold)
         stages.append(x)
         if i == p.merger_layer and p.n_merge == 4:
-            x = _window_merger(g, weights, p, x, fold)
+            x = _window_merger(g, weights, p, x, fold and g.int8_scope == "all")
             stages.append(x)
         if progress:
             progress(i + 2, total)
@@ -400,7 +419,7 @@ def _build(weights: Weights, g: _Builder, fold: bool,
         out = _resampler(g, weights, p, x)
         extra = [helper.make_tensor_value_info("rpos", TensorProto.FLOAT, ["N", p.n_out])]
     else:
-        out = _final_merger(g, weights, p, x, fold)
+        out = _final_merger(g, weights, p, x, fold and g.int8_scope == "all")
         extra = [helper.make_tensor_value_info("merge_idx", TensorProto.INT64, [4, "M"])]
         if p.n_merge == 4:
             extra += [helper.make_tensor_value_info(n, TensorProto.INT64, ["N"]) for n in ("win_idx", "inv_win_idx")]
@@ -478,7 +497,7 @@ def _resampler(g: _Builder, w: Weights, p: Projector, x: str) -> str:
     proj = {n: g.linear(src, w[f"{r}.attn.{n}.weight"], w[f"{r}.attn.{n}.bias"], f"rs.{n}",
                         w.rounding(f"{r}.attn.{n}.weight"))
             for n, src in (("k", k), ("v", v))}
-    if g.int8:  # the queries are constants: projected here in fp32, no weight kept for them
+    if g.projector_int8:  # the queries are constants: projected here in fp32, no weight kept for them
         q_in = layer_norm(w[f"{r}.query"], w[f"{r}.ln_q.weight"], w[f"{r}.ln_q.bias"], p.eps)
         q_out = q_in @ w[f"{r}.attn.q.weight"].T + w[f"{r}.attn.q.bias"]
         proj["q"] = g.const("rs.q", q_out[None].astype(np.float32))
