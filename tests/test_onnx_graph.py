@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import gguf_mcv
+from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
 from gguf_mcv.testing import synthetic
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.onnx_graph import (
     Weights,

@@ -16,6 +16,18 @@ attention and of onnx-fp32 with either graph, counted identical to libmtmd's def
 ``--runs`` times each after a warm-up: what rounding as ggml does costs.
 
     python tools/vision_fidelity.py --out /tmp/fidelity --time /tmp/bench-onnx --runs 3
+
+``--int8`` instead measures what int8 costs in answers (issue 27): each generation's model (the
+tiny presets, or ``--ladder FOLDER:GENERATION`` for a bench ladder's ``--quant`` and
+``mmproj-model-f16.gguf``) loaded once with the onnx-fp32 backend (a fresh cache folder under
+``--out``), then ``--images`` images (random noise, smooth colour fields, the example photo at
+random sizes; ``detail`` alternating low/high) answered greedily (temperature 0, 16 tokens) with
+the fp32 graph, the int8 graph of before issue 27 (``int8_scope="blocks"``: tower blocks only,
+merger/resampler fp32) and the int8 graph the cache converts now (every MatMul): answers identical
+to fp32's (exact text), and the worst per-token cosine against fp32 over every slice encoded.
+
+    python tools/vision_fidelity.py --out /tmp/agree --int8 --generations 2.6,4.6 --images 12
+    python tools/vision_fidelity.py --out /tmp/agree --int8 --ladder /tmp/ev/b26:2.6 --images 6
 """
 
 from __future__ import annotations
@@ -28,10 +40,11 @@ from pathlib import Path
 import numpy as np
 
 import gguf_mcv
-from gguf_mcv.vision import onnx_vision
+from gguf_mcv.models.identity import file_identity
 from gguf_mcv.testing import synthetic
+from gguf_mcv.vision import onnx_vision
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.vision.media import Image
+from gguf_mcv.vision.media import Image, load_image
 from gguf_mcv.vision.onnx_graph import Weights, build_model
 from gguf_mcv.vision.onnx_vision import OnnxEncoder, _save, token_cosines
 
@@ -107,6 +120,120 @@ def time_graphs(ladder: Path, folder: Path, runs: int) -> None:
               f"({', '.join(f'{x * 1000:.0f}' for x in t)})")
 
 
+class _Recording:
+    """An engine's vision encoder (:class:`onnx_vision.OnnxVision`) under a name of its own (so its
+    embeddings never share a cache key with another graph's) that keeps what it encoded."""
+
+    def __init__(self, inner, name: str, identity: str) -> None:
+        self.inner, self.name, self.key_tag = inner, name, f"{identity}+{name}"
+        self.seen: dict[tuple[str, int], np.ndarray] = {}
+
+    def encode(self, image: Image, index: int) -> np.ndarray:
+        out = self.inner.encode(image, index)
+        self.seen[(image.digest, index)] = out
+        return out
+
+
+def agreement_images(n: int, seed: int = 5) -> list[tuple[np.ndarray, str]]:
+    """``n`` (image, detail) jobs: random noise, smooth colour fields and the example photo in
+    turn, at random sizes (one slice to a grid), detail alternating low/high."""
+    rng = np.random.default_rng(seed)
+    photo = load_image(onnx_vision.EXAMPLE_IMAGE)
+    jobs = []
+    for i in range(n):
+        w, h = int(rng.integers(200, 1100)), int(rng.integers(200, 1100))
+        kind = i % 3
+        if kind == 0:
+            rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        elif kind == 1:
+            rgb = Image(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8), "smooth").resized_to(w, h).rgb
+        else:
+            rgb = photo.resized_to(w, h).rgb
+        jobs.append((rgb, "high" if (i // 3) % 2 == 0 else "low"))
+    return jobs
+
+
+def int8_agreement(name: str, text: Path, mmproj: Path, folder: Path, jobs, control: bool = False) -> dict:
+    """Greedy answers and embeddings of the fp32 graph, the int8 graph of before (tower blocks
+    only) and the int8 graph of now (every MatMul) on ``jobs``; what agrees with fp32. ``control``:
+    the fp32 graph answers once more at the end (under a key of its own): identical answers
+    show the comparison sees the encoder, not the order of the runs."""
+    import dataclasses
+    import time
+
+    import onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix="int8-") as tmp:
+        os.environ["GGUF_MCV_CACHE"] = str(Path(tmp) / "cache")
+        identity = file_identity(mmproj)
+        start = time.perf_counter()
+        converted = onnx_vision.prepare(mmproj, identity)  # the library's fp32 and int8 graphs
+        before = Path(tmp) / "int8-blocks.onnx"
+        model, _ = build_model(Weights(mmproj), fold=True, int8=True, ggml=False, int8_scope="blocks",
+                               external=before.with_name(before.name + ".data"))
+        onnx.save_model(model, str(before))
+        del model
+        print(f"{name}: graphs converted in {time.perf_counter() - start:.0f} s", flush=True)
+        answers: dict[str, list[str]] = {}
+        seen: dict[str, dict] = {}
+        with gguf_mcv.load(name, model_path=text, mmproj_path=mmproj, n_ctx=4096, vision_backend="onnx-fp32",
+                           embed_cache=EmbeddingCache(), n_threads=2) as m:
+            engine = m.engine
+            fp32 = engine.encoder  # what the onnx-fp32 backend loaded
+            variants = {"fp32": lambda: fp32,
+                        "int8-blocks": lambda: onnx_vision.OnnxVision(dataclasses.replace(converted, int8=before),
+                                                                      "int8", identity, n_threads=2),
+                        "int8": lambda: onnx_vision.OnnxVision(converted, "int8", identity, n_threads=2)}
+            if control:
+                variants["fp32-again"] = variants["fp32"]
+            for variant, make in variants.items():
+                start = time.perf_counter()
+                enc = _Recording(make(), f"onnx-{variant}", identity)
+                # what keys the embedding cache (and kept states): each graph's embeddings its own
+                engine.encoder, engine.mmproj_id, engine.vision_backend = enc, enc.key_tag, enc.name
+                answers[variant] = [str(m.ask("Describe.", rgb, max_tokens=16, temperature=0, detail=d))
+                                    for rgb, d in jobs]
+                seen[variant] = enc.seen
+                print(f"{name}: {variant} answered in {time.perf_counter() - start:.0f} s", flush=True)
+                del enc
+    ref = seen["fp32"]
+    result = {"images": len(jobs), "slices": len(ref)}
+    for variant in ("int8-blocks", "int8"):
+        result[variant] = sum(a == b for a, b in zip(answers["fp32"], answers[variant], strict=True))
+        result[variant + " cos"] = min(float(token_cosines(ref[k], v).min()) for k, v in seen[variant].items())
+    if control:
+        result["control"] = sum(a == b for a, b in zip(answers["fp32"], answers["fp32-again"], strict=True))
+    result["before == now"] = sum(a == b for a, b in zip(answers["int8-blocks"], answers["int8"], strict=True))
+    return result
+
+
+def run_int8(args) -> None:
+    runs = [(gen, None) for gen in args.generations.split(",")] if not args.ladder else \
+        [(spec.rsplit(":", 1)[1], Path(spec.rsplit(":", 1)[0])) for spec in args.ladder]
+    jobs = agreement_images(args.images)
+    rows = []
+    for gen, ladder in runs:
+        if ladder is None:
+            folder = Path(args.out) / gen
+            files = synthetic.build(folder, synthetic.PRESETS[gen], ["Q4_K_M"])
+            text, mmproj, label = files.quants["Q4_K_M"], files.mmproj, f"{gen} (tiny preset)"
+        else:
+            folder = Path(args.out) / ladder.name
+            text, mmproj = ladder / f"ggml-model-{args.quant}.gguf", ladder / "mmproj-model-f16.gguf"
+            label = f"{gen} ({ladder}, {args.quant})"
+        r = int8_agreement(NAMES[gen], text, mmproj, folder, jobs, args.control)
+        print(f"{label}: {r}", flush=True)
+        rows.append((label, r))
+    print("\n| preset | images (slices) | identical to fp32: int8 blocks only (before) | int8 every MatMul (now) "
+          "| before = now | worst per-token cosine vs fp32: before | now |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, r in rows:
+        print(f"| {label} | {r['images']} ({r['slices']}) | {r['int8-blocks']} | {r['int8']} | {r['before == now']} "
+              f"| {r['int8-blocks cos']:.5f} | {r['int8 cos']:.5f} |"
+              + (f" fp32 twice: {r['control']} identical" if "control" in r else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the tiny models and graphs")
@@ -114,7 +241,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--time", help="a bench ladder folder: time the two fp32 graphs instead")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--int8", action="store_true", help="greedy agreement of the int8 graphs (before/now) with fp32")
+    ap.add_argument("--images", type=int, default=12, help="--int8: images answered")
+    ap.add_argument("--ladder", action="append", help="--int8: FOLDER:GENERATION of a bench ladder (repeatable)")
+    ap.add_argument("--quant", default="Q4_0", help="--int8 --ladder: the text model's quant")
+    ap.add_argument("--control", action="store_true", help="--int8: the fp32 graph answers twice (a control)")
     args = ap.parse_args()
+    if args.int8:
+        run_int8(args)
+        return
     if args.time:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         time_graphs(Path(args.time), Path(args.out), args.runs)
