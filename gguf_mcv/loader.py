@@ -389,7 +389,7 @@ def _carry_out(vision: VisionSetup, options: LoadOptions, mmproj_path: str | os.
         return _libmtmd(options, mmproj_path, vision.unconverted(f"{type(exc).__name__}: {exc}"))
     if int8_runs:
         vision = vision.validated(converted.int8_cosine)
-    encoder = onnx_vision.OnnxVision(converted, vision.precision, identity, n_threads=n_threads)
+    encoder = onnx_vision.OnnxVision(converted, vision.precision, identity, n_threads=n_threads, packed=vision.packed)
     return vision.backend, vision.reason, encoder, onnx_vision.standin(mmproj_path, identity)
 
 

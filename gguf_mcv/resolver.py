@@ -251,7 +251,8 @@ def _plan_listing(model: str, listing: RepoFiles | None, entry: CatalogEntry | N
         arch = remote_text_header(listing, listing.model_file(smallest.quant)).shape
         vision = None  # MiniCPM-V's SigLIP-400M tower
     result = choose(candidates, arch=arch, vision=vision, mmproj_size=mmproj_size,
-                    mmproj_file=mmproj_file, hardware=hardware, **options)
+                    mmproj_file=mmproj_file, hardware=hardware, model=entry.name if entry is not None else "",
+                    **options)
     return replace(result, model=model, warnings=(*result.warnings, *notes))
 
 
@@ -267,7 +268,7 @@ def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
         for entry in load_catalog().entries():
             try:
                 result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
-                                mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
+                                mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file, model=entry.name,
                                 hardware=hardware, **{**options, "quant": None, **({} if shrink else defaults)})
             except NoQuantFitsError as exc:
                 if shrink:

@@ -244,3 +244,20 @@ def test_parallel_slots_that_do_not_fit_are_refused(tiny) -> None:
         load_tiny(tiny, parallel=3, ram_budget=budget)
     with load_tiny(tiny, parallel=2, ram_budget=budget) as model:
         assert model.info.parallel == 2
+
+
+def test_a_plan_with_mapped_vision_weights_is_carried_out_as_planned(tiny) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv.planning.planner import MAPPED_VISION
+
+    packed = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, kv_cache_type="q8_0",
+                        vision_backend="onnx-int8", ram_budget=10**12).predicted_bytes  # with a q8_0 KV cache, the planner's first shrink: one byte less needs the mapped weights
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, vision_backend="onnx-int8",
+                         ram_budget=packed - 1)
+    assert planned.vision is not None
+    assert planned.shrunk[-1] == MAPPED_VISION and planned.vision.packed is False
+    with load_tiny(tiny, vision_backend="onnx-int8", ram_budget=packed - 1, n_threads=2) as model:
+        assert model._engine.encoder.encoder.packed is False
+        assert model.ask("Look.", np.zeros((448, 448, 3), np.uint8), max_tokens=1).usage.completion_tokens == 1
+    with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, ram_budget=10**12) as model:
+        assert model._engine.encoder.encoder.packed is True
