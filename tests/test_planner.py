@@ -739,3 +739,13 @@ def test_a_model_is_not_suggested_as_a_smaller_model_for_itself() -> None:
     with pytest.raises(NoQuantFitsError) as info:
         plan_26(PI5_4GB)
     assert "a smaller model, e.g. minicpm-v-4.6" in str(info.value)
+
+
+def test_vision_weights_given_are_kept() -> None:
+    mapped = plan_46_catalog(PI4_2GB, ram_budget="8GB", vision_weights="mapped")
+    assert mapped.vision is not None and mapped.vision.packed is False and mapped.shrunk == ()
+    assert mapped.estimate.swapped > 0 and mapped.slots == 1
+    with pytest.raises(NoQuantFitsError):  # never mapped when packed was asked for
+        plan_46_catalog(PI4_2GB, vision_weights="packed")
+    with pytest.raises(ConfigError, match="vision_weights"):
+        plan_46_catalog(PI4_2GB, vision_weights="disk")

@@ -69,7 +69,7 @@ from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import Hardware
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
-from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend
+from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
 from ..units import format_size, parse_size
 from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
 from . import memory, speed
@@ -342,6 +342,7 @@ def choose(
     int8_cosine: float | None = None,
     must_fit: bool = False,
     model: str = "",
+    vision_weights: str | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
@@ -349,8 +350,9 @@ def choose(
     planner may shrink when nothing fits with them; given values are kept as they are.
     ``must_fit`` makes an explicit ``quant`` that does not fit raise
     :class:`~gguf_mcv.errors.NoQuantFitsError` instead of being planned with a warning.
-    ``model`` is the catalog name planned for, when there is one (it is then not suggested as a
-    smaller model when nothing fits).
+    ``vision_weights`` (``"packed"``/``"mapped"``) fixes where an ONNX encoder keeps its weights;
+    None lets the planner map them as its last shrink. ``model`` is the catalog name planned for,
+    when there is one (it is then not suggested as a smaller model when nothing fits).
 
     ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
     With ``rates`` (:func:`gguf_mcv.runtime.speed_probe.rates`) every row carries predicted
@@ -373,12 +375,13 @@ def choose(
     check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     ctx.vision_moves, ctx.int8_cosine, ctx.model = vision_moves, int8_cosine, model
+    ctx.vision_mapped = check_vision_weights(vision_weights) == "mapped"
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     want = _wanted(quant, cands)
     evaluated = _evaluate_all(cands, ctx)
     shrunk: tuple[Shrink, ...] = ()
     if not _any_fits(evaluated, ctx, want):
-        smaller = _shrink(cands, ctx, want, *may_shrink)
+        smaller = _shrink(cands, ctx, want, *may_shrink, may_map=vision_weights is None)
         if smaller is not None:
             ctx, evaluated, shrunk = smaller
     _predict_all(evaluated, ctx)
@@ -479,23 +482,26 @@ def _any_fits(evaluated: list[_Evaluated], ctx: _Context, want: str | None) -> b
 
 
 def _shrink(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool,
-            may_kv: bool) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
+            may_kv: bool, *, may_map: bool = True) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
     """The first smaller setup with which something fits (``want``, when asked for): a q8_0
     KV cache, then the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` (with that KV
     cache) at which any quant fits; then the same two with an ONNX encoder's weights read from
-    their mapped file (:data:`MAPPED_VISION`). None when the defaults may not change or nothing
-    helps."""
+    their mapped file (:data:`MAPPED_VISION`; unless ``may_map`` is False: ``vision_weights`` was
+    given). None when the defaults may not change or nothing helps."""
     kv = SHRUNK_KV if may_kv and ctx.kv_cache_type == "f16" else ctx.kv_cache_type
     base = replace(ctx, kv_cache_type=kv, cpu_only=False)
     mapped = replace(base, vision_mapped=True)
     tries = [base] if kv != ctx.kv_cache_type else []
-    tries += [*_ctx_to_fit(cands, base, want, may_ctx), mapped, *_ctx_to_fit(cands, mapped, want, may_ctx)]
+    tries += _ctx_to_fit(cands, base, want, may_ctx)
+    if may_map and not ctx.vision_mapped:
+        tries += [mapped, *_ctx_to_fit(cands, mapped, want, may_ctx)]
     for smaller in tries:
         evaluated = _evaluate_all(cands, smaller)
         if _any_fits(evaluated, smaller, want):
             shrunk = tuple(Shrink(name, getattr(ctx, name), getattr(smaller, name))
                            for name in ("n_ctx", "kv_cache_type") if getattr(ctx, name) != getattr(smaller, name))
-            if smaller.vision_mapped and any(s.vision is not None and not s.vision.packed for _, _, s in evaluated):
+            mapped_now = smaller.vision_mapped and not ctx.vision_mapped
+            if mapped_now and any(s.vision is not None and not s.vision.packed for _, _, s in evaluated):
                 shrunk += (MAPPED_VISION,)
             return smaller, evaluated, shrunk
     return None
