@@ -49,8 +49,8 @@ Rules, in order:
   their memory-mapped file instead of being packed into anonymous memory (:data:`MAPPED_VISION`,
   ``memory.estimate``'s ``vision_mapped``): the encoder's and the text model's weights are read
   in turn, so only the larger set counts; what the two together exceed the budget by is read from
-  disk again at every image, so among the quants that then fit the smallest is planned, one
-  parallel slot. Also said in the plan.
+  disk again at every image, so among the quants that then fit the one that would hold the least
+  (its need without the swap) is planned, with one parallel slot. Also said in the plan.
 * **Explicit quant**: honoured even when it does not fit (after shrinking the defaults as
   above); the plan then has ``fits=False`` and a warning instead of raising, since the caller
   asked for it -- unless ``must_fit`` (local files loaded by ``load()``), which raises.
@@ -389,7 +389,9 @@ def choose(
         plan = _forced(want, evaluated, ctx, mmproj_file, budget_note, must_fit=must_fit)
     else:
         best = _pick(evaluated, ctx, prefer)
-        rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
+        passed_over = ("not chosen: with mapped vision weights the quant that holds the least wins"
+                       if ctx.vision_mapped and prefer == "quality" else f"not chosen: prefer={prefer}")
+        rows = _rows(evaluated, best[0], ctx, passed_over)
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
     return replace(plan, shrunk=shrunk, image_detail=ctx.detail,
@@ -540,8 +542,11 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
         fitting = quantized
     if prefer == "quality" and not ctx.vision_mapped:
         return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
-    # mapped vision weights: what the two weight sets exceed the budget by is read from disk again
-    # at every image, so the smallest text model (the least of it) wins over a better quant
+    if prefer == "quality":
+        # mapped vision weights: what the process would hold with both weight sets (its need
+        # without the swap) beyond the budget is read from disk again at every image, so the
+        # quant that holds the least wins over a better one
+        return min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant)))
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
 
 
