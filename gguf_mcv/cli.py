@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from . import constants
 from .errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError
-from .options import DETAILS, KV_CACHE_TYPES, VISION_BACKENDS
+from .options import DETAILS, KV_CACHE_TYPES, VISION_BACKENDS, VISION_WEIGHTS
 from .units import format_size
 
 
@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="image detail the first-answer prediction assumes (default auto)")
     p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
                    help="the vision encoder whose memory the plan counts (default auto, as load)")
+    p.add_argument("--vision-weights", choices=VISION_WEIGHTS,
+                   help="where an ONNX encoder keeps its weights (default: packed, mapped from their file "
+                        "when nothing fits otherwise)")
     _speed_args(p)
     p.add_argument("--no-probe", action="store_true",
                    help="predict speed from default constants instead of measuring this machine once")
@@ -207,6 +210,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vision-gpu", action="store_true", help="run the vision encoder on the GPU")
     p.add_argument("--vision-backend", choices=VISION_BACKENDS, default="auto",
                    help="who runs the vision encoder (default auto: ONNX Runtime int8 on a CPU)")
+    p.add_argument("--vision-weights", choices=VISION_WEIGHTS,
+                   help="where an ONNX encoder keeps its weights: packed in memory, or read from their "
+                        "mapped file (slower; for small budgets). Default: packed unless nothing fits")
     p.add_argument("--kv", choices=KV_CACHE_TYPES,
                    help="KV cache type (default f16, q8_0 when nothing fits with f16)")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's logs")
@@ -280,11 +286,12 @@ def _plan(args: argparse.Namespace) -> int:
     local = _local_files(args)
     if local is not None:
         result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
-                            rates=rates, vision_backend=args.vision_backend, **limits)
+                            rates=rates, vision_backend=args.vision_backend, vision_weights=args.vision_weights,
+                            **limits)
     else:
         result = plan(args.model, ram_budget=args.ram, n_ctx=args.ctx, quant=args.quant,
                       kv_cache_type=args.kv, hardware=hw, rates=rates, vision_backend=args.vision_backend,
-                      **limits)
+                      vision_weights=args.vision_weights, **limits)
     kernels = _native_lines(result, local, args.vision_backend)
     if args.json:
         print(json.dumps({**result.to_dict(), "native_kernels": kernels}, indent=2))
@@ -619,6 +626,7 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     common: dict[str, Any] = dict(n_ctx=args.ctx, n_threads=args.threads, n_gpu_layers=gpu,
                                   vision_gpu=args.vision_gpu, kv_cache_type=args.kv,
                                   vision_backend=getattr(args, "vision_backend", "auto"), verbose=args.verbose,
+                                  vision_weights=getattr(args, "vision_weights", None),
                                   min_tokens_per_s=getattr(args, "min_tokens_per_s", None),
                                   max_first_answer_s=getattr(args, "max_first_answer_s", None))
     parallel = getattr(args, "parallel", "1")

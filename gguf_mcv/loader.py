@@ -61,6 +61,7 @@ def load(
     min_tokens_per_s: float | None = None,
     max_first_answer_s: float | None = None,
     parallel: int | str = 1,
+    vision_weights: str | None = None,
 ) -> Model:
     """Load a MiniCPM-V model and its vision projector; return a :class:`Model`.
 
@@ -96,12 +97,17 @@ def load(
     (:mod:`gguf_mcv.vision.mmproj_bf16`); ``model.info.vision_backend_reason`` says which.
     ``parallel=N`` answers up to N questions at once (N slots of ``n_ctx`` positions each in
     one llama.cpp context, decoded together: see :mod:`gguf_mcv.runtime.slots`); ``"auto"`` takes as
-    many as the memory budget holds (at most 8).
+    many as the memory budget holds (at most 8). ``vision_weights`` is where an ONNX encoder keeps
+    its weights: ``"packed"`` into anonymous memory (fastest), ``"mapped"`` read from their
+    memory-mapped file (int8 slices ~25 % slower; the kernel may drop them while the text model
+    answers and read them again for the next image), None (default): packed unless the plan maps
+    them as its last shrink to fit the budget (a logged warning says so).
     """
     options = LoadOptions(n_ctx=constants.DEFAULT_N_CTX if n_ctx is None else n_ctx, n_threads=n_threads,
                           n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu,
                           flash_attn=flash_attn, kv_cache_type=kv_cache_type or "f16",
-                          vision_backend=vision_backend, mmproj_precision=mmproj_precision, parallel=parallel)
+                          vision_backend=vision_backend, mmproj_precision=mmproj_precision, parallel=parallel,
+                          vision_weights=vision_weights)
     if kv_cache_type is None and flash_attn is False:
         kv_cache_type = "f16"  # a quantized KV cache needs flash attention: not the planner's to pick
     if options.wants_gpu and not _gpu_offload_supported():
@@ -126,7 +132,7 @@ def load(
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
                      kv_cache_type=kv_cache_type, revision=revision,
                      min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
-                     vision_backend=vision_backend)
+                     vision_backend=vision_backend, vision_weights=vision_weights)
         model_path, mmproj_path, quant_name, repo = files.model, files.mmproj, files.quant, files.repo
         entry, planned = files.entry, files.plan
         name = entry.display_name if entry is not None else (files.repo or str(model))
@@ -138,7 +144,7 @@ def load(
         planned = _plan_local_load(model_path, mmproj_path, options, ram_budget, n_ctx, kv_cache_type)
     if options.n_gpu_layers == "auto" and planned is None:
         planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
-                             kv_cache_type=kv_cache_type, vision_backend=vision_backend)
+                             kv_cache_type=kv_cache_type, vision_backend=vision_backend, vision_weights=vision_weights)
     if planned is not None:
         options = _planned_options(options, planned)
     options = _resolved(options, planned)
@@ -162,7 +168,8 @@ def _plan_local_load(model_path: str | os.PathLike, mmproj_path: str | os.PathLi
     if not auto:  # everything stays on the CPU: plan for that, whatever GPU the machine has
         hardware = replace(hardware, gpu_offload=False)
     return plan_local(model_path, mmproj_path, hardware=hardware, ram_budget=ram_budget, n_ctx=n_ctx,
-                      kv_cache_type=kv_cache_type, vision_backend=options.vision_backend, must_fit=True)
+                      kv_cache_type=kv_cache_type, vision_backend=options.vision_backend, must_fit=True,
+                      vision_weights=options.vision_weights)
 
 
 def _planned_options(options: LoadOptions, planned: Plan) -> LoadOptions:
@@ -194,6 +201,8 @@ def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
     if vision is None:
         vision = _decide_vision(options, mmproj_path, projector,
                                 fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
+    if not vision.packed:
+        return 1  # mapped encoder weights are counted on one sequence encoding, then answering
     backends = [vision.backend] + ([vision.fallback] if vision.fallback else [])
     needed = max(estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
                                 vision_backend=b, image_slices=_auto_slices(options)).needed for b in backends)
@@ -228,6 +237,8 @@ def _vision_and_kernels(model_path: str | os.PathLike, mmproj_path: str | os.Pat
     if vision is None or vision.vision_gpu != vision_gpu:
         vision = _decide_vision(options, mmproj_path, projector, text_types=text_types, what=os.fspath(model_path),
                                 fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
+        if vision.onnx and options.vision_weights is not None:
+            vision = replace(vision, packed=options.vision_weights == "packed")
     # the verdicts are known by now (kept): this asks no child process again
     kernels = native_check.decide(text_types, None if vision_gpu else vision.backend,
                                   vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
@@ -260,8 +271,10 @@ def _fits_budget(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, 
     """Whether the memory budget (as the plan takes it) holds these files with a given vision backend."""
     def fits(backend: str) -> bool:
         budget, _ = resolve_budget(probe(), ram_budget)
+        mapped = options.vision_weights == "mapped" and backend.startswith("onnx-")
         return estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                              vision_backend=backend, image_slices=_auto_slices(options)).needed <= budget
+                              vision_backend=backend, image_slices=_auto_slices(options),
+                              vision_mapped=mapped).needed <= budget
 
     return fits
 
@@ -389,7 +402,7 @@ def _carry_out(vision: VisionSetup, options: LoadOptions, mmproj_path: str | os.
         return _libmtmd(options, mmproj_path, vision.unconverted(f"{type(exc).__name__}: {exc}"))
     if int8_runs:
         vision = vision.validated(converted.int8_cosine)
-    encoder = onnx_vision.OnnxVision(converted, vision.precision, identity, n_threads=n_threads)
+    encoder = onnx_vision.OnnxVision(converted, vision.precision, identity, n_threads=n_threads, packed=vision.packed)
     return vision.backend, vision.reason, encoder, onnx_vision.standin(mmproj_path, identity)
 
 

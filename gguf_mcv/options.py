@@ -108,6 +108,19 @@ def check_vision_backend(value: Any, *, resolved: bool = False) -> str:
     return value
 
 
+#: Where an ONNX encoder keeps its weights (``vision_weights=``): packed into anonymous memory
+#: (fastest), or read from their memory-mapped file (the kernel may drop them while the text model
+#: answers: for small budgets). None leaves it to the planner (packed unless nothing fits otherwise).
+VISION_WEIGHTS = ("packed", "mapped")
+
+
+def check_vision_weights(value: Any) -> str | None:
+    """``value`` when it is None or one of :data:`VISION_WEIGHTS`; ConfigError otherwise."""
+    if value is not None and value not in VISION_WEIGHTS:
+        raise ConfigError(f"vision_weights must be one of {', '.join(VISION_WEIGHTS)} or None, not {value!r}.")
+    return value
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an int within [low, high]; ConfigError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -213,10 +226,12 @@ class LoadOptions:
     vision_backend: str = "auto"
     mmproj_precision: str = "auto"
     parallel: int | str = 1  #: answers at once (slots, each with n_ctx positions); "auto" from memory
+    vision_weights: str | None = None  #: see :data:`VISION_WEIGHTS`
 
     def __post_init__(self) -> None:
         check_int("n_ctx", self.n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
         check_parallel(self.parallel)
+        check_vision_weights(self.vision_weights)
         for name in ("n_threads", "n_threads_batch"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1, high=max_threads())

@@ -68,6 +68,7 @@ def plan(
     rates: Rates | None = None,
     speed_probe: bool | None = None,
     vision_backend: str = "auto",
+    vision_weights: str | None = None,
 ) -> Plan:
     """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
 
@@ -87,13 +88,15 @@ def plan(
     plan carries the vision setup ``load()`` carries out (``Plan.vision``: backend, precision,
     reason and int8's fallback, with the native check's verdict, run once per machine, applied)
     and the memory figures count its encoder (``"auto"``: ONNX Runtime int8 on a CPU where
-    onnxruntime imports).
+    onnxruntime imports). ``vision_weights`` is ``load()``'s too: ``"packed"`` or ``"mapped"``
+    fixes where an ONNX encoder keeps its weights; None lets the plan map them from their file
+    as its last shrink when nothing fits otherwise (``Plan.vision.packed``).
     """
     hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
-                                   rates=rates or machine_rates(hw, speed_probe),
+                                   rates=rates or machine_rates(hw, speed_probe), vision_weights=vision_weights,
                                    **vision_inputs(vision_backend))
     if model == "auto":
         return _plan_auto(**options)
@@ -185,6 +188,7 @@ def pull(
     min_tokens_per_s: float | None = None,
     max_first_answer_s: float | None = None,
     vision_backend: str = "auto",
+    vision_weights: str | None = None,
 ) -> ModelFiles:
     """Make sure a model file and its mmproj are in the HF cache; return their paths.
 
@@ -195,7 +199,8 @@ def pull(
     download bars (default: when stderr is a terminal). ``min_tokens_per_s`` and
     ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
     them, as in :func:`plan` (this machine is then probed once, see
-    :mod:`gguf_mcv.runtime.speed_probe`). ``vision_backend`` is ``load()``'s (the plan counts its memory).
+    :mod:`gguf_mcv.runtime.speed_probe`). ``vision_backend`` and ``vision_weights`` are ``load()``'s
+    (the plan counts their memory).
     ``n_ctx``/``kv_cache_type`` as in :func:`plan`: the returned ``plan`` holds what to load with.
     """
     planned = None
@@ -204,7 +209,7 @@ def pull(
     if model == "auto":
         planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
                        kv_cache_type=kv_cache_type, speed_probe=None if limited else False,
-                       vision_backend=vision_backend, **limits)
+                       vision_backend=vision_backend, vision_weights=vision_weights, **limits)
         model, quant = planned.model, planned.quant
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
@@ -212,7 +217,7 @@ def pull(
         hw = probe()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
-                                rates=machine_rates(hw) if limited else None,
+                                rates=machine_rates(hw) if limited else None, vision_weights=vision_weights,
                                 **vision_inputs(vision_backend), **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
@@ -251,7 +256,8 @@ def _plan_listing(model: str, listing: RepoFiles | None, entry: CatalogEntry | N
         arch = remote_text_header(listing, listing.model_file(smallest.quant)).shape
         vision = None  # MiniCPM-V's SigLIP-400M tower
     result = choose(candidates, arch=arch, vision=vision, mmproj_size=mmproj_size,
-                    mmproj_file=mmproj_file, hardware=hardware, **options)
+                    mmproj_file=mmproj_file, hardware=hardware, model=entry.name if entry is not None else "",
+                    **options)
     return replace(result, model=model, warnings=(*result.warnings, *notes))
 
 
@@ -262,12 +268,13 @@ def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
     # a model that fits with the default context and KV cache first; only then one that
     # fits once they are shrunk (a smaller model at full context beats a larger cramped one)
     defaults = {"n_ctx": options.get("n_ctx") or constants.DEFAULT_N_CTX,
-                "kv_cache_type": options.get("kv_cache_type") or "f16"}
+                "kv_cache_type": options.get("kv_cache_type") or "f16",
+                "vision_weights": options.get("vision_weights") or "packed"}
     for shrink in (False, True):
         for entry in load_catalog().entries():
             try:
                 result = choose(candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
-                                mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file,
+                                mmproj_size=entry.mmproj.size, mmproj_file=entry.mmproj.file, model=entry.name,
                                 hardware=hardware, **{**options, "quant": None, **({} if shrink else defaults)})
             except NoQuantFitsError as exc:
                 if shrink:

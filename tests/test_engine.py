@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.errors import ContextOverflowError
+from gguf_mcv.errors import ContextOverflowError, EngineError
 from gguf_mcv.options import Sampling
 from gguf_mcv.runtime.sequence import ImageUnit
 from gguf_mcv.vision.embed_cache import EmbeddingCache
@@ -38,6 +38,43 @@ def test_second_turn_evaluates_only_new_tokens(model) -> None:
     new_turn = second.usage.prompt_tokens - first.usage.prompt_tokens - first.usage.completion_tokens
     assert second.usage.cached_tokens >= first.usage.prompt_tokens
     assert second.usage.evaluated_tokens <= new_turn + 2  # +2: the answer's end marker retokenized
+
+
+def test_every_image_chunk_is_encoded_before_any_is_evaluated(model, monkeypatch) -> None:
+    # what memory.estimate's vision_mapped counts on: the encoder's and the text model's weights
+    # are read in turn, never together
+    engine = model.engine
+    seen: list[int] = []
+    real = engine._encode
+
+    def spy(*args, **kw):
+        seen.append(engine.sequence.n_past)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine, "_encode", spy)
+    reply = model.ask("Look.", picture(11, (1344, 1344)), max_tokens=1, detail="high")
+    assert len(seen) == reply.timings.slices_encoded == 10
+    assert len(set(seen)) == 1  # nothing was evaluated between two encodes
+
+
+def test_an_encoder_failure_on_a_later_slice_evaluates_nothing_of_the_prompt(model, monkeypatch) -> None:
+    engine = model.engine
+    model.ask("Warm up.", max_tokens=1)
+    before = engine.sequence.n_past
+    real, calls = engine._encode, []
+
+    def third_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise EngineError("the vision encoder failed (test)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine, "_encode", third_fails)
+    with pytest.raises(EngineError, match="test"):
+        model.ask("Look.", picture(12, (1344, 1344)), max_tokens=1, detail="high")
+    assert engine.sequence.n_past <= before  # no slice of the failed prompt reached the KV cache
+    monkeypatch.setattr(engine, "_encode", real)
+    assert model.ask("Look.", picture(12, (1344, 1344)), max_tokens=1, detail="high").usage.completion_tokens == 1
 
 
 def test_cached_image_in_new_conversation_skips_the_encoder(model) -> None:

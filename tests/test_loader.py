@@ -202,12 +202,14 @@ def kv_type(model) -> int:
 def test_local_files_that_cannot_fit_are_refused_with_the_ways_out(tiny) -> None:
     floor = local_plan(tiny, n_ctx=2048, kv_cache_type="q8_0").predicted_bytes
     with pytest.raises(NoQuantFitsError) as info:  # even the shrunk defaults do not fit
-        gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, ram_budget=floor - 1)
+        gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, ram_budget=floor - 1,
+                      vision_weights="packed")  # else the encoder's weights would be mapped to fit
     message = str(info.value)
     assert isinstance(info.value, MemoryError)
     assert "smaller quant" in message and "n_ctx=" in message and "ram_budget" in message
     with pytest.raises(NoQuantFitsError):
-        load_tiny(tiny, kv_cache_type="f16", ram_budget=local_plan(tiny, n_ctx=1024).predicted_bytes - 1)
+        load_tiny(tiny, kv_cache_type="f16", ram_budget=local_plan(tiny, n_ctx=1024).predicted_bytes - 1,
+                  vision_weights="packed")
     with load_tiny(tiny, ram_budget=local_plan(tiny, n_ctx=1024).predicted_bytes) as model:
         assert model.info.n_ctx == 1024 and kv_type(model) == llama_cpp.GGML_TYPE_F16
 
@@ -244,3 +246,29 @@ def test_parallel_slots_that_do_not_fit_are_refused(tiny) -> None:
         load_tiny(tiny, parallel=3, ram_budget=budget)
     with load_tiny(tiny, parallel=2, ram_budget=budget) as model:
         assert model.info.parallel == 2
+
+
+def test_a_plan_with_mapped_vision_weights_is_carried_out_as_planned(tiny) -> None:
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv.planning.planner import MAPPED_VISION
+
+    packed = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, kv_cache_type="q8_0",
+                        vision_backend="onnx-int8", ram_budget=10**12).predicted_bytes  # with a q8_0 KV cache, the planner's first shrink: one byte less needs the mapped weights
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, n_ctx=1024, vision_backend="onnx-int8",
+                         ram_budget=packed - 1)
+    assert planned.vision is not None
+    assert planned.shrunk[-1] == MAPPED_VISION and planned.vision.packed is False
+    with load_tiny(tiny, vision_backend="onnx-int8", ram_budget=packed - 1, n_threads=2) as model:
+        assert model._engine.encoder.encoder.packed is False
+        assert model.ask("Look.", np.zeros((448, 448, 3), np.uint8), max_tokens=1).usage.completion_tokens == 1
+    with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, ram_budget=10**12) as model:
+        assert model._engine.encoder.encoder.packed is True
+    with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, ram_budget=10**12, vision_weights="mapped") as model:
+        assert model._engine.encoder.encoder.packed is False  # asked for: mapped whatever the budget
+    with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, n_gpu_layers=0, vision_weights="mapped",
+                   parallel="auto") as model:
+        assert model.info.parallel == 1  # mapped weights are counted for one sequence at a time
+    with pytest.raises(NoQuantFitsError):
+        load_tiny(tiny, vision_backend="onnx-int8", ram_budget=packed - 1, vision_weights="packed")
+    with pytest.raises(ConfigError, match="vision_weights"):
+        load_tiny(tiny, vision_weights="disk")

@@ -277,6 +277,19 @@ def test_onnx_on_the_gpu_and_unknown_variants_are_refused() -> None:
         memory.onnx_weight_bytes(VisionShape(), 3584, MMPROJ_SIZE, "int4")
 
 
+def test_mapped_onnx_weights_swap_with_the_text_pages_read_while_answering() -> None:
+    for cpu in ("none", "x86-avx512"):  # without and with repacked copies of the layers
+        packed = est(vision_backend="onnx-int8", cpu=cpu, quant="Q4_0")
+        mapped = est(vision_backend="onnx-int8", cpu=cpu, quant="Q4_0", vision_mapped=True)
+        text_pages = packed.weights - packed.reclaimable  # what is read from the mapping per token
+        assert mapped.swapped == min(text_pages, packed.vision_weights) > 0
+        assert mapped.needed == packed.needed - mapped.swapped
+        assert mapped.total == packed.total  # with RAM to spare every page stays
+    assert est(vision_backend="onnx-int8").swapped == 0
+    with pytest.raises(ConfigError, match="ONNX"):
+        est(vision_mapped=True)  # libmtmd: nothing is mapped
+
+
 def _initializer_bytes(path) -> int:
     """What an ONNX file's initializers hold, from their shapes and types (external data not read)."""
     import onnx

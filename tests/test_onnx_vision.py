@@ -242,6 +242,36 @@ def test_a_slice_libmtmd_does_not_have_is_an_engine_error(converted) -> None:
         encoder.encode_rgb(picture(6, (300, 300)), 3)
 
 
+def test_unpacked_weights_stay_in_the_mapped_file_and_encode_the_same(converted) -> None:
+    rgb = picture(7, (448, 448))
+    data = f"{converted.int8}.data"
+
+    def resident_from_data() -> int:
+        """kB of the data file's mapping resident in this process (/proc/self/smaps)."""
+        total, inside = 0, False
+        with open("/proc/self/smaps", encoding="utf-8") as f:
+            for line in f:
+                if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                    inside = line.rstrip().endswith(data)
+                elif inside and line.startswith("Rss:"):
+                    total += int(line.split()[1])
+        return total
+
+    packed = onnx_vision.OnnxEncoder(converted.int8, converted.projector, n_threads=1)
+    want = packed.encode_rgb(rgb, 0)
+    from_file_packed = resident_from_data()  # the f32 rest: the quantized weights were copied and packed
+    del packed
+    unpacked = onnx_vision.OnnxEncoder(converted.int8, converted.projector, n_threads=1, packed=False)
+    np.testing.assert_allclose(unpacked.encode_rgb(rgb, 0), want, rtol=1e-5, atol=1e-5)
+    import onnx
+
+    graph = onnx.load(str(converted.int8), load_external_data=False).graph
+    int8_kb = sum(int(dict((e.key, e.value) for e in t.external_data)["length"]) for t in graph.initializer
+                  if t.data_type == onnx.TensorProto.INT8 and t.external_data) // 1024
+    # without packing the quantized weights are read from the file's pages too
+    assert not unpacked.packed and resident_from_data() - from_file_packed >= 0.9 * int8_kb > 0
+
+
 def test_a_garbage_onnx_file_is_an_engine_error(converted, tmp_path: Path) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07garbage" * 10)

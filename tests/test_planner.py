@@ -687,3 +687,65 @@ def test_an_asked_quant_is_shrunk_too_and_must_fit_refuses_with_the_ways_out() -
     message = str(info.value)
     assert "Q8_0" in message and "smaller quant" in message and "ram_budget" in message
     assert "kv_cache_type='q8_0'" in message
+
+
+# --- a 2 GB board: the encoder's weights read from their mapped file --------------------
+
+#: A headless 2 GB Raspberry Pi 4: about 1.7 GB available, a 1.4 GB budget after the reserve.
+PI4_2GB = machine(2 * GB, int(1.7 * GB), board="Raspberry Pi 4 Model B Rev 1.5", board_kind="raspberry-pi")
+
+
+def plan_46_catalog(hw: Hardware, **kw) -> planner.Plan:
+    """minicpm-v-4.6 from the catalog, where onnxruntime imports (the int8 encoder may run)."""
+    from gguf_mcv.models.catalog import lookup
+
+    entry = lookup("minicpm-v-4.6")
+    assert entry is not None
+    return choose(planner.candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                  mmproj_size=entry.mmproj.size, hardware=hw, onnxruntime="1.32.0", model=entry.name, **kw)
+
+
+def test_a_2gb_board_runs_minicpm_v_46_with_the_int8_encoder_reading_a_mapped_file() -> None:
+    plan = plan_46_catalog(PI4_2GB)
+    assert plan.budget == 1_400_000_000
+    assert plan.quant == "Q4_0" and plan.n_ctx >= planner.MIN_SHRUNK_CTX and plan.kv_cache_type == "q8_0"
+    assert plan.vision is not None and plan.vision.backend == "onnx-int8" and plan.vision.packed is False
+    assert plan.shrunk[-1] == planner.MAPPED_VISION and plan.slots == 1
+    e = plan.estimate
+    # the text pages a Pi reads (token_embd: the layers are repacked into anonymous copies) swap
+    # with the encoder's: without that the same setup would not fit
+    assert 0 < e.swapped == min(e.weights - e.reclaimable, e.vision_weights)
+    assert e.needed == plan.predicted_bytes <= plan.budget < e.needed + e.swapped
+    assert "mapped file" in plan.table()
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["vision"]["packed"] is False and d["estimate"]["swapped"] == e.swapped
+    assert d["shrunk"][-1] == {"setting": "vision_weights", "default": "packed", "planned": "mapped"}
+
+
+def test_mapped_vision_weights_are_the_last_shrink_and_only_for_an_onnx_encoder() -> None:
+    roomy = plan_46_catalog(PI4_2GB, ram_budget="1.7GB")
+    assert roomy.vision is not None and roomy.vision.packed and planner.MAPPED_VISION not in roomy.shrunk
+    assert roomy.estimate.swapped == 0 and roomy.slots >= 1
+    with pytest.raises(NoQuantFitsError):  # libmtmd reads the mmproj into its own buffers: nothing maps
+        plan_46_catalog(PI4_2GB, vision_backend="llama.cpp")
+    with pytest.raises(NoQuantFitsError):
+        plan_46_catalog(PI4_2GB, ram_budget="1.0GB")
+
+
+def test_a_model_is_not_suggested_as_a_smaller_model_for_itself() -> None:
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_46_catalog(PI4_2GB, ram_budget="1.0GB")
+    assert "a smaller model, e.g. minicpm-v-4.6" not in str(info.value)
+    with pytest.raises(NoQuantFitsError) as info:
+        plan_26(PI5_4GB)
+    assert "a smaller model, e.g. minicpm-v-4.6" in str(info.value)
+
+
+def test_vision_weights_given_are_kept() -> None:
+    mapped = plan_46_catalog(PI4_2GB, ram_budget="8GB", vision_weights="mapped")
+    assert mapped.vision is not None and mapped.vision.packed is False and mapped.shrunk == ()
+    assert mapped.estimate.swapped > 0 and mapped.slots == 1
+    with pytest.raises(NoQuantFitsError):  # never mapped when packed was asked for
+        plan_46_catalog(PI4_2GB, vision_weights="packed")
+    with pytest.raises(ConfigError, match="vision_weights"):
+        plan_46_catalog(PI4_2GB, vision_weights="disk")

@@ -41,7 +41,8 @@ def test_load_picks_the_quant_the_plan_predicts_around_each_step(hub, tiny) -> N
         assert model.info.quant == expected.quant
         assert model.ask("?", max_tokens=1).usage.completion_tokens == 1
     with pytest.raises(gguf_mcv.NoQuantFitsError, match="budget"):
-        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024, kv_cache_type="f16")
+        gguf_mcv.load(_REPO, ram_budget=min(needs.values()) - 1, n_ctx=1024, kv_cache_type="f16",
+                      vision_weights="packed")
 
 
 def test_plan_for_a_repo_the_catalog_does_not_know_reads_the_header(hub, tiny) -> None:

@@ -222,6 +222,10 @@ class MemoryEstimate:
     #: who runs the vision encoder: ``vision_weights``/``vision_compute`` are libmtmd's for
     #: "llama.cpp", ONNX Runtime's weights and arena for "onnx-int8"/"onnx-fp32"
     vision_backend: str = "llama.cpp"
+    #: ONNX weights read from their memory-mapped file instead of packed into anonymous memory
+    #: (``vision_mapped``): the encoder's and the text model's weights are then file pages that are
+    #: never read at the same time, so this much of them (the smaller set) is never needed at once
+    swapped: int = 0
 
     @property
     def runtime(self) -> int:
@@ -237,8 +241,9 @@ class MemoryEstimate:
     @property
     def needed(self) -> int:
         """RAM the process needs: ``total`` less reclaimable pages, plus a long prompt's
-        compute, plus the GPU's allocations when they come out of the same RAM."""
-        ram = self.runtime - self.reclaimable + self.long_prompt
+        compute, less what mapped vision weights and the text weights never need at once
+        (``swapped``), plus the GPU's allocations when they come out of the same RAM."""
+        ram = self.runtime - self.reclaimable + self.long_prompt - self.swapped
         if self.unified and self.gpu is not None:
             ram += self.gpu.total
         return ram
@@ -533,6 +538,7 @@ def estimate(
     tensors: Iterable[tuple[str, str, int]] | None = None,
     vision_backend: str = "llama.cpp",
     image_slices: int | None = None,
+    vision_mapped: bool = False,
 ) -> MemoryEstimate:
     """Predict the memory of ``gguf_mcv.load(...)`` followed by one image question.
 
@@ -548,10 +554,16 @@ def estimate(
     with :func:`gguf_mcv.vision.vision_backends.choose_backend`). ``image_slices``: the most slices
     the question's photo is cut into (its detail's budget, :func:`gguf_mcv.planning.speed.slice_budget`),
     which decides how large it is decoded (``images``); None: as many as ``image_tokens`` holds.
+    ``vision_mapped``: an ONNX encoder whose weights stay in their mapped file (not packed): the
+    encoder's file pages and the text model's are needed in turn, never together (the engine
+    encodes a prompt's images before it evaluates any of them), so ``needed`` counts only the
+    larger of the two sets (``swapped``); ``total`` is unchanged (with RAM to spare both stay).
     """
     t, v = text, vision or VisionShape()
     check_vision_backend(vision_backend, resolved=True)
     onnx = vision_backend != "llama.cpp"
+    if vision_mapped and not onnx:
+        raise ConfigError("vision_mapped needs an ONNX vision backend: libmtmd reads the mmproj into its own buffers.")
     if onnx and vision_on_gpu:
         raise ConfigError(f"vision_backend={vision_backend!r} runs the encoder on the CPU; "
                           "it cannot be combined with vision_on_gpu.")
@@ -583,6 +595,8 @@ def estimate(
     # A long text prompt: a full ubatch against a full cache (still 1 output row: the
     # engine asks logits for the last token only; the 512-row reserve stays untouched).
     worst = text_compute_bytes(t, n_ubatch, _pad(n_ctx, 256), flash_attn=fa_text)
+    vision_weights = _vision_weights(v, t.n_embd, mmproj_size, vision_backend, vision_on_gpu)
+    reclaimable = repacked + offloaded
     return MemoryEstimate(
         # MAP_POPULATE faults the whole file in at load (llama-mmap.cpp), token_embd rows
         # never used included; llama.cpp then unmaps only the header and the ranges
@@ -591,19 +605,22 @@ def estimate(
         repacked=repacked,
         kv_cache=kv_cache_bytes(t, n_ctx, kv_cache_type, t.kv_layers - gpu_kv_layers),
         compute=compute,
-        vision_weights=_vision_weights(v, t.n_embd, mmproj_size, vision_backend, vision_on_gpu),
+        vision_weights=vision_weights,
         vision_compute=(onnx_arena_bytes(v) if onnx else 0 if vision_on_gpu
                         else vision_compute_bytes(v, t.n_embd, flash_attn=fa_vision)),
         images=image_bytes(image_pixels, _decoded_tokens(image_tokens, image_slices, v), v),
         vocab=vocab_bytes(t),
         overhead=(RUNTIME_BASE + graph_meta_bytes(t, n_ubatch) + (ORT_RUNTIME if onnx else 0)
                   + (CUDA_HOST_OVERHEAD if gpu_backend == "cuda" else 0)),
-        reclaimable=repacked + offloaded,
+        reclaimable=reclaimable,
         long_prompt=max(0, worst - compute),
         gpu=gpu,
         recurrent=recurrent_bytes(t, on_cpu=1 - gpu_layers / max(1, t.n_layers)),
         unified=unified_memory,
         vision_backend=vision_backend,
+        # the text pages read while answering (not the repacked/offloaded originals) against the
+        # encoder's: whichever is smaller can be dropped while the other set is read
+        swapped=min(max(0, model_size - reclaimable), vision_weights) if vision_mapped else 0,
     )
 
 

@@ -45,6 +45,12 @@ Rules, in order:
   (half the bytes, a quality loss far below one quant step), then the largest ``n_ctx`` of at
   least :data:`MIN_SHRUNK_CTX` with which some quant fits, and plans that; the plan says so
   (:attr:`Plan.shrunk`, its table and ``--json``). A value the caller gave is never changed.
+* **Mapped vision weights**: when nothing fits even then, an ONNX encoder's weights stay in
+  their memory-mapped file instead of being packed into anonymous memory (:data:`MAPPED_VISION`,
+  ``memory.estimate``'s ``vision_mapped``): the encoder's and the text model's weights are read
+  in turn, so only the larger set counts; what the two together exceed the budget by is read from
+  disk again at every image, so among the quants that then fit the one that would hold the least
+  (its need without the swap) is planned, with one parallel slot. Also said in the plan.
 * **Explicit quant**: honoured even when it does not fit (after shrinking the defaults as
   above); the plan then has ``fits=False`` and a warning instead of raising, since the caller
   asked for it -- unless ``must_fit`` (local files loaded by ``load()``), which raises.
@@ -63,7 +69,7 @@ from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import Hardware
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
-from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend
+from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
 from ..units import format_size, parse_size
 from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
 from . import memory, speed
@@ -124,12 +130,18 @@ class PlanRow:
 class Shrink:
     """A default the planner lowered because nothing fitted with it."""
 
-    setting: str  #: "n_ctx" or "kv_cache_type"
+    setting: str  #: "n_ctx", "kv_cache_type" or "vision_weights"
     default: int | str
     planned: int | str
 
     def __str__(self) -> str:
         return f"{self.setting} {self.default} -> {self.planned}"
+
+
+#: The last shrink: the ONNX encoder's weights stay in their memory-mapped file instead of being
+#: packed into anonymous memory (int8 slices ~25 % slower; under memory pressure the kernel drops
+#: the encoder's pages while the text model answers and reads them again for the next image).
+MAPPED_VISION = Shrink("vision_weights", "packed", "mapped")
 
 
 @dataclass(frozen=True)
@@ -174,9 +186,13 @@ class Plan:
         """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
         if not self.shrunk:
             return ""
-        asked = " / ".join(f"{s.setting}=" for s in self.shrunk)
-        return (f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the "
-                f"defaults; pass {asked} to choose yourself).")
+        asked = " / ".join(f"{s.setting}=" for s in self.shrunk if s != MAPPED_VISION)
+        note = f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the defaults"
+        note += f"; pass {asked} to choose yourself)." if asked else ")."
+        if MAPPED_VISION in self.shrunk:
+            note += (" The vision encoder reads its weights from their mapped file: slices take ~25 % longer, "
+                     "and under memory pressure each new image reads them from disk again.")
+        return note
 
     def images_note(self) -> str:
         """One sentence on the photo the ``images`` term assumes (and what detail="high" adds)."""
@@ -293,6 +309,9 @@ class _Context:
     onnxruntime: str | None = None  #: onnxruntime's version where it imports, else None
     vision_moves: Callable[[str], str] | None = None  #: the native check's replacement for a backend
     int8_cosine: float | None = None  #: int8 vs fp32, from a cached conversion
+    #: ONNX weights read from their mapped file, not packed (the last shrink: see ``memory.estimate``)
+    vision_mapped: bool = False
+    model: str = ""  #: the catalog name planned for ("" if unknown): not suggested as a smaller model
 
     @property
     def limited(self) -> bool:
@@ -322,6 +341,8 @@ def choose(
     vision_moves: Callable[[str], str] | None = None,
     int8_cosine: float | None = None,
     must_fit: bool = False,
+    model: str = "",
+    vision_weights: str | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
 
@@ -329,6 +350,9 @@ def choose(
     planner may shrink when nothing fits with them; given values are kept as they are.
     ``must_fit`` makes an explicit ``quant`` that does not fit raise
     :class:`~gguf_mcv.errors.NoQuantFitsError` instead of being planned with a warning.
+    ``vision_weights`` (``"packed"``/``"mapped"``) fixes where an ONNX encoder keeps its weights;
+    None lets the planner map them as its last shrink. ``model`` is the catalog name planned for,
+    when there is one (it is then not suggested as a smaller model when nothing fits).
 
     ``arch`` is the text model's shape, ``vision`` the tower's (default SigLIP-400M).
     With ``rates`` (:func:`gguf_mcv.runtime.speed_probe.rates`) every row carries predicted
@@ -350,13 +374,14 @@ def choose(
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type or "f16", image_tokens, budget)
     check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
-    ctx.vision_moves, ctx.int8_cosine = vision_moves, int8_cosine
+    ctx.vision_moves, ctx.int8_cosine, ctx.model = vision_moves, int8_cosine, model
+    ctx.vision_mapped = check_vision_weights(vision_weights) == "mapped"
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     want = _wanted(quant, cands)
     evaluated = _evaluate_all(cands, ctx)
     shrunk: tuple[Shrink, ...] = ()
     if not _any_fits(evaluated, ctx, want):
-        smaller = _shrink(cands, ctx, want, *may_shrink)
+        smaller = _shrink(cands, ctx, want, *may_shrink, may_map=vision_weights is None)
         if smaller is not None:
             ctx, evaluated, shrunk = smaller
     _predict_all(evaluated, ctx)
@@ -364,7 +389,9 @@ def choose(
         plan = _forced(want, evaluated, ctx, mmproj_file, budget_note, must_fit=must_fit)
     else:
         best = _pick(evaluated, ctx, prefer)
-        rows = _rows(evaluated, best[0], ctx, f"not chosen: prefer={prefer}")
+        passed_over = ("not chosen: with mapped vision weights the quant that holds the least wins"
+                       if ctx.vision_mapped and prefer == "quality" else f"not chosen: prefer={prefer}")
+        rows = _rows(evaluated, best[0], ctx, passed_over)
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
     return replace(plan, shrunk=shrunk, image_detail=ctx.detail,
@@ -424,6 +451,7 @@ def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None
         vision_backend=setup.vision_backend,
         # the photo decoded as ``detail`` cuts it on this encoder (auto: 4 slices on a CPU)
         image_slices=speed.slice_budget(ctx.detail, vision_on_gpu=setup.vision_on_gpu),
+        vision_mapped=ctx.vision_mapped and setup.vision_backend.startswith("onnx-"),
     )
 
 
@@ -456,26 +484,40 @@ def _any_fits(evaluated: list[_Evaluated], ctx: _Context, want: str | None) -> b
 
 
 def _shrink(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool,
-            may_kv: bool) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
+            may_kv: bool, *, may_map: bool = True) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
     """The first smaller setup with which something fits (``want``, when asked for): a q8_0
     KV cache, then the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` (with that KV
-    cache) at which any quant fits. None when the defaults may not change or nothing helps."""
+    cache) at which any quant fits; then the same two with an ONNX encoder's weights read from
+    their mapped file (:data:`MAPPED_VISION`; unless ``may_map`` is False: ``vision_weights`` was
+    given). None when the defaults may not change or nothing helps."""
     kv = SHRUNK_KV if may_kv and ctx.kv_cache_type == "f16" else ctx.kv_cache_type
-    tries = [replace(ctx, kv_cache_type=kv, cpu_only=False)] if kv != ctx.kv_cache_type else []
-    if may_ctx and ctx.n_ctx > MIN_SHRUNK_CTX:
-        base = replace(ctx, kv_cache_type=kv, cpu_only=False)
-        sizes = [_largest_fitting_ctx(c, base, s, floor=MIN_SHRUNK_CTX)
-                 for c, _, s in _evaluate_all(cands, base) if want is None or c.quant == want]
-        n = max((x for x in sizes if x is not None), default=None)
-        if n is not None:
-            tries.append(replace(base, n_ctx=n, cpu_only=False))
+    base = replace(ctx, kv_cache_type=kv, cpu_only=False)
+    mapped = replace(base, vision_mapped=True)
+    tries = [base] if kv != ctx.kv_cache_type else []
+    tries += _ctx_to_fit(cands, base, want, may_ctx)
+    if may_map and not ctx.vision_mapped:
+        tries += [mapped, *_ctx_to_fit(cands, mapped, want, may_ctx)]
     for smaller in tries:
         evaluated = _evaluate_all(cands, smaller)
         if _any_fits(evaluated, smaller, want):
             shrunk = tuple(Shrink(name, getattr(ctx, name), getattr(smaller, name))
                            for name in ("n_ctx", "kv_cache_type") if getattr(ctx, name) != getattr(smaller, name))
+            mapped_now = smaller.vision_mapped and not ctx.vision_mapped
+            if mapped_now and any(s.vision is not None and not s.vision.packed for _, _, s in evaluated):
+                shrunk += (MAPPED_VISION,)
             return smaller, evaluated, shrunk
     return None
+
+
+def _ctx_to_fit(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool) -> list[_Context]:
+    """``ctx`` with the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` at which some quant
+    (``want``, when asked for) fits; empty when n_ctx may not change or none does."""
+    if not may_ctx or ctx.n_ctx <= MIN_SHRUNK_CTX:
+        return []
+    sizes = [_largest_fitting_ctx(c, ctx, s, floor=MIN_SHRUNK_CTX)
+             for c, _, s in _evaluate_all(cands, ctx) if want is None or c.quant == want]
+    n = max((x for x in sizes if x is not None), default=None)
+    return [replace(ctx, n_ctx=n, cpu_only=False)] if n is not None else []
 
 
 def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated:
@@ -498,8 +540,13 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
         # F16/BF16/F32 double the bytes read per token for no visible gain over Q8_0: they
         # are planned only when asked for, or when a repo offers nothing else
         fitting = quantized
-    if prefer == "quality":
+    if prefer == "quality" and not ctx.vision_mapped:
         return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
+    if prefer == "quality":
+        # mapped vision weights: what the process would hold with both weight sets (its need
+        # without the swap) beyond the budget is read from disk again at every image, so the
+        # quant that holds the least wins over a better one
+        return min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant)))
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
 
 
@@ -508,6 +555,8 @@ def _with_vision_backend(s: _Setup, c: QuantCandidate, ctx: _Context) -> _Setup:
     vision = choose_setup(ctx.vision_request, vision_gpu=s.vision_on_gpu, projector_type=ctx.vision.projector,
                           ort_version=ctx.onnxruntime, runs_instead=ctx.vision_moves, int8_cosine=ctx.int8_cosine,
                           fallback_fits=lambda b: _estimate(c, ctx, replace(s, vision_backend=b)).needed <= ctx.budget)
+    if ctx.vision_mapped and vision.onnx:
+        vision = replace(vision, packed=False)
     return replace(s, vision_backend=vision.backend, vision=vision)
 
 
@@ -670,8 +719,12 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
                                  vision_backend=s.vision_backend)
     fallback = s.vision.fallback if s.vision is not None else None
     fallback_bytes = _estimate(c, ctx, replace(s, vision_backend=fallback)).needed if fallback else None
+    # mapped vision weights count on one sequence at a time (encode, then answer); parallel slots
+    # would encode and answer at once and need both sets of weights together
+    slots = 1 if ctx.vision_mapped else memory.parallel_for_budget(max(e.needed, fallback_bytes or 0), per_slot,
+                                                                   ctx.budget)
     return Plan(
-        slots=memory.parallel_for_budget(max(e.needed, fallback_bytes or 0), per_slot, ctx.budget),
+        slots=slots,
         slot_bytes=per_slot,
         quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
         n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
@@ -728,7 +781,9 @@ def _nothing_fits_message(evaluated, ctx: _Context, *, asked: bool = False) -> s
         verdict = "fits" if int8.needed <= ctx.budget else "still does not fit"
         lines.append(f"- vision_backend='onnx-int8' (or 'auto') runs the encoder in int8: {c.quant} then "
                      f"needs {format_size(int8.needed)} ({verdict}).")
-    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)} (about 0.5 GB in Q4_K_M).")
+    smaller = [m for m in SMALLER_MODELS if m != ctx.model]
+    if smaller:
+        lines.append(f"- a smaller model, e.g. {', '.join(smaller)} (about 0.5 GB in Q4_K_M).")
     lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
     return "\n".join(lines)
 

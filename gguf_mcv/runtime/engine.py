@@ -397,8 +397,9 @@ class Engine:
 
         ``reserve`` positions must stay free after the prompt (for the answer);
         :class:`ContextOverflowError` is raised before anything is evaluated otherwise.
-        ``progress(done, total, cached)`` is called before the first image chunk and after
-        each one (``cached`` of the ``done`` chunks came from the embedding cache). With
+        ``progress(done, total, cached)`` is called before the first image chunk is encoded and
+        after each one (``cached`` of the ``done`` chunks came from the embedding cache); every
+        image chunk is encoded before the first is evaluated. With
         ``shift``, a stretch the prompt no longer has (dropped turns) is removed from the
         cache and what follows it shifted back, where the model's cache can shift.
         """
@@ -422,10 +423,16 @@ class Engine:
         seq.truncate(common)
         common = len(seq.units)  # a recurrent cache may only go back to a checkpoint, or to 0
         stats.reused_tokens = seq.n_past
-        todo = sum(1 for u in units[common:] if isinstance(u, ImageUnit))
-        done = 0
-        if progress is not None and todo:
-            progress(0, todo, 0)
+        # every image is encoded before any is evaluated: the encoder's weights and the text model's
+        # are then read in turn, never together (what memory.estimate's vision_mapped counts on)
+        images = [k for k in range(common, len(units)) if isinstance(units[k], ImageUnit)]
+        if progress is not None and images:
+            progress(0, len(images), 0)
+        ready: dict[int, np.ndarray] = {}
+        for done, k in enumerate(images, start=1):
+            ready[k] = self.embeddings(prompt, k, stats)
+            if progress is not None:
+                progress(done, len(images), stats.slices_from_cache)
         i = common
         checkpoint_at = checkpoint_point(units) if self.recurrent else -1
         while i < len(units):
@@ -440,11 +447,8 @@ class Engine:
                 self._eval_tokens(cast(Sequence[int], units[i:j]))
                 i = j
             else:
-                self.eval_image(seq, prompt, i, stats, self.n_ctx)
+                self.eval_image(seq, prompt, i, stats, self.n_ctx, embd=ready.pop(i))
                 i += 1
-                done += 1
-                if progress is not None:
-                    progress(done, todo, stats.slices_from_cache)
         stats.evaluated_tokens = prompt.n_pos - stats.reused_tokens
         stats.prefill_ms = (time.perf_counter() - start) * 1000.0
         return stats
@@ -545,17 +549,11 @@ class Engine:
             raise EngineError(f"llama.cpp failed to evaluate the prompt: {exc}") from exc
         self.sequence.record(tokens)
 
-    def eval_image(self, seq: SequenceCache, prompt: Prompt, index: int, stats: PrefillStats, n_ctx: int) -> None:
-        """Evaluate image chunk ``index`` of ``prompt`` into ``seq`` (a sequence of this
-        engine's context) after what it holds: its embeddings come from the embedding cache,
-        or from the vision encoder (counted in ``stats``). :class:`ContextOverflowError` when
-        the chunk does not fit in ``n_ctx``; :class:`EngineError` when llama.cpp fails (the
-        sequence then holds what it held)."""
+    def embeddings(self, prompt: Prompt, index: int, stats: PrefillStats) -> np.ndarray:
+        """The embeddings of image chunk ``index`` of ``prompt``: from the embedding cache, or from
+        the vision encoder (counted in ``stats``)."""
         self._check_open()
-        unit = prompt.units[index]
-        if not isinstance(unit, ImageUnit) or index not in prompt._image_chunks:
-            raise EngineError(f"Unit {index} of the prompt is not an image chunk (a prompt built elsewhere?).")
-        chunk = prompt._image_chunks[index]
+        unit, chunk = self._image_chunk(prompt, index)
         n_values = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk)) * self.n_embd
         embd = self.embed_cache.get(unit.key, n_values=n_values)  # a wrong-sized entry is a miss
         if embd is None:
@@ -566,6 +564,25 @@ class Engine:
             stats.encoded_keys.append(unit.key)
         else:
             stats.slices_from_cache += 1
+        return embd
+
+    def _image_chunk(self, prompt: Prompt, index: int) -> tuple[ImageUnit, object]:
+        unit = prompt.units[index]
+        if not isinstance(unit, ImageUnit) or index not in prompt._image_chunks:
+            raise EngineError(f"Unit {index} of the prompt is not an image chunk (a prompt built elsewhere?).")
+        return unit, prompt._image_chunks[index]
+
+    def eval_image(self, seq: SequenceCache, prompt: Prompt, index: int, stats: PrefillStats, n_ctx: int,
+                   embd: np.ndarray | None = None) -> None:
+        """Evaluate image chunk ``index`` of ``prompt`` into ``seq`` (a sequence of this
+        engine's context) after what it holds: its embeddings are ``embd`` (from
+        :meth:`embeddings`), else fetched now the same way. :class:`ContextOverflowError` when
+        the chunk does not fit in ``n_ctx``; :class:`EngineError` when llama.cpp fails (the
+        sequence then holds what it held)."""
+        self._check_open()
+        unit, chunk = self._image_chunk(prompt, index)
+        if embd is None:
+            embd = self.embeddings(prompt, index, stats)
         if seq.n_past + unit.n_pos > n_ctx:
             raise ContextOverflowError(f"The context window of {n_ctx} positions is full.")
         new_n_past = self._lc.llama_pos(0)

@@ -67,6 +67,9 @@ class VisionSetup:
     #: (int8 is then kept whatever its check says)
     over_budget: str | None = None
     int8_cosine: float | None = None  #: int8 vs fp32, once measured (then nothing is left to change)
+    #: ONNX Runtime packs the weights into anonymous memory (True), or reads them from the mapped
+    #: file (False: the planner's last shrink for a small budget, see ``memory.estimate``'s ``vision_mapped``)
+    packed: bool = True
 
     @property
     def onnx(self) -> bool:
