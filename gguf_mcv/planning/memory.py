@@ -350,9 +350,8 @@ def onnx_weight_bytes(vision: VisionShape | None, text_width: int, mmproj_size: 
 
     The tower: patch embedding, the 4900-row position table and the post-norm in fp32, the
     blocks' MatMuls int8 with one f32 scale per column in the ``int8`` variant (fp32 in
-    ``fp32``), biases and LayerNorms f32. The projector: the resampler from its shape (the 2-D
-    sin/cos keys are an input, not a weight; in ``int8`` its MatMuls are int8 and its constant
-    queries are stored already projected); another projector (MiniCPM-V 4.6's merger) from what
+    ``fp32``), biases and LayerNorms f32. The projector: the resampler from its shape, fp32 in both
+    variants (the 2-D sin/cos keys are an input, not a weight); another projector (MiniCPM-V 4.6's merger) from what
     the F16 mmproj holds beyond the tower: half of it in ``int8`` (int8 matrices, and f32 norms
     and biases the mmproj holds in f32), twice in ``fp32``. Checked against every conversion
     of the test presets.
@@ -370,12 +369,9 @@ def onnx_weight_bytes(vision: VisionShape | None, text_width: int, mmproj_size: 
         blocks = matmuls + v.blocks * (5 * w + ff) * 4 + small  # int8 + per-column scales
     else:
         blocks = matmuls * 4 + small
-    if v.projector == "resampler":
+    if v.projector == "resampler":  # fp32 in both variants (onnx_vision.int8_scope)
         d, q = text_width, v.query_tokens
-        if variant == "int8":  # int8 kv, k, v, out, proj + their scales; k/v/out biases, 2 LNs, projected queries
-            projector = d * w + 4 * d * d + (5 * d + 3 * d + 4 * d + q * d) * 4
-        else:
-            projector = (d * w + 5 * d * d + q * d + 10 * d) * 4  # kv, q/k/v/out + proj, queries, biases, LNs
+        projector = (d * w + 5 * d * d + q * d + 10 * d) * 4  # kv, q/k/v/out + proj, queries, biases, LNs
     else:
         tower_f16 = matmuls * 2 + small + (w * patch + ONNX_POS_ROWS * w) * 2 + 3 * w * 4
         projector = max(0, mmproj_size - tower_f16) * (1 if variant == "int8" else 4) // 2

@@ -3,9 +3,9 @@
 :func:`prepare` converts an mmproj (``gguf_mcv.vision.onnx_graph``) into ``<cache>/onnx/`` —
 fp32 (rounding where ggml's CPU kernels round, so its embeddings follow libmtmd's closely),
 and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
-blocks' MatMuls, activations quantized per call, LayerNorm gamma outliers folded into the
-weights first;
-the patch embedding and the projector stay fp32). Files are keyed by the mmproj's identity
+blocks' MatMuls and MiniCPM-V 4.6's mergers, activations quantized per call, LayerNorm gamma
+outliers folded into the weights first; the patch embedding and the 2.x resampler stay fp32:
+:func:`int8_scope`). Files are keyed by the mmproj's identity
 and the onnxruntime version, written into a temporary folder and moved into place; a
 manifest with each file's size and SHA-256 and a digest of its own content is written last
 and checked on every load (the projector's numbers are read again from the mmproj), so a
@@ -55,9 +55,19 @@ from .vision_backends import INT8_MIN_COSINE, choose_backend, int8_passes  # noq
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("fp32", "int8")
+
+
+def int8_scope(projector_type: str) -> str:
+    """What the int8 graph quantizes (``onnx_graph.INT8_SCOPES``): every MatMul for MiniCPM-V 4.6's
+    mergers ("all": its merger is a third of the mmproj, and its greedy answers agreed with fp32's
+    at least as often as with the merger fp32), the tower blocks only for the 2.x resampler
+    ("blocks": quantizing the resampler cost agreement, 59 against 69 of 96 greedy answers on the
+    tiny 2.6 model; see docs/benchmarks.md)."""
+    return "all" if projector_type == "minicpmv4_6" else "blocks"
 #: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content; 4: the
-#: int8 graph quantizes the merger and resampler too, and the graphs carry their stages
-MANIFEST_VERSION = 4
+#: int8 graph quantizes the merger and resampler too, and the graphs carry their stages; 5: the
+#: resampler is fp32 again in the int8 graph (:func:`int8_scope`)
+MANIFEST_VERSION = 5
 #: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
 #: 0.6x, with room to spare
 DISK_FACTOR = 3
@@ -301,6 +311,7 @@ def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int
             # only in exact arithmetic); int8 folds the outliers its activation quantization hates
             int8 = variant == "int8"
             model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8,
+                                   int8_scope=int8_scope(projector.projector_type),
                                    external=path.with_name(path.name + ".data"),
                                    progress=_step(progress, f"{variant} graph"))
             onnx.save_model(model, str(path))
