@@ -745,6 +745,7 @@ def test_vision_weights_given_are_kept() -> None:
     mapped = plan_46_catalog(PI4_2GB, ram_budget="8GB", vision_weights="mapped")
     assert mapped.vision is not None and mapped.vision.packed is False and mapped.shrunk == ()
     assert mapped.estimate.swapped > 0 and mapped.slots == 1
+    assert mapped.quant == "Q8_0"  # both weight sets fit beside each other: nothing re-read, quality wins
     with pytest.raises(NoQuantFitsError):  # never mapped when packed was asked for
         plan_46_catalog(PI4_2GB, vision_weights="packed")
     with pytest.raises(ConfigError, match="vision_weights"):

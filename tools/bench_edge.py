@@ -84,12 +84,13 @@ def child(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         hardware = replace(gguf_mcv.probe(), gpu_offload=False)  # as load() plans a CPU load
-        plan = plan_local(args.model, args.mmproj, hardware=hardware, ram_budget=budget)
+        weights = args.vision_weights or None
+        plan = plan_local(args.model, args.mmproj, hardware=hardware, ram_budget=budget, vision_weights=weights)
         _say(stage="plan", budget=plan.budget, needed=plan.predicted_bytes, peak_rss=plan.estimate.total,
              n_ctx=plan.n_ctx, kv_cache_type=plan.kv_cache_type, vision_backend=plan.vision_backend,
              shrunk=[str(s) for s in plan.shrunk], fits=plan.fits, estimate=plan.estimate.to_dict())
         model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, ram_budget=budget,
-                              n_threads=args.threads)
+                              n_threads=args.threads, vision_weights=weights)
     except NoQuantFitsError as exc:
         _say(stage="refused", error=str(exc), seconds=time.perf_counter() - start)
         return REFUSED
@@ -235,12 +236,27 @@ def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Name
         group.remove()
 
 
+def _drop_page_cache() -> None:
+    """Empty the page cache (root): the run's cgroup is then charged for every file page it reads,
+    the model files included, instead of finding them cached on another cgroup's account."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("1\n")
+    except OSError as exc:
+        print(f"could not drop the page cache ({exc}); file pages read before are not charged to the run",
+              file=sys.stderr)
+
+
 def _run_in(group: Cgroup, files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", "--model", str(files["model"]), "--mmproj", str(files["mmproj"]),
                "--photo", str(files["photo"]), "--video", str(files["video"]),
                "--ram-budget", "" if args.probe_budget else str(limit)]
     command += ["--threads", str(args.threads)] if args.threads else []
+    command += ["--vision-weights", args.vision_weights] if args.vision_weights else []
     env = {**os.environ, "GGUF_MCV_CACHE": str(cache), "GGUF_MCV_NO_PROBE": "1", "PYTHONPATH": str(REPO)}
+    if args.drop_caches:
+        _drop_page_cache()
     start = time.perf_counter()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=group.join,
@@ -314,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                          "steady state where a first run is killed)")
     ap.add_argument("--threads", type=int, help="n_threads for load() (default: the probe's)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="empty the page cache before each run (root), so the cgroup is charged for the model "
+                         "files' pages too")
+    ap.add_argument("--vision-weights", choices=("packed", "mapped"),
+                    help="load()'s vision_weights (default: left to the plan)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("model", "mmproj", "photo", "video", "ram-budget"):

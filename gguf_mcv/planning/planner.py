@@ -389,8 +389,9 @@ def choose(
         plan = _forced(want, evaluated, ctx, mmproj_file, budget_note, must_fit=must_fit)
     else:
         best = _pick(evaluated, ctx, prefer)
+        rereads = prefer == "quality" and _rereads([x for x in evaluated if _fits(x[1], x[2], ctx)], ctx)
         passed_over = ("not chosen: with mapped vision weights the quant that holds the least wins"
-                       if ctx.vision_mapped and prefer == "quality" else f"not chosen: prefer={prefer}")
+                       if rereads else f"not chosen: prefer={prefer}")
         rows = _rows(evaluated, best[0], ctx, passed_over)
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
@@ -540,14 +541,21 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
         # F16/BF16/F32 double the bytes read per token for no visible gain over Q8_0: they
         # are planned only when asked for, or when a repo offers nothing else
         fitting = quantized
-    if prefer == "quality" and not ctx.vision_mapped:
-        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
     if prefer == "quality":
-        # mapped vision weights: what the process would hold with both weight sets (its need
-        # without the swap) beyond the budget is read from disk again at every image, so the
-        # quant that holds the least wins over a better one
-        return min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant)))
+        if _rereads(fitting, ctx):
+            # mapped vision weights: what the process would hold with both weight sets (its need
+            # without the swap) beyond the budget is read from disk again at every image, so the
+            # quant that holds the least wins over a better one
+            return min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant)))
+        fitting = [x for x in fitting if x[1].needed + x[1].swapped <= ctx.budget]
+        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
+
+
+def _rereads(fitting: list[_Evaluated], ctx: _Context) -> bool:
+    """Whether every quant that fits would read dropped weights from disk again at each image
+    (mapped vision weights that do not all fit beside the text model's)."""
+    return bool(fitting) and all(e.needed + e.swapped > ctx.budget for _, e, _ in fitting)
 
 
 def _with_vision_backend(s: _Setup, c: QuantCandidate, ctx: _Context) -> _Setup:
