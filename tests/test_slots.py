@@ -67,9 +67,10 @@ def test_concurrent_greedy_answers_equal_lone_ones(alone, par) -> None:
 
 
 def test_concurrent_image_answers_equal_lone_ones(alone, par) -> None:
-    # pictures 0-2 gave the int8 resampler's embeddings (2026-12-02) a near tie at the 9th token of
-    # the third answer, which the batched kernels' ~1e-2 logit steps flip (see load() above)
-    images = [picture(i, (700, 500)) for i in range(3, 6)]
+    # greedy answers of random weights sit on near ties that the batched kernels' ~1e-2 logit steps can
+    # flip (see load() above): which pictures avoid one depends on the encoder's exact embeddings
+    # (pictures 3-5 tie at the third answer with the fp32 resampler; 0-2 did with the int8 one)
+    images = [picture(i, (700, 500)) for i in range(3)]
     lone = [str(alone.ask("What is this?", im, max_tokens=12, **GREEDY)) for im in images]
     replies = together(lambda im: par.ask("What is this?", im, max_tokens=12, **GREEDY), images, 3)
     assert [str(r) for r in replies] == lone

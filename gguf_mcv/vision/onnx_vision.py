@@ -169,6 +169,7 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
         converted = _load_manifest(folder, stem, mmproj)
         if converted is None:
             raise EngineError(f"Converting {mmproj.name} for ONNX Runtime wrote no manifest in {folder}.")
+        _trim_heap()  # what waiting on the child and hashing its files freed goes back before the load
         return dataclasses.replace(converted, convert_s=time.perf_counter() - start)
 
 
