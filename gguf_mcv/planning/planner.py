@@ -186,9 +186,9 @@ class Plan:
         """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
         if not self.shrunk:
             return ""
-        asked = " / ".join(f"{s.setting}=" for s in self.shrunk if s != MAPPED_VISION)
-        note = f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the defaults"
-        note += f"; pass {asked} to choose yourself)." if asked else ")."
+        asked = " / ".join(f"{s.setting}=" for s in self.shrunk)
+        note = (f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the "
+                f"defaults; pass {asked} to choose yourself).")
         if MAPPED_VISION in self.shrunk:
             note += (" The vision encoder reads its weights from their mapped file: slices take ~25 % longer, "
                      "and under memory pressure each new image reads them from disk again.")
@@ -388,10 +388,7 @@ def choose(
     if want is not None:
         plan = _forced(want, evaluated, ctx, mmproj_file, budget_note, must_fit=must_fit)
     else:
-        best = _pick(evaluated, ctx, prefer)
-        rereads = prefer == "quality" and _rereads([x for x in evaluated if _fits(x[1], x[2], ctx)], ctx)
-        passed_over = ("not chosen: with mapped vision weights the quant that holds the least wins"
-                       if rereads else f"not chosen: prefer={prefer}")
+        best, passed_over = _pick(evaluated, ctx, prefer)
         rows = _rows(evaluated, best[0], ctx, passed_over)
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
@@ -521,7 +518,9 @@ def _ctx_to_fit(cands: list[QuantCandidate], ctx: _Context, want: str | None, ma
     return [replace(ctx, n_ctx=n, cpu_only=False)] if n is not None else []
 
 
-def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated:
+def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> tuple[_Evaluated, str]:
+    """The quant to plan, and the note for the fitting rows passed over."""
+    passed_over = f"not chosen: prefer={prefer}"
     fitting = [(c, e, s) for c, e, s in evaluated if _fits(e, s, ctx)]
     if not fitting:
         raise NoQuantFitsError(_nothing_fits_message(evaluated, ctx))
@@ -546,10 +545,11 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> _Evaluated
             # mapped vision weights: what the process would hold with both weight sets (its need
             # without the swap) beyond the budget is read from disk again at every image, so the
             # quant that holds the least wins over a better one
-            return min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant)))
+            return (min(fitting, key=lambda x: (x[1].needed + x[1].swapped, -quality_rank(x[0].quant))),
+                    "not chosen: with mapped vision weights the quant that holds the least wins")
         fitting = [x for x in fitting if x[1].needed + x[1].swapped <= ctx.budget]
-        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size))
-    return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant)))
+        return max(fitting, key=lambda x: (quality_rank(x[0].quant), -x[0].size)), passed_over
+    return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant))), passed_over
 
 
 def _rereads(fitting: list[_Evaluated], ctx: _Context) -> bool:

@@ -37,9 +37,10 @@ EXTERNAL_ALIGN = 4096
 OUTLIER_FACTOR = 4.0
 #: MatMulNBits' block along the input when the tower's MatMuls are 4-bit (``block_bits=4``)
 INT4_BLOCK = 32
-#: what ``int8`` quantizes (``int8_scope``): "all", every MatMul with a weight (what the cache
-#: converts); "blocks", the tower blocks' only, the merger/resampler fp32 and unfolded (the int8
-#: graph before issue 27, rebuilt to measure against: tools/vision_fidelity.py --int8)
+#: what ``int8`` quantizes (``int8_scope``): "all", every MatMul with a weight; "blocks", the tower
+#: blocks' only, the merger/resampler fp32 and unfolded (the int8 graph before issue 27). The cache
+#: converts "all" for MiniCPM-V 4.6's mergers and "blocks" for the 2.x resampler
+#: (``onnx_vision.int8_scope``); tools/vision_fidelity.py --int8 compares the two
 INT8_SCOPES = ("all", "blocks")
 #: metadata key of the graph's stage boundaries (the tensors after the patch embedding, each
 #: block and 4.6's window merger, comma-separated): :func:`gguf_mcv.vision.onnx_vision.run_in_stages`
@@ -226,8 +227,7 @@ class _Builder:
         self.block_bits = block_bits
         if int8_scope not in INT8_SCOPES:
             raise ValueError(f"int8_scope must be one of {INT8_SCOPES}, not {int8_scope!r}")
-        #: with ``int8``, "blocks": only the tower blocks' MatMuls int8 (evaluated, not used by
-        #: the cache: :data:`INT8_SCOPES`)
+        #: with ``int8``, "blocks": only the tower blocks' MatMuls int8 (:data:`INT8_SCOPES`)
         self.int8_scope = int8_scope
         self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
         self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
@@ -384,8 +384,8 @@ def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggm
     ``block_bits=4`` (with ``int8``) makes the tower blocks' MatMuls 4-bit MatMulNBits;
     ``int8_scope="blocks"`` (with ``int8``) quantizes the tower blocks only, as before issue 27:
     the mergers' and resampler's MatMuls stay fp32, their LayerNorms unfolded, the resampler's
-    queries projected in the graph (an evaluation option, :data:`INT8_SCOPES`; the cache
-    converts with "all")."""
+    queries projected in the graph (:data:`INT8_SCOPES`; which one the cache converts is
+    ``onnx_vision.int8_scope``'s)."""
     if external is None:
         builder = _Builder(int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope)
         return _build(weights, builder, fold, progress)
