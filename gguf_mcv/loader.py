@@ -27,7 +27,7 @@ from .planning.memory import estimate_files, parallel_for_budget, slot_bytes
 from .planning.planner import Plan, check_request, resolve_budget
 from .planning.speed import slice_budget
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
-from .resolver import check_plan, plan_local, pull
+from .resolver import check_plan, check_revision, plan_local, pull
 from .runtime import native, native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
@@ -176,12 +176,13 @@ def _checked(a: dict[str, Any]) -> LoadOptions:
     if a["embed_cache"] is not None and not isinstance(a["embed_cache"], EmbeddingCache):
         raise ConfigError(f"embed_cache must be a gguf_mcv.EmbeddingCache or None, "
                           f"not {type(a['embed_cache']).__name__}.")
+    check_revision(a["revision"])
     if a["model_path"] is not None or a["mmproj_path"] is not None:
         _check_local(a)
     elif a["model"] is None:
         raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
     else:
-        check_plan(a["model"], revision=a["revision"])  # the name known, before the Hub is asked
+        check_plan(a["model"])  # the name known, before the Hub is asked
     if options.wants_gpu and not _gpu_offload_supported():
         raise ConfigError(
             "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "

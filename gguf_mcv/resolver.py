@@ -66,6 +66,13 @@ def check_model_name(model: Any) -> str:
     return model
 
 
+def check_revision(revision: Any) -> str | None:
+    """``revision`` when it is None or can name a branch, tag or commit; ConfigError otherwise."""
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ConfigError(f"revision must be a branch, tag or commit (a non-empty string), not {revision!r:.60}.")
+    return revision
+
+
 def check_plan(model: Any, *, revision: Any = None, **settings: Any) -> CatalogEntry | None:
     """The arguments of :func:`plan` / :func:`pull` checked before anything runs (no probe, no Hub
     request, no download): the name looked up in the catalog (a name it does not know and that is
@@ -73,8 +80,7 @@ def check_plan(model: Any, *, revision: Any = None, **settings: Any) -> CatalogE
     planning ``settings`` (:func:`~gguf_mcv.planning.planner.check_request`). The catalog entry,
     or None for ``"auto"`` and repos the catalog does not know."""
     check_request(**settings)
-    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
-        raise ConfigError(f"revision must be a branch, tag or commit (a non-empty string), not {revision!r:.60}.")
+    check_revision(revision)
     return None if check_model_name(model) == "auto" else resolve(model)[1]
 
 
