@@ -440,9 +440,14 @@ def check_limit(name: str, value: Any) -> float | None:
     """A speed limit as a positive finite float, or None; ConfigError for anything else."""
     if value is None:
         return None
-    number = check_number(name, value)
-    if number <= 0:
-        raise ConfigError(f"{name} must be a positive number, not {value!r}.")
+    try:
+        number = check_number(name, value)
+    except ConfigError:
+        number = math.nan
+    if not number > 0:
+        huge = isinstance(value, int) and value.bit_length() > 128  # repr() fails past 4300 digits
+        shown = f"an integer of {value.bit_length()} bits" if huge else repr(value)[:60]
+        raise ConfigError(f"{name} must be a positive number, not {shown}.")
     return number
 
 
