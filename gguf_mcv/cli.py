@@ -15,7 +15,17 @@ from typing import Any, Sequence
 
 from . import constants
 from .errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError
-from .options import DETAILS, KV_CACHE_TYPES, VISION_BACKENDS, VISION_WEIGHTS
+from .options import (
+    DETAILS,
+    KV_CACHE_TYPES,
+    VISION_BACKENDS,
+    VISION_WEIGHTS,
+    check_int,
+    check_max_tokens,
+    check_number,
+    check_sampling,
+    check_text,
+)
 from .units import format_size
 
 
@@ -274,16 +284,24 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .resolver import plan, plan_local  # lazy: per command
+    from .planning.planner import check_request  # lazy: per command
+    from .resolver import check_plan, plan, plan_local  # lazy: per command
 
     limits: dict[str, Any] = dict(detail=args.detail, min_tokens_per_s=args.min_tokens_per_s,
                                   max_first_answer_s=args.max_first_answer_s)
+    settings: dict[str, Any] = dict(ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
+                                    vision_backend=args.vision_backend, vision_weights=args.vision_weights, **limits)
+    local = _local_files(args)
+    # every argument before the machine is probed (the speed probe takes seconds to a minute)
+    if local is not None:
+        check_request(**settings)
+    else:
+        check_plan(args.model, quant=args.quant, **settings)
     from .hardware import probe as hardware_probe  # lazy: per command
     from .resolver import machine_rates  # lazy: per command
 
     hw = hardware_probe()
     rates = machine_rates(hw, False if args.no_probe else None, refresh=args.reprobe)
-    local = _local_files(args)
     if local is not None:
         result = plan_local(*local, hardware=hw, ram_budget=args.ram, n_ctx=args.ctx, kv_cache_type=args.kv,
                             rates=rates, vision_backend=args.vision_backend, vision_weights=args.vision_weights,
@@ -440,9 +458,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     keep_bytes = parse_size(args.keep_chats_size)  # a bad size, before minutes of loading
     check_allowed(args.allowed_host or (), args.allowed_origin)
-    if not args.body_timeout > 0:
+    if not check_number("--body-timeout", args.body_timeout) > 0:
         raise ConfigError(f"--body-timeout must be more than 0 seconds, not {args.body_timeout:g}.")
-    _load_kwargs(args)  # a missing file or a bad number, before a worker starts
+    _checked_load_kwargs(args)  # a missing file or a bad setting, before a worker starts
     configure_logging()  # the supervisor's warnings show too (each worker configures its own)
     # the model is loaded (again, if it dies) in the server's worker process: _load travels by name
     serve_supervised(partial(_load, args), host=args.host, port=args.port, api_key=args.api_key,
@@ -508,15 +526,21 @@ def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[
 def _batch(args: argparse.Namespace) -> int:
     from .jobs import batch  # lazy: per command
 
+    # every argument before the model is loaded (or a cluster joined)
+    load_kwargs = _checked_load_kwargs(args)
     schema = batch.load_schema(args.schema) if args.schema else None
-    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-               "detail": args.detail, "max_frames": args.frames, "fps": args.fps}
+    options = batch.check_options({"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                   "seed": args.seed, "detail": args.detail, "max_frames": args.frames,
+                                   "fps": args.fps})
+    batch.check_out(args.out)
+    if args.workers is not None:
+        check_int("--workers", args.workers, low=1)
     items = batch.collect(args.input, prompts=args.prompt, schema=schema, options=options)
     show = False if args.no_progress else None
     if args.ray:
         from .jobs import batch_ray  # lazy: per command, and an optional extra
 
-        summary = batch_ray.run_items(args.ray, _load_kwargs(args), items, args.out, workers=args.workers,
+        summary = batch_ray.run_items(args.ray, load_kwargs, items, args.out, workers=args.workers,
                                       progress=show)
     else:
         with _load(args) as model:
@@ -546,6 +570,10 @@ def _watch(args: argparse.Namespace) -> int:
     check_give_up(args.give_up)
     if args.threshold is not None:
         check_threshold(args.threshold)
+    check_text("--prompt", args.prompt)
+    check_max_tokens(args.max_tokens)
+    check_sampling(temperature=args.temperature, seed=args.seed)
+    _checked_load_kwargs(args)
     out = _open_jsonl(args.jsonl) if args.jsonl else None
     status = None if args.quiet or not sys.stderr.isatty() else _status_line
     lines = 0
@@ -618,6 +646,16 @@ def _load(args: argparse.Namespace):
     if args.verbose or (getattr(args, "vision_backend", "auto") == "auto" and model.info.vision_backend == "llama.cpp"):
         print(f"vision encoder: {model.info.vision_backend} ({model.info.vision_backend_reason})", file=sys.stderr)
     return model
+
+
+def _checked_load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`_load_kwargs`, checked as ``load()`` checks them (:func:`gguf_mcv.loader.check_load`),
+    for a command that does more before it loads (or loads in another process)."""
+    from .loader import check_load  # lazy: per command
+
+    kwargs = _load_kwargs(args)
+    check_load(**kwargs)
+    return kwargs
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:

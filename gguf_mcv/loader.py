@@ -8,6 +8,7 @@ sees them; then the text model and the vision projector are loaded into an
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -16,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from . import constants
-from .errors import ConfigError, CorruptModelError, EngineError, NoQuantFitsError
+from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError, NoQuantFitsError
 from .hardware import probe
 from .model import Model, ModelInfo
 from .models.catalog import CatalogEntry, lookup
 from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .options import LoadOptions, Sampling
 from .planning.memory import estimate_files, parallel_for_budget, slot_bytes
-from .planning.planner import Plan, resolve_budget
+from .planning.planner import Plan, check_request, resolve_budget
 from .planning.speed import slice_budget
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
-from .resolver import plan_local, pull
+from .resolver import check_plan, check_revision, plan_local, pull
 from .runtime import native, native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
@@ -103,32 +104,17 @@ def load(
     answers and read them again for the next image), None (default): packed unless the plan maps
     them as its last shrink to fit the budget (a logged warning says so).
     """
-    options = LoadOptions(n_ctx=constants.DEFAULT_N_CTX if n_ctx is None else n_ctx, n_threads=n_threads,
-                          n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers, vision_gpu=vision_gpu,
-                          flash_attn=flash_attn, kv_cache_type=kv_cache_type or "f16",
-                          vision_backend=vision_backend, mmproj_precision=mmproj_precision, parallel=parallel,
-                          vision_weights=vision_weights)
+    options = _checked(dict(locals()))  # the arguments, as given: nothing else is defined yet
     if kv_cache_type is None and flash_attn is False:
         kv_cache_type = "f16"  # a quantized KV cache needs flash attention: not the planner's to pick
-    if options.wants_gpu and not _gpu_offload_supported():
-        raise ConfigError(
-            "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
-            "with CMAKE_ARGS='-DGGML_CUDA=on' (NVIDIA/Jetson) or '-DGGML_METAL=on' (Apple), or "
-            "use n_gpu_layers=0 and vision_gpu=False."
-        )
-    local = model_path is not None or mmproj_path is not None
+    local = model_path is not None
     if local:
-        if model_path is None or mmproj_path is None:
-            raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
-        if min_tokens_per_s is not None or max_first_answer_s is not None:
-            raise ConfigError("Speed limits choose a model and quant; local files leave nothing to choose. "
-                              "Use `gguf-mcv plan FILE.gguf` (or gguf_mcv.plan) to see their predicted speed.")
+        assert model_path is not None and mmproj_path is not None  # _checked: both or neither
         entry, repo, planned = lookup(model), None, None
         name = entry.display_name if entry is not None else (model or Path(model_path).stem)
         quant_name = quant
     else:
-        if not model or not isinstance(model, str):
-            raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
+        assert model is not None  # _checked: a name when no files are given
         files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
                      kv_cache_type=kv_cache_type, revision=revision,
                      min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
@@ -154,6 +140,74 @@ def load(
     return _open(model_path, mmproj_path, text, projector, options, vision, kernels, entry,
                  name=name, quant=quant_name, repo=repo, chat_template=chat_template,
                  embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def check_load(**arguments: Any) -> LoadOptions:
+    """The checks :func:`load` runs on ``arguments`` (its keywords) before anything else -- before
+    the machine is probed, the Hub asked, a file read or llama.cpp started -- for a caller that loads
+    later or elsewhere (``gguf-mcv serve``'s worker, Ray workers): the :class:`LoadOptions` they make.
+    A bad argument raises :class:`~gguf_mcv.errors.ConfigError` (a missing local file,
+    :class:`~gguf_mcv.errors.ModelNotFoundError`; an unknown catalog name too)."""
+    try:
+        bound = inspect.signature(load).bind(**arguments)
+    except TypeError as exc:
+        raise ConfigError(f"load() cannot take these arguments: {exc}.") from None
+    bound.apply_defaults()
+    return _checked(bound.arguments)
+
+
+def _checked(a: dict[str, Any]) -> LoadOptions:
+    """:func:`check_load` for all of :func:`load`'s arguments, by name."""
+    check_request(ram_budget=a["ram_budget"], n_ctx=a["n_ctx"], kv_cache_type=a["kv_cache_type"], quant=a["quant"],
+                  min_tokens_per_s=a["min_tokens_per_s"], max_first_answer_s=a["max_first_answer_s"],
+                  vision_backend=a["vision_backend"], vision_weights=a["vision_weights"])
+    options = LoadOptions(n_ctx=constants.DEFAULT_N_CTX if a["n_ctx"] is None else a["n_ctx"],
+                          n_threads=a["n_threads"], n_threads_batch=a["n_threads_batch"],
+                          n_gpu_layers=a["n_gpu_layers"], vision_gpu=a["vision_gpu"], flash_attn=a["flash_attn"],
+                          kv_cache_type=a["kv_cache_type"] or "f16", vision_backend=a["vision_backend"],
+                          mmproj_precision=a["mmproj_precision"], parallel=a["parallel"],
+                          vision_weights=a["vision_weights"])
+    for flag in ("allow_remote_media", "verbose"):
+        if not isinstance(a[flag], bool):
+            raise ConfigError(f"{flag} must be True or False, not {a[flag]!r}.")
+    if a["chat_template"] is not None and (not isinstance(a["chat_template"], str) or not a["chat_template"].strip()):
+        raise ConfigError("chat_template must be a template family name "
+                          f"({', '.join(FAMILIES)}) or Jinja source, not {a['chat_template']!r:.60}.")
+    if a["embed_cache"] is not None and not isinstance(a["embed_cache"], EmbeddingCache):
+        raise ConfigError(f"embed_cache must be a gguf_mcv.EmbeddingCache or None, "
+                          f"not {type(a['embed_cache']).__name__}.")
+    check_revision(a["revision"])
+    if a["model_path"] is not None or a["mmproj_path"] is not None:
+        _check_local(a)
+    elif a["model"] is None:
+        raise ConfigError("Name a model (e.g. load('minicpm-v-2.6')) or pass model_path and mmproj_path.")
+    else:
+        check_plan(a["model"])  # the name known, before the Hub is asked
+    if options.wants_gpu and not _gpu_offload_supported():
+        raise ConfigError(
+            "GPU offload was asked for, but this llama-cpp-python build is CPU-only. Rebuild it "
+            "with CMAKE_ARGS='-DGGML_CUDA=on' (NVIDIA/Jetson) or '-DGGML_METAL=on' (Apple), or "
+            "use n_gpu_layers=0 and vision_gpu=False."
+        )
+    return options
+
+
+def _check_local(a: dict[str, Any]) -> None:
+    """Local files: both given, each an existing file, and no speed limits (nothing to choose)."""
+    if a["model_path"] is None or a["mmproj_path"] is None:
+        raise ConfigError("Pass both model_path and mmproj_path (the vision projector).")
+    for name in ("model_path", "mmproj_path"):
+        if not isinstance(a[name], (str, os.PathLike)) or isinstance(os.fspath(a[name]), bytes) \
+                or not os.fspath(a[name]):
+            raise ConfigError(f"{name} must be a path (str or os.PathLike), not {a[name]!r:.60}.")
+        if not os.path.isfile(a[name]):
+            raise ModelNotFoundError(f"{name} {os.fspath(a[name])} is not a file: give the path of the "
+                                     f"{'text model' if name == 'model_path' else 'vision projector'} .gguf.")
+    if a["min_tokens_per_s"] is not None or a["max_first_answer_s"] is not None:
+        raise ConfigError("Speed limits choose a model and quant; local files leave nothing to choose. "
+                          "Use `gguf-mcv plan FILE.gguf` (or gguf_mcv.plan) to see their predicted speed.")
+    if a["model"] is not None and not isinstance(a["model"], str):
+        raise ConfigError(f"model (the name shown for local files) must be a string, not {type(a['model']).__name__}.")
 
 
 def _plan_local_load(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import urllib.parse
 from dataclasses import dataclass, fields, replace
-from typing import Any, Sequence, TypedDict
+from typing import Any, Collection, Sequence, TypedDict
 
 from .errors import ConfigError
 
@@ -136,9 +138,44 @@ def check_number(name: str, value: Any) -> float:
     """``value`` as a finite float; ConfigError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, not {type(value).__name__} {value!r}.")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (1.8e308)
+        raise ConfigError(f"{name} must be a finite number, not an integer of {int(value).bit_length()} "
+                          "bits.") from None
+    if not math.isfinite(number):
         raise ConfigError(f"{name} must be a finite number, not {value!r}.")
-    return float(value)
+    return number
+
+
+def check_url(name: str, url: str, *, host_for: Collection[str] = ()) -> urllib.parse.SplitResult:
+    """``url`` split as urllib reads it, checked: :class:`ConfigError` naming ``name`` where urllib
+    would raise ``ValueError`` later (an unclosed IPv6 bracket, a port that is not a number from 1
+    to 65535), and, for a scheme in ``host_for``, where there is no host. Messages show the URL's
+    scheme and host only (its user info masked: camera URLs carry passwords)."""
+    shown = _url_head(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{name} {shown} is not a URL that can be read ({exc}): write it as "
+                          "scheme://host:port/path, with a port from 1 to 65535 and an IPv6 address in "
+                          "brackets (rtsp://[::1]:8554/live).") from None
+    if port == 0:
+        raise ConfigError(f"{name} {shown} has port 0: use a port from 1 to 65535.")
+    if parts.scheme.lower() in host_for and not parts.hostname:
+        raise ConfigError(f"{name} {shown} names no host: write it as {parts.scheme}://host:port/path.")
+    return parts
+
+
+def _url_head(url: str) -> str:
+    """``url``'s scheme and host part, user info masked (``rtsp://***@cam:554``), for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return repr(url[:60])
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    _, at, hostport = netloc.rpartition("@")
+    return repr(f"{scheme[:20]}://{'***@' if at else ''}{hostport[:100]}")
 
 
 def check_max_tokens(value: Any) -> int:

@@ -10,6 +10,7 @@ all come through here; the planner and the Hub layer never call each other.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,12 +21,15 @@ from . import constants
 from .errors import ConfigError, NativeKernelError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
 from .models.catalog import CatalogEntry, load_catalog
-from .models.headers import read_projector_header, read_tensors, read_text_header
+from .models.headers import ProjectorHeader, read_projector_header, read_tensors, read_text_header
 from .models.hub import RepoFiles, fetch, list_files, remote_text_header
 from .models.quants import classify_gguf, normalize_quant
 from .planning.memory import tensor_list
-from .planning.planner import Plan, QuantCandidate, candidates_from, choose
+from .planning.planner import Plan, QuantCandidate, candidates_from, check_request, choose
 from .planning.speed import Rates, weight_profile
+
+#: The settings :func:`~gguf_mcv.planning.planner.check_request` checks.
+_REQUEST_SETTINGS = frozenset(inspect.signature(check_request).parameters)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class ModelFiles:
 
 def resolve(model: str) -> tuple[str, CatalogEntry | None]:
     """A catalog name, alias or Hub repo id → (repo id, catalog entry or None)."""
+    check_model_name(model)
     catalog = load_catalog()
     entry = catalog.find(model)
     if entry is not None:
@@ -50,6 +55,33 @@ def resolve(model: str) -> tuple[str, CatalogEntry | None]:
     if "/" in model and len(model.split("/")) == 2 and all(model.split("/")):
         return model, catalog.by_repo(model)
     return model, catalog.get(model)  # raises ModelNotFoundError with close matches
+
+
+def check_model_name(model: Any) -> str:
+    """``model`` when it can name a model (a non-empty string); ConfigError otherwise."""
+    if not isinstance(model, str) or not model.strip():
+        shown = repr(model) if isinstance(model, str) else type(model).__name__
+        raise ConfigError(f"model must name a model: a catalog name (e.g. 'minicpm-v-2.6'), a Hub repo id "
+                          f"or 'auto', not {shown}.")
+    return model
+
+
+def check_revision(revision: Any) -> str | None:
+    """``revision`` when it is None or can name a branch, tag or commit; ConfigError otherwise."""
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ConfigError(f"revision must be a branch, tag or commit (a non-empty string), not {revision!r:.60}.")
+    return revision
+
+
+def check_plan(model: Any, *, revision: Any = None, **settings: Any) -> CatalogEntry | None:
+    """The arguments of :func:`plan` / :func:`pull` checked before anything runs (no probe, no Hub
+    request, no download): the name looked up in the catalog (a name it does not know and that is
+    not a repo id raises :class:`~gguf_mcv.errors.ModelNotFoundError`), ``revision`` and the
+    planning ``settings`` (:func:`~gguf_mcv.planning.planner.check_request`). The catalog entry,
+    or None for ``"auto"`` and repos the catalog does not know."""
+    check_request(**settings)
+    check_revision(revision)
+    return None if check_model_name(model) == "auto" else resolve(model)[1]
 
 
 def plan(
@@ -92,6 +124,12 @@ def plan(
     fixes where an ONNX encoder keeps its weights; None lets the plan map them from their file
     as its last shrink when nothing fits otherwise (``Plan.vision.packed``).
     """
+    check_plan(model, revision=revision, ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
+               kv_cache_type=kv_cache_type, detail=detail, min_tokens_per_s=min_tokens_per_s,
+               max_first_answer_s=max_first_answer_s, vision_backend=vision_backend, vision_weights=vision_weights)
+    _check_given(hardware=(hardware, Hardware), rates=(rates, Rates))
+    if speed_probe is not None and not isinstance(speed_probe, bool):
+        raise ConfigError(f"speed_probe must be True, False or None, not {speed_probe!r}.")
     hw = hardware or probe()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
@@ -108,6 +146,14 @@ def plan(
             raise
         listing = None  # plan from the catalog's own file list
     return _plan_listing(model, listing, entry, **options)
+
+
+def _check_given(**values: tuple[Any, type]) -> None:
+    """Each value None or an instance of its type; ConfigError naming the first that is not."""
+    for name, (value, kind) in values.items():
+        if value is not None and not isinstance(value, kind):
+            raise ConfigError(f"{name} must be a {kind.__module__}.{kind.__name__} or None, "
+                              f"not {type(value).__name__}.")
 
 
 def machine_rates(hardware: Hardware, speed_probe: bool | None = None, *, refresh: bool = False) -> Rates:
@@ -165,6 +211,8 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     """:func:`~gguf_mcv.planning.planner.choose` for one local model file and its projector
     (shapes from their headers). ``rates``, the speed limits and ``vision_backend`` work as
     in :func:`plan`."""
+    check_request(vision_backend=vision_backend, **{k: v for k, v in options.items() if k in _REQUEST_SETTINGS})
+    _check_given(hardware=(hardware, Hardware), rates=(options.get("rates"), Rates))
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
     info = classify_gguf(os.path.basename(os.fspath(model_path)))
     quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
@@ -172,8 +220,18 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
                     mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
-                    **{**options, **vision_inputs(vision_backend, mmproj_path), "quant": quant})
+                    **{"model": _generation(projector), **options, **vision_inputs(vision_backend, mmproj_path),
+                       "quant": quant})
     return replace(result, model=os.fspath(model_path))
+
+
+def _generation(projector: ProjectorHeader) -> str:
+    """The catalog name of the generation a local projector belongs to ("" when the catalog has
+    none of its kind): a refusal then does not suggest that generation as a smaller model."""
+    for entry in load_catalog().entries():
+        if (entry.projector_type, entry.minicpmv_version) == (projector.projector_type, projector.minicpmv_version):
+            return entry.name
+    return ""
 
 
 def pull(
@@ -203,6 +261,11 @@ def pull(
     (the plan counts their memory).
     ``n_ctx``/``kv_cache_type`` as in :func:`plan`: the returned ``plan`` holds what to load with.
     """
+    check_plan(model, revision=revision, ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
+               kv_cache_type=kv_cache_type, min_tokens_per_s=min_tokens_per_s,
+               max_first_answer_s=max_first_answer_s, vision_backend=vision_backend, vision_weights=vision_weights)
+    if progress is not None and not isinstance(progress, bool):
+        raise ConfigError(f"progress must be True, False or None, not {progress!r}.")
     planned = None
     limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
     limited = min_tokens_per_s is not None or max_first_answer_s is not None

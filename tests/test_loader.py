@@ -272,3 +272,39 @@ def test_a_plan_with_mapped_vision_weights_is_carried_out_as_planned(tiny) -> No
         load_tiny(tiny, vision_backend="onnx-int8", ram_budget=packed - 1, vision_weights="packed")
     with pytest.raises(ConfigError, match="vision_weights"):
         load_tiny(tiny, vision_weights="disk")
+
+
+@pytest.fixture(scope="module")
+def tiny46(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny MiniCPM-V 4.6 preset (the generation suggested as the smaller model)."""
+    from gguf_mcv.testing import synthetic
+
+    return synthetic.build(tmp_path_factory.mktemp("tiny46"), synthetic.PRESETS["4.6"], ["Q4_K_M"])
+
+
+def refusal(files, **kw) -> str:
+    with pytest.raises(NoQuantFitsError) as info:
+        gguf_mcv.load(model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, **kw)
+    return str(info.value)
+
+
+def test_a_refusal_of_local_files_suggests_another_generation_only(tiny, tiny46) -> None:
+    own = refusal(tiny46, ram_budget="1MB")
+    assert "a smaller quant of this model" in own and "minicpm-v-4.6" not in own
+    other = refusal(tiny, ram_budget="1MB")  # a 2.6: 4.6 is another, smaller generation
+    assert "a smaller quant of this model" in other and "a smaller model, e.g. minicpm-v-4.6" in other
+
+
+def test_a_refusal_offers_mapped_vision_weights_when_that_alone_fits(tiny46) -> None:
+    settings = dict(n_ctx=4096, kv_cache_type="f16", vision_backend="onnx-int8")
+    packed = local_plan(tiny46, vision_weights="packed", **settings).predicted_bytes
+    mapped = local_plan(tiny46, vision_weights="mapped", **settings).predicted_bytes
+    assert mapped < packed
+    fits = refusal(tiny46, ram_budget=mapped, vision_weights="packed", **settings)
+    assert f"vision_weights='mapped' reads the encoder's weights from their file (slices ~25 % slower): " \
+           f"Q4_K_M then needs {gguf_mcv.format_size(mapped)} (fits)" in fits
+    short = refusal(tiny46, ram_budget=mapped - 1, vision_weights="packed", **settings)
+    assert "vision_weights='mapped'" in short and "(still does not fit)" in short
+    # libmtmd reads the mmproj into its own buffers: nothing to map
+    assert "vision_weights='mapped'" not in refusal(tiny46, ram_budget="1MB", vision_backend="llama.cpp", **{
+        k: v for k, v in settings.items() if k != "vision_backend"})

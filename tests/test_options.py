@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gguf_mcv import ConfigError, MediaError, Sampling
 from gguf_mcv.options import LoadOptions, check_text, max_threads, stop_list
@@ -75,3 +77,43 @@ def test_parallel_is_a_slot_count_or_auto(bad) -> None:
     with pytest.raises(ConfigError, match="parallel"):
         LoadOptions(parallel=bad)
     assert LoadOptions(parallel="auto").parallel == "auto" and LoadOptions(parallel=64).parallel == 64
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), 2**1024])
+def test_an_int_past_floats_range_is_a_config_error_not_an_overflow(value: int) -> None:
+    from gguf_mcv.options import check_number
+
+    with pytest.raises(ConfigError, match="x must be a finite number, not an integer of"):
+        check_number("x", value)
+    with pytest.raises(ConfigError, match="temperature"):
+        Sampling(temperature=value)
+
+
+@given(st.text(max_size=40) | st.from_regex(r"(rtsp|http|udp)://[\w@:\[\]./?#-]{0,30}", fullmatch=True))
+@settings(max_examples=300, deadline=None)
+def test_any_url_text_is_split_or_refused_with_a_config_error(text: str) -> None:
+    """urllib's ValueError (a bad port, an unclosed bracket) never escapes: a ConfigError instead."""
+    from gguf_mcv.options import check_url
+
+    try:
+        parts = check_url("source", text, host_for=("rtsp", "http"))
+    except ConfigError as exc:
+        assert "secret" not in str(exc)
+        return
+    assert parts.port is None or 1 <= parts.port <= 65535
+    if parts.scheme.lower() in ("rtsp", "http"):
+        assert parts.hostname
+
+
+@pytest.mark.parametrize("url,match", [
+    ("rtsp://cam:99999/live", "Port out of range"), ("rtsp://[::1", "Invalid IPv6"),
+    ("http://host:abc/", "Port could not be cast"), ("rtsp://:554/x", "names no host"),
+    ("http://h:0/", "port 0"),
+])
+def test_bad_urls_are_refused_with_the_reason_and_no_password(url: str, match: str) -> None:
+    from gguf_mcv.options import check_url
+
+    with pytest.raises(ConfigError, match=match) as info:
+        check_url("source", url.replace("://", "://admin:secret@"), host_for=("rtsp", "http"))
+    assert "secret" not in str(info.value) and "***@" in str(info.value)
+    assert check_url("source", "rtsp://[::1]:8554/live", host_for=("rtsp",)).port == 8554

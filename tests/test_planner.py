@@ -16,6 +16,7 @@ from gguf_mcv.models.quants import quality_rank
 from gguf_mcv.planning import memory, planner, speed
 from gguf_mcv.planning.memory import TextShape
 from gguf_mcv.planning.planner import QuantCandidate, choose
+from gguf_mcv.units import format_size
 
 GB = 10**9
 GiB = 2**30
@@ -697,12 +698,7 @@ PI4_2GB = machine(2 * GB, int(1.7 * GB), board="Raspberry Pi 4 Model B Rev 1.5",
 
 def plan_46_catalog(hw: Hardware, **kw) -> planner.Plan:
     """minicpm-v-4.6 from the catalog, where onnxruntime imports (the int8 encoder may run)."""
-    from gguf_mcv.models.catalog import lookup
-
-    entry = lookup("minicpm-v-4.6")
-    assert entry is not None
-    return choose(planner.candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
-                  mmproj_size=entry.mmproj.size, hardware=hw, onnxruntime="1.32.0", model=entry.name, **kw)
+    return plan_catalog("minicpm-v-4.6", hw, **kw)
 
 
 def test_a_2gb_board_runs_minicpm_v_46_with_the_int8_encoder_reading_a_mapped_file() -> None:
@@ -750,3 +746,38 @@ def test_vision_weights_given_are_kept() -> None:
         plan_46_catalog(PI4_2GB, vision_weights="packed")
     with pytest.raises(ConfigError, match="vision_weights"):
         plan_46_catalog(PI4_2GB, vision_weights="disk")
+
+
+def plan_catalog(name: str, hw: Hardware, **kw) -> planner.Plan:
+    """A catalog model planned where onnxruntime imports (the int8 encoder may run)."""
+    from gguf_mcv.models.catalog import lookup
+
+    entry = lookup(name)
+    assert entry is not None
+    return choose(planner.candidates_from(entry.quants), arch=entry.arch, vision=entry.vision,
+                  mmproj_size=entry.mmproj.size, hardware=hw, onnxruntime="1.32.0", model=entry.name, **kw)
+
+
+def test_a_variant_is_not_suggested_as_the_smaller_model_of_its_own_generation() -> None:
+    for name in ("minicpm-v-4.6", "minicpm-v-4.6-thinking"):
+        with pytest.raises(NoQuantFitsError) as info:
+            plan_catalog(name, PI4_2GB, ram_budget="0.5GB")
+        assert "a smaller model" not in str(info.value)
+        with pytest.raises(NoQuantFitsError) as info:  # too slow: the same rule
+            plan_catalog(name, PI5_8GB, rates=RATES, min_tokens_per_s=1e6)
+        assert "a smaller model" not in str(info.value) and "relax the limits" in str(info.value)
+
+
+def test_a_refusal_offers_mapped_vision_weights_with_their_computed_need() -> None:
+    fixed = dict(n_ctx=4096, kv_cache_type="f16", quant="Q4_0", must_fit=True, vision_backend="onnx-int8")
+    packed = plan_46_catalog(PI4_2GB, ram_budget="100GB", vision_weights="packed", **fixed).predicted_bytes
+    mapped = plan_46_catalog(PI4_2GB, ram_budget="100GB", vision_weights="mapped", **fixed).predicted_bytes
+    assert mapped < packed
+    for budget, verdict in ((mapped, "fits"), (mapped - 1, "still does not fit")):
+        with pytest.raises(NoQuantFitsError) as info:  # packed was asked for: never mapped on its own
+            plan_46_catalog(PI4_2GB, ram_budget=budget, vision_weights="packed", **fixed)
+        assert f"vision_weights='mapped' reads the encoder's weights from their file (slices ~25 % slower): " \
+               f"Q4_0 then needs {format_size(mapped)} ({verdict})" in str(info.value)
+    with pytest.raises(NoQuantFitsError) as info:  # already mapped: nothing more to offer
+        plan_46_catalog(PI4_2GB, ram_budget=mapped - 1, vision_weights="mapped", **fixed)
+    assert "vision_weights='mapped'" not in str(info.value)

@@ -21,16 +21,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from .. import progress
-from ..errors import ModelClosedError
+from ..errors import ConfigError, ModelClosedError, OutputError
+from ..options import DETAILS, check_int, check_max_tokens, check_sampling, check_text, stop_list
+from ..prompt.turns import VideoOptions
 from ..reply import parsed_as_json
+from ..vision.slicing import MAX_SLICES
 from .batch_input import Item, collect, for_model, load_schema, model_identity
 from .batch_output import ResultsFile
 
 if TYPE_CHECKING:
     from ..model import Model
 
-__all__ = ["Item", "Summary", "answer", "collect", "load_schema", "pending", "progress_bar", "run",
-           "run_items", "error_row"]
+__all__ = ["Item", "Summary", "answer", "check_options", "check_out", "collect", "load_schema", "pending",
+           "progress_bar", "run", "run_items", "error_row"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,60 @@ def run(model: "Model", source: str | os.PathLike, out: str | os.PathLike, *, pr
     """Answer every item of ``source`` (see :func:`~gguf_mcv.jobs.batch_input.collect`) with ``model``
     into the JSONL file ``out``, skipping items already there. ``options`` (``max_tokens``,
     ``detail``, ``temperature``, ``max_frames``, …) apply to every item; rows may override
-    them. ``progress`` shows a tqdm bar (None: when stderr is a terminal)."""
+    them. ``progress`` shows a tqdm bar (None: when stderr is a terminal). A bad value in
+    ``options`` or ``out`` raises (:func:`check_options`, :func:`check_out`) before any item is read."""
+    options = check_options(options)
+    check_out(out)
     items = collect(source, prompts=prompts, schema=schema, options=options)
     return run_items(model, items, out, progress=progress)
+
+
+def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """A job's ``options`` (what every item is asked with; None keeps a default) checked as each
+    answer checks them, so that a bad value stops the job before a model is loaded instead of
+    becoming every row's error: :class:`~gguf_mcv.errors.ConfigError` naming it. Unknown names are
+    :func:`collect`'s to refuse. Returned unchanged (None: ``{}``)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ConfigError(f"options must be a dict of answer options, not {type(options).__name__}.")
+    given = {k: v for k, v in options.items() if v is not None}
+    if "max_tokens" in given:
+        check_max_tokens(given["max_tokens"])
+    check_sampling(**{k: v for k, v in given.items() if k in _SAMPLING})
+    if "stop" in given:
+        stop_list(given["stop"])
+    if "system" in given:
+        check_text("system", given["system"])
+    if "detail" in given and (not isinstance(given["detail"], str) or given["detail"] not in DETAILS):
+        raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {given['detail']!r}.")
+    if "max_slices" in given:
+        check_int("max_slices", given["max_slices"], low=0, high=MAX_SLICES)
+    video = {k: v for k, v in given.items() if k in _VIDEO}
+    for flag in ("dedupe", "timestamps"):
+        if flag in video and not isinstance(video[flag], bool):
+            raise ConfigError(f"{flag} must be True or False, not {video[flag]!r}.")
+    VideoOptions(**video)
+    return options
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """The results path checked without touching it: :class:`~gguf_mcv.errors.OutputError` for a
+    folder or a file whose folder does not exist (what :class:`ResultsFile` would refuse later)."""
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
+        raise OutputError(f"out must be a file path (results are JSONL), not {out!r:.60}.")
+    path = Path(os.fsdecode(os.fspath(out))).expanduser()
+    if path.is_dir():
+        raise OutputError(f"Results path {path} is a folder: give a file name such as {path / 'results.jsonl'}.")
+    if not path.parent.is_dir():
+        raise OutputError(f"Results path {path}: the folder {path.parent} does not exist; create it first.")
+    return path
+
+
+#: The job options :func:`check_options` checks as :class:`~gguf_mcv.options.Sampling` and
+#: :class:`~gguf_mcv.prompt.turns.VideoOptions` do.
+_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"})
+_VIDEO = frozenset({"max_frames", "fps", "dedupe", "timestamps"})
 
 
 def run_items(model: "Model", items: Sequence[Item], out: str | os.PathLike, *,

@@ -69,7 +69,7 @@ from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import Hardware
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
-from ..options import MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
+from ..options import DETAILS, MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
 from ..units import format_size, parse_size
 from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
 from . import memory, speed
@@ -363,19 +363,19 @@ def choose(
     and ``int8_cosine`` a cached conversion's int8 check, as
     :func:`~gguf_mcv.vision.vision_backends.choose_setup` takes them (the resolver gathers them).
     """
-    if prefer not in PREFERENCES:
-        raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
+    check_request(ram_budget=ram_budget, n_ctx=n_ctx, kv_cache_type=kv_cache_type, quant=quant, prefer=prefer,
+                  detail=detail, min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
+                  vision_backend=vision_backend, vision_weights=vision_weights)
     may_shrink = (n_ctx is None, kv_cache_type is None)
-    n_ctx = constants.DEFAULT_N_CTX if n_ctx is None else check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+    n_ctx = constants.DEFAULT_N_CTX if n_ctx is None else n_ctx
     cands = _dedupe(candidates)
     if not cands:
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
     ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type or "f16", image_tokens, budget)
-    check_vision_backend(vision_backend)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     ctx.vision_moves, ctx.int8_cosine, ctx.model = vision_moves, int8_cosine, model
-    ctx.vision_mapped = check_vision_weights(vision_weights) == "mapped"
+    ctx.vision_mapped = vision_weights == "mapped"
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     want = _wanted(quant, cands)
     evaluated = _evaluate_all(cands, ctx)
@@ -394,6 +394,35 @@ def choose(
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
     return replace(plan, shrunk=shrunk, image_detail=ctx.detail,
                    high_detail_extra=max(0, high - plan.estimate.images) if ctx.detail != "high" else 0)
+
+
+def check_request(*, ram_budget: Any = None, n_ctx: Any = None, kv_cache_type: Any = None, quant: Any = None,
+                  prefer: Any = "quality", detail: Any = "auto", min_tokens_per_s: Any = None,
+                  max_first_answer_s: Any = None, vision_backend: Any = "auto", vision_weights: Any = None) -> None:
+    """The settings a plan is asked for, checked without any I/O (no probe, file or network):
+    :class:`~gguf_mcv.errors.ConfigError` naming the first bad one and what is allowed.
+    :func:`choose` runs it first; :func:`gguf_mcv.plan`, ``pull`` and ``load`` run it before
+    they probe the machine, ask the Hub or read a file."""
+    if prefer not in PREFERENCES:
+        raise ConfigError(f"prefer must be one of {', '.join(PREFERENCES)}, not {prefer!r}.")
+    if n_ctx is not None:
+        check_int("n_ctx", n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)
+    if kv_cache_type is not None and (not isinstance(kv_cache_type, str)
+                                      or kv_cache_type not in memory.KV_BYTES_PER_ELEMENT):
+        raise ConfigError(f"kv_cache_type must be one of {', '.join(memory.KV_BYTES_PER_ELEMENT)} or None, "
+                          f"not {kv_cache_type!r}.")
+    if quant is not None:
+        if not isinstance(quant, str):
+            raise ConfigError(f"quant must be a quantization name such as 'Q4_K_M', not {type(quant).__name__}.")
+        normalize_quant(quant)
+    if ram_budget is not None:
+        parse_size(ram_budget)
+    if not isinstance(detail, str) or detail not in DETAILS:
+        raise ConfigError(f"detail must be one of {', '.join(DETAILS)}, not {detail!r}.")
+    speed.check_limit("min_tokens_per_s", min_tokens_per_s)
+    speed.check_limit("max_first_answer_s", max_first_answer_s)
+    check_vision_backend(vision_backend)
+    check_vision_weights(vision_weights)
 
 
 def candidates_from(quants: Mapping[str, Any]) -> list[QuantCandidate]:
@@ -423,8 +452,6 @@ def default_image_tokens(vision: VisionShape | None = None) -> int:
 
 
 def _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget) -> _Context:
-    if kv_cache_type not in memory.KV_BYTES_PER_ELEMENT:
-        raise ConfigError(f"kv_cache_type must be one of {', '.join(memory.KV_BYTES_PER_ELEMENT)}.")
     ctx = _Context(arch=arch, vision=vision or VisionShape(),
                    mmproj_size=mmproj_size, hardware=hardware, n_ctx=n_ctx,
                    kv_cache_type=kv_cache_type,
@@ -608,14 +635,13 @@ def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
 
 def _speed_context(ctx: _Context, rates: speed.Rates | None, detail: str, min_tokens_per_s: Any,
                    max_first_answer_s: Any) -> None:
-    ctx.min_tokens_per_s = speed.check_limit("min_tokens_per_s", min_tokens_per_s)
-    ctx.max_first_answer_s = speed.check_limit("max_first_answer_s", max_first_answer_s)
+    ctx.min_tokens_per_s = None if min_tokens_per_s is None else float(min_tokens_per_s)  # checked: check_request
+    ctx.max_first_answer_s = None if max_first_answer_s is None else float(max_first_answer_s)
     if rates is not None and not isinstance(rates, speed.Rates):
         raise ConfigError(f"rates must be a gguf_mcv.planning.speed.Rates, not {type(rates).__name__}.")
     if ctx.limited and rates is None:
         raise ConfigError("Speed limits need the machine's rates: pass rates= "
                           "(gguf_mcv.runtime.speed_probe.rates()).")
-    speed.photo_slices(detail)  # checks detail
     ctx.rates, ctx.detail = rates, detail
 
 
@@ -667,7 +693,9 @@ def _too_slow_message(fitting: list[_Evaluated], ctx: _Context) -> str:
         lines.append(f"- the quickest first answer is {quickest.quant}'s, {q.first_answer_s:.0f} s.")
     if ctx.detail != "low":
         lines.append("- detail='low' encodes a photo in one slice instead of several.")
-    lines.append(f"- a smaller model, e.g. {', '.join(SMALLER_MODELS)}, or relax the limits.")
+    smaller = _smaller_models(ctx)
+    lines.append(f"- a smaller model, e.g. {', '.join(smaller)}, or relax the limits." if smaller
+                 else "- relax the limits.")
     return "\n".join(lines)
 
 
@@ -789,11 +817,30 @@ def _nothing_fits_message(evaluated, ctx: _Context, *, asked: bool = False) -> s
         verdict = "fits" if int8.needed <= ctx.budget else "still does not fit"
         lines.append(f"- vision_backend='onnx-int8' (or 'auto') runs the encoder in int8: {c.quant} then "
                      f"needs {format_size(int8.needed)} ({verdict}).")
-    smaller = [m for m in SMALLER_MODELS if m != ctx.model]
+    mapped = _mapped_vision(c, ctx, s)
+    if mapped is not None:
+        verdict = "fits" if mapped.needed <= ctx.budget else "still does not fit"
+        lines.append(f"- vision_weights='mapped' reads the encoder's weights from their file (slices ~25 % "
+                     f"slower): {c.quant} then needs {format_size(mapped.needed)} ({verdict}).")
+    smaller = _smaller_models(ctx)
     if smaller:
         lines.append(f"- a smaller model, e.g. {', '.join(smaller)} (about 0.5 GB in Q4_K_M).")
     lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
     return "\n".join(lines)
+
+
+def _smaller_models(ctx: _Context) -> list[str]:
+    """:data:`SMALLER_MODELS` less the generation planned for (a variant such as
+    ``minicpm-v-4.6-thinking`` is its generation's size: not a smaller model either)."""
+    return [m for m in SMALLER_MODELS if not (ctx.model == m or ctx.model.startswith(m + "-"))]
+
+
+def _mapped_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:
+    """``c``'s estimate with the ONNX encoder's weights read from their mapped file, when the
+    plan packed them (None when they are mapped already, or libmtmd runs the encoder)."""
+    if ctx.vision_mapped or not s.vision_backend.startswith("onnx-"):
+        return None
+    return _estimate(c, replace(ctx, vision_mapped=True), s)
 
 
 def _smaller_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:

@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..models.quants import BITS_PER_WEIGHT
 from ..models.shapes import TextShape, VisionShape
+from ..options import check_number
 from ..vision.slicing import AUTO_MAX_SLICES_CPU, AUTO_MAX_SLICES_GPU, DETAILS, MAX_SLICES, count_slices, fit_slices
 from . import memory
 
@@ -439,9 +440,15 @@ def check_limit(name: str, value: Any) -> float | None:
     """A speed limit as a positive finite float, or None; ConfigError for anything else."""
     if value is None:
         return None
-    if not _number(value) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive number, not {value!r}.")
-    return float(value)
+    try:
+        number = check_number(name, value)
+    except ConfigError:
+        number = math.nan
+    if not number > 0:
+        huge = isinstance(value, int) and value.bit_length() > 128  # repr() fails past 4300 digits
+        shown = f"an integer of {value.bit_length()} bits" if huge else repr(value)[:60]
+        raise ConfigError(f"{name} must be a positive number, not {shown}.")
+    return number
 
 
 #: The per-type tables that scale with each general rate in :func:`scaled`.

@@ -28,7 +28,7 @@ from typing import Any, Protocol, Union
 import numpy as np
 
 from ..errors import ConfigError, GgufMcvError, MediaError, SourceError, SourceLostError
-from ..options import check_number
+from ..options import check_number, check_url
 from ..vision.media import load_image, local_path, regular_file
 
 SourceInput = Union[int, str, os.PathLike, Iterable[Any]]
@@ -145,14 +145,15 @@ def classify(text: str) -> tuple[str, int | str]:
         raise ConfigError(f"source must be {ACCEPTED_SOURCES}, not an empty string.")
     if text.strip().isdigit():
         return "camera", int(text.strip())
-    scheme = urllib.parse.urlsplit(text).scheme.lower()
+    parts = check_url("source", text, host_for=STREAM_SCHEMES)  # a bad port or bracket: ConfigError now
+    scheme = parts.scheme.lower()
     if scheme in STREAM_SCHEMES:
         return "stream", text
     if len(scheme) > 1 and scheme != "file":
         raise ConfigError(f"Unsupported stream URL scheme {scheme!r} in {redact(text)}: use "
                           f"{', '.join(s + '://' for s in STREAM_SCHEMES)}.")
     if scheme == "file":
-        text = urllib.parse.unquote(urllib.parse.urlsplit(text).path)
+        text = urllib.parse.unquote(parts.path)
     if re.fullmatch(r"/dev/video\d+", text):
         return "camera", text
     try:
