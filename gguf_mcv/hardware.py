@@ -1,12 +1,12 @@
 """Describe the machine: RAM after container limits, CPU cores, board, GPU, free disk.
 
-Every file the probe reads goes through :func:`_read`, relative to a root folder
+Every file the probe reads goes through :func:`gguf_mcv.cgroups.read`, relative to a root folder
 (``/`` unless ``GGUF_MCV_HW_ROOT`` or the ``root`` argument says otherwise), so a
 fake tree of ``proc/``, ``sys/`` and ``etc/`` files can describe any machine: a
 4 GB Raspberry Pi on a 24 GB laptop, in tests or to preview what the planner would
 pick. On the real root psutil supplies RAM and core counts; under a fake root they
 come from the tree's ``proc/meminfo`` and ``proc/cpuinfo``. Container limits
-always come from the cgroup files.
+always come from the cgroup files (:mod:`gguf_mcv.cgroups`).
 
 Two facts are not files on a real machine, so a fake tree spells them out:
 
@@ -35,6 +35,9 @@ from pathlib import Path
 import psutil
 
 from gguf_mcv import constants
+from gguf_mcv.cgroups import cgroup_dirs, key_values, memory_limit
+from gguf_mcv.cgroups import read as _read
+from gguf_mcv.cgroups import read_int as _int
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.units import format_size, parse_size
 
@@ -46,6 +49,16 @@ FAKE_PLATFORM = "_fake/platform"
 
 _NVIDIA_SMI_ARGS = ("--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits")
 _MIB = 2**20
+
+#: Kept back from the host's free RAM by a default budget: max(10 %, 300 MB) -- the OS, page
+#: cache and whatever else starts later need room, and predictions are within ~5 %.
+OS_RESERVE_FRACTION = 0.10
+OS_RESERVE_MIN = 300_000_000
+#: Kept back from what a container's memory limit leaves: no OS lives inside the limit, only
+#: the kernel memory the run causes beyond its RSS (page tables, thread stacks, slab, sockets)
+#: and the ~5 % the memory model misses by (docs/models-and-planning.md, "Where the budget
+#: comes from", has the measurements).
+CONTAINER_RESERVE = 64 * _MIB
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,7 @@ class Hardware:
     system: str  #: ``"Linux"``, ``"Darwin"``, ``"Windows"``
     machine: str  #: ``"x86_64"``, ``"aarch64"``, ``"arm64"``, ...
     total_ram: int  #: physical RAM, lowered to the container's memory limit
-    available_ram: int  #: RAM free for a model now, after the container's own usage
+    available_ram: int  #: RAM free for a model now: the host's, or less where a cgroup limit leaves less
     memory_limit_source: str | None  #: ``"cgroup v2"``, ``"cgroup v1"`` or None (no limit)
     physical_cores: int
     performance_cores: int | None  #: big cores on big.LITTLE / hybrid CPUs, else None
@@ -88,6 +101,8 @@ class Hardware:
     gpu_offload_note: str | None  #: why it cannot, when it cannot
     cache_dir: Path  #: where models are downloaded
     free_disk: int | None  #: free bytes on cache_dir's file system, None if unknown
+    #: The host's (or VM's) free RAM where a cgroup memory limit applies, else None.
+    host_available_ram: int | None = None
 
     @property
     def gpu(self) -> Gpu | None:
@@ -98,6 +113,19 @@ class Hardware:
     def unified_memory(self) -> bool:
         """True when the GPU shares system RAM, so offloading frees no RAM."""
         return any(g.unified for g in self.gpus)
+
+    @property
+    def ram_reserve(self) -> int:
+        """What a default RAM budget keeps back from ``available_ram``.
+
+        The host's free RAM keeps an OS reserve (:data:`OS_RESERVE_FRACTION`, at least
+        :data:`OS_RESERVE_MIN`); what a cgroup limit leaves keeps only :data:`CONTAINER_RESERVE`.
+        The budget is the smaller of the two.
+        """
+        host = self.available_ram if self.host_available_ram is None else self.host_available_ram
+        by_host = host - max(int(host * OS_RESERVE_FRACTION), OS_RESERVE_MIN)
+        by_limit = by_host if self.host_available_ram is None else self.available_ram - CONTAINER_RESERVE
+        return self.available_ram - max(0, min(by_host, by_limit))
 
     @property
     def recommended_threads(self) -> int:
@@ -145,11 +173,13 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
     real = root.resolve() == Path("/").resolve()
     system, machine = _platform(root, real)
     total, available = _host_memory(root, real)
-    limit_source = None
-    limit = _memory_limit(root, total)
+    limit_source, host_available = None, None
+    # psutil reports the host's RAM even inside a container, where the kernel kills the
+    # process at the cgroup limit long before host RAM runs out.
+    limit = memory_limit(root, total)
     if limit is not None:
-        limit_bytes, headroom, limit_source = limit
-        total, available = min(total, limit_bytes), min(available, headroom)
+        limit_source, host_available = limit.source, available
+        total, available = min(total, limit.limit), min(available, limit.headroom)
     speeds = _core_speeds(root)
     physical = _physical_cores(root, real, speeds)
     performance = _performance_cores(speeds)
@@ -175,26 +205,11 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
         gpu_offload_note=note,
         cache_dir=cache,
         free_disk=_free_disk(cache),
+        host_available_ram=host_available,
     )
 
 
 # --- reading files ------------------------------------------------------------------
-
-
-def _read(root: Path, rel: str) -> str | None:
-    """The text of ``root/rel``, or None when it is missing or unreadable."""
-    try:
-        return (root / rel).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-
-
-def _int(text: str | None) -> int | None:
-    """An integer file's value; None for missing, ``max`` or garbage."""
-    try:
-        return int((text or "").strip())
-    except ValueError:
-        return None
 
 
 def _cpu_list(text: str | None) -> list[int]:
@@ -222,7 +237,7 @@ def _host_memory(root: Path, real: bool) -> tuple[int, int]:
     if real:
         vm = psutil.virtual_memory()
         return vm.total, vm.available
-    info = _key_values(_read(root, "proc/meminfo"))
+    info = key_values(_read(root, "proc/meminfo"))
     if "MemTotal" not in info:
         raise ConfigError(
             f"hardware root {root} has no readable proc/meminfo; ${constants.ENV_HW_ROOT} "
@@ -233,79 +248,19 @@ def _host_memory(root: Path, real: bool) -> tuple[int, int]:
     return info["MemTotal"] * 1024, info.get("MemAvailable", fallback) * 1024
 
 
-def _key_values(text: str | None) -> dict[str, int]:
-    """``proc/meminfo`` and ``memory.stat`` lines (``Key: 123 kB`` / ``key 123``) as a dict."""
-    values = {}
-    for line in (text or "").splitlines():
-        fields = line.replace(":", " ").split()
-        if len(fields) >= 2 and fields[1].isdigit():
-            values[fields[0]] = int(fields[1])
-    return values
-
-
-# (label, mount, v1 controller, limit file, usage file, reclaimable page cache in memory.stat)
-_MEMORY_CGROUPS = (
-    ("cgroup v2", "sys/fs/cgroup", "", "memory.max", "memory.current", "inactive_file"),
-    ("cgroup v1", "sys/fs/cgroup/memory", "memory", "memory.limit_in_bytes",
-     "memory.usage_in_bytes", "total_inactive_file"),
-)  # fmt: skip
-
-
-def _memory_limit(root: Path, host_total: int) -> tuple[int, int, str] | None:
-    """(limit, headroom, source) of the tightest cgroup memory limit, or None.
-
-    psutil reports the host's RAM even inside a container, where the kernel kills
-    the process at the cgroup limit long before host RAM runs out.
-    """
-    for label, mount, controller, limit_file, usage_file, cache_key in _MEMORY_CGROUPS:
-        limits, headrooms = [], []
-        for folder in _cgroup_dirs(root, mount, controller):
-            limit = _int(_read(root, f"{folder}/{limit_file}"))
-            # "max" (v2) reads as None; v1's "unlimited" is a huge page-size-dependent number.
-            if limit is None or limit >= host_total:
-                continue
-            usage = _int(_read(root, f"{folder}/{usage_file}")) or 0
-            # Inactive page cache counts as usage but the kernel drops it before OOM-killing.
-            usage -= _key_values(_read(root, f"{folder}/memory.stat")).get(cache_key, 0)
-            limits.append(limit)
-            headrooms.append(limit - max(0, usage))
-        if limits:
-            return min(limits), max(0, min(headrooms)), label
-    return None
-
-
-def _cgroup_dirs(root: Path, mount: str, controller: str) -> list[str]:
-    """Cgroup folders above this process under ``mount``: its own first, then each parent.
-
-    Limits nest (a Kubernetes pod's limit binds each container in it), so every level
-    counts. ``controller`` names the cgroup v1 hierarchy; "" means cgroup v2.
-    """
-    path = "/"
-    for line in (_read(root, "proc/self/cgroup") or "").splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, cgroup = rest.partition(":")
-        v2_line = hierarchy == "0" and controllers == ""
-        if (not controller and v2_line) or (controller and controller in controllers.split(",")):
-            path = cgroup.strip()
-            break
-    parts = [p for p in path.split("/") if p and p != ".."]
-    # Inside a container the process's own folder may not be mounted; missing levels are skipped.
-    return ["/".join([mount, *parts[:i]]) for i in range(len(parts), -1, -1)]
-
-
 # --- CPU ----------------------------------------------------------------------------
 
 
 def _cpu_quota(root: Path) -> float | None:
     """CPUs the cgroup CPU quota allows (``200000 100000`` → 2.0), or None."""
     quotas = []
-    for folder in _cgroup_dirs(root, "sys/fs/cgroup", ""):
+    for folder in cgroup_dirs(root, "sys/fs/cgroup", ""):
         quota, _, period = (_read(root, f"{folder}/cpu.max") or "").strip().partition(" ")
         q, p = _int(quota), _int(period)  # quota "max" = no quota
         if q and p and q > 0 and p > 0:
             quotas.append(q / p)
     if not quotas:
-        for folder in _cgroup_dirs(root, "sys/fs/cgroup/cpu", "cpu"):
+        for folder in cgroup_dirs(root, "sys/fs/cgroup/cpu", "cpu"):
             q = _int(_read(root, f"{folder}/cpu.cfs_quota_us"))  # -1 = no quota
             p = _int(_read(root, f"{folder}/cpu.cfs_period_us"))
             if q and p and q > 0 and p > 0:

@@ -121,7 +121,7 @@ def test_import_gguf_mcv_stays_light() -> None:
 #: The package's layers, lowest first: a module imports only from its own layer and those before it
 #: (so no path, however indirect, leads back up: the planner never reaches llama.cpp's runtime).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "hardware",
+    ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "cgroups", "hardware",
                 "native_verdict", "children"}),
     ("models", {"models"}),
     ("vision", {"vision"}),

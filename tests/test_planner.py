@@ -140,9 +140,10 @@ def test_container_limit_on_a_big_host_is_the_budget(tmp_path: Path, monkeypatch
     hw = hardware.probe(tmp_path)
     assert hw.total_ram == 3 * GB
     plan = plan_46(hw)
-    assert plan.budget == hw.available_ram - planner.RESERVE_MIN  # 10 % < 300 MB
+    # Inside the limit no OS needs the host's max(10 %, 300 MB): only the container's reserve.
+    assert plan.budget == hw.available_ram - hardware.CONTAINER_RESERVE
     assert plan.quant == "Q8_0"
-    with pytest.raises(NoQuantFitsError, match="budget is 2.6 GB"):
+    with pytest.raises(NoQuantFitsError, match="budget is 2.8 GB"):
         plan_26(hw)
 
 

@@ -23,7 +23,14 @@ and the times. The models are random-weight builds of ``tools/make_test_model.py
 presets (``4.6-bench``, ``bench`` = 2.6), made once under ``--models``::
 
     python tools/bench_edge.py 4.6-bench --limit 1.4GB
+    python tools/bench_edge.py 4.6-bench --limit 1.4GB --probe-budget --same-cgroup
     python tools/bench_edge.py bench --limit 1.4GB 3GB 7GB --json /tmp/edge-26.json
+
+``--same-cgroup`` runs both in one cgroup, as two runs in one container: the model files are
+evicted from the page cache first, so the first run is charged for their pages, and those pages
+are still charged when the second run probes (with ``--probe-budget``: the second must plan as the
+first did). Its OOM kills and peaks are then counted over both runs. ``kernel peak`` is the
+cgroup v1 kernel memory peak (page tables, stacks, slab): the container reserve's measure.
 
 Where no memory cgroup can be made (not root, no writable controller) it says so and
 exits 0 without measuring.
@@ -40,12 +47,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from gguf_mcv.testing.memory_cgroup import MemoryCgroup  # noqa: E402
 
 PHOTO_SIZE = (4000, 3000)  # 12 MP
 VIDEO_FRAMES = 16
@@ -149,91 +157,28 @@ def write_video(path: Path, *, seconds: int = 20, fps: int = 10, size: tuple[int
     return path
 
 
-# --- memory cgroups --------------------------------------------------------------------
-
-
-class Cgroup:
-    """A memory cgroup of its own (v2 when the memory controller is there, else v1)."""
-
-    def __init__(self, folder: Path, version: int, limit: int) -> None:
-        self.folder, self.version, self.limit = folder, version, limit
-
-    @classmethod
-    def make(cls, limit: int) -> Cgroup:
-        """A new cgroup limited to ``limit`` bytes; OSError saying why when none can be made."""
-        name = f"gguf_mcv_edge_{uuid.uuid4().hex[:8]}"
-        v2 = Path("/sys/fs/cgroup")
-        v1 = Path("/sys/fs/cgroup/memory")
-        why = []
-        if "memory" in _read(v2 / "cgroup.controllers").split():
-            if "memory" in _read(v2 / "cgroup.subtree_control").split():
-                return cls._create(v2 / name, 2, "memory.max", limit)
-            why.append("cgroup v2 is mounted but its memory controller is not enabled for children "
-                       "(echo +memory > /sys/fs/cgroup/cgroup.subtree_control)")
-        if (v1 / "memory.limit_in_bytes").exists():
-            return cls._create(v1 / name, 1, "memory.limit_in_bytes", limit)
-        why.append("no cgroup v1 memory controller at /sys/fs/cgroup/memory")
-        raise OSError("; ".join(why))
-
-    @classmethod
-    def _create(cls, folder: Path, version: int, limit_file: str, limit: int) -> Cgroup:
-        folder.mkdir()
-        try:
-            (folder / limit_file).write_text(str(limit))
-            # no swap to spill into either, where the kernel accounts it
-            swap, value = (("memory.memsw.limit_in_bytes", str(limit)) if version == 1 else ("memory.swap.max", "0"))
-            if (folder / swap).exists():
-                (folder / swap).write_text(value)
-        except OSError:
-            folder.rmdir()
-            raise
-        return cls(folder, version, limit)
-
-    def join(self) -> None:
-        """Move the calling process into the cgroup (a child's ``preexec_fn``)."""
-        (self.folder / "cgroup.procs").write_text(str(os.getpid()))
-
-    def peak(self) -> int | None:
-        """The cgroup's peak usage in bytes, page cache included."""
-        text = _read(self.folder / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
-        return int(text) if text.strip().isdigit() else None
-
-    def oom_kills(self) -> int | None:
-        """Processes the kernel OOM-killed in the cgroup (None where the kernel does not say)."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for line in _read(self.folder / name).splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return None
-
-    def remove(self) -> None:
-        for _ in range(50):  # the killed process's exit can take a moment to be accounted
-            try:
-                self.folder.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"warning: could not remove {self.folder}", file=sys.stderr)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 # --- the parent ------------------------------------------------------------------------
 
 
-def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One run in a fresh cgroup of ``limit`` bytes; what the child said and what the cgroup saw."""
-    group = Cgroup.make(limit)
+def measure(files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace,
+            group: MemoryCgroup | None = None) -> dict[str, Any]:
+    """One run in ``group``, else in a fresh cgroup of ``limit`` bytes; what the child said and what
+    the cgroup saw."""
+    if group is not None:
+        return _run_in(group, files, limit, cache, args)
+    group = MemoryCgroup.make(limit, prefix="gguf_mcv_edge")
     try:
         return _run_in(group, files, limit, cache, args)
     finally:  # interrupted or not, the cgroup goes (the child is dead: run() kills it on any exception)
         group.remove()
+
+
+def _evict(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache, so the next cgroup to read them is charged for
+    them (as a fresh container is for the model it downloaded)."""
+    for path in paths:
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _drop_page_cache() -> None:
@@ -248,7 +193,8 @@ def _drop_page_cache() -> None:
               file=sys.stderr)
 
 
-def _run_in(group: Cgroup, files: dict[str, Path], limit: int, cache: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _run_in(group: MemoryCgroup, files: dict[str, Path], limit: int, cache: Path,
+            args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", "--model", str(files["model"]), "--mmproj", str(files["mmproj"]),
                "--photo", str(files["photo"]), "--video", str(files["video"]),
                "--ram-budget", "" if args.probe_budget else str(limit)]
@@ -271,7 +217,8 @@ def _run_in(group: Cgroup, files: dict[str, Path], limit: int, cache: Path, args
             record = json.loads(line)
             stages[record["stage"]] = record
     return {"limit": limit, "exit": 137 if code == -signal.SIGKILL else code, "wall_s": wall, "stages": stages,
-            "cgroup": f"v{group.version}", "cgroup_peak": group.peak(), "oom_kills": group.oom_kills(),
+            "cgroup": f"v{group.version}", "cgroup_peak": group.peak(), "kernel_peak": group.kernel_peak(),
+            "oom_kills": group.oom_kills(),
             "stderr_tail": err[-1500:] if code not in (0, REFUSED) else ""}
 
 
@@ -299,8 +246,9 @@ def row(preset: str, run: str, r: dict[str, Any]) -> str:
     shrunk = f"; shrunk {', '.join(plan['shrunk'])}" if plan.get("shrunk") else ""
     settings = f"n_ctx {plan['n_ctx']}, {plan['vision_backend']}{shrunk}" if plan else ""
     kills = "–" if r["oom_kills"] is None else r["oom_kills"]
-    return (f"| {preset} | {_gb(r['limit'])} | {run} | {verdict} | {kills} "
+    return (f"| {preset} | {_gb(r['limit'])} | {run} | {verdict} | {kills} | {_mb(plan.get('budget'))} "
             f"| {_mb(plan.get('needed'))} / {_mb(plan.get('peak_rss'))} | {_mb(hwm)}{ratio} | {_mb(r['cgroup_peak'])} "
+            f"| {_mb(r.get('kernel_peak'))} "
             f"| {_s(st.get('loaded'))} | {_s(st.get('photo'))} | {_s(st.get('video'))} | {r['wall_s']:.0f} "
             f"| {settings} |")
 
@@ -309,9 +257,9 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:g} GB"
 
 
-HEADER = ("| preset | limit | run | outcome | OOM kills | plan: needs / peak RSS | process peak RSS (vs plan) "
-          "| cgroup peak | load s | photo s | video s | wall s | planned |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| preset | limit | run | outcome | OOM kills | budget | plan: needs / peak RSS | process peak RSS (vs plan) "
+          "| cgroup peak | kernel peak | load s | photo s | video s | wall s | planned |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-budget", action="store_true",
                     help="let load() take its budget from the probe (the cgroup limit less a reserve) "
                          "instead of ram_budget=LIMIT")
+    ap.add_argument("--same-cgroup", action="store_true",
+                    help="run the first and the second run in one cgroup, as two runs in one container: the "
+                         "first run's page cache stays charged when the second probes (the model files are "
+                         "evicted from the page cache before the first, so the cgroup is charged for them)")
     ap.add_argument("--cache", type=Path,
                     help="use (and keep) this gguf_mcv cache folder instead of a fresh empty one per limit; a run "
                          "is a 'first' run only while the folder is empty, else 'cached' (e.g. to measure the "
@@ -351,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown preset {args.preset!r}; one of {', '.join(sorted(PRESETS))}")
     limits = [parse_size(x) for x in args.limit]
     try:
-        Cgroup.make(limits[0]).remove()
+        MemoryCgroup.make(limits[0], prefix="gguf_mcv_edge").remove()
     except OSError as exc:
         print(f"skipped: no memory cgroup can be made here ({exc}); this benchmark needs root and a "
               "cgroup v1 or v2 memory controller.", file=sys.stderr)
@@ -370,17 +322,22 @@ def main(argv: list[str] | None = None) -> int:
     for limit in limits:
         cache = args.cache or Path(tempfile.mkdtemp(prefix="gguf_mcv_edge_cache_"))
         cache.mkdir(parents=True, exist_ok=True)
+        group = MemoryCgroup.make(limit, prefix="gguf_mcv_edge") if args.same_cgroup else None
         try:
+            if group is not None:
+                _evict([files["model"], files["mmproj"]])
             for _ in range(2):
                 run = "cached" if any(cache.iterdir()) else "first"
-                r = measure(files, limit, cache, args)
-                results.append({"preset": args.preset, "run": run, **r})
+                r = measure(files, limit, cache, args, group)
+                results.append({"preset": args.preset, "run": run, "same_cgroup": group is not None, **r})
                 print(row(args.preset, run, r), flush=True)
                 if r["stderr_tail"]:
                     print(f"<!-- stderr: {r['stderr_tail'][-400:]!r} -->", flush=True)
                 if args.json:  # after every run: an interrupted benchmark keeps what it measured
                     args.json.write_text(json.dumps(results, indent=2))
         finally:
+            if group is not None:
+                group.remove()
             if args.cache is None:
                 shutil.rmtree(cache, ignore_errors=True)
     return 0

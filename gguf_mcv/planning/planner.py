@@ -10,8 +10,10 @@ inputs for a model name (the machine, the Hub's file list, the shapes) and calls
 Rules, in order:
 
 * **Budget**: ``ram_budget`` when given (bytes or ``"6GB"``), taken as is; else the
-  machine's available RAM less a safety reserve of max(10 %, 300 MB) -- the OS, page
-  cache and whatever else starts later need room, and predictions are within ~5 %.
+  machine's available RAM less a safety reserve (:attr:`gguf_mcv.hardware.Hardware.ram_reserve`):
+  max(10 %, 300 MB) of the host's free RAM -- the OS, page cache and whatever else starts later
+  need room, and predictions are within ~5 % -- and 64 MiB of what a container's memory limit
+  leaves, where that is less.
 * **Fit**: a quant fits when the memory model's ``needed`` (peak RSS less page cache
   the kernel can drop, plus a long prompt's compute) is at most the budget, and its
   GPU share fits the GPU.
@@ -66,7 +68,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .. import constants
 from ..errors import ConfigError, NoQuantFitsError
-from ..hardware import Hardware
+from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
 from ..options import DETAILS, MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
@@ -76,9 +78,10 @@ from . import memory, speed
 from .speed import Rates, SpeedPrediction
 
 PREFERENCES = ("quality", "speed", "size")
-#: Share of available RAM kept free when no budget is given, and its floor in bytes.
-RESERVE_FRACTION = 0.10
-RESERVE_MIN = 300_000_000
+#: Share of the host's free RAM kept free when no budget is given, and its floor in bytes
+#: (inside a container's memory limit, :attr:`Hardware.ram_reserve` keeps less).
+RESERVE_FRACTION = OS_RESERVE_FRACTION
+RESERVE_MIN = OS_RESERVE_MIN
 #: Share of free VRAM left unused (fragmentation, the display, other processes).
 GPU_HEADROOM = 0.05
 #: The smallest context worth suggesting: one full-detail image plus a short exchange.
@@ -437,7 +440,7 @@ def resolve_budget(hardware: Hardware, ram_budget: int | str | None) -> tuple[in
     if ram_budget is not None:
         budget = parse_size(ram_budget)
         return budget, f"RAM budget {format_size(budget)} (given)."
-    reserve = max(int(hardware.available_ram * RESERVE_FRACTION), RESERVE_MIN)
+    reserve = hardware.ram_reserve
     budget = max(0, hardware.available_ram - reserve)
     return budget, (f"RAM budget {format_size(budget)}: {format_size(hardware.available_ram)} available "
                     f"less a {format_size(reserve)} safety reserve.")
