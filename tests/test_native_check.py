@@ -106,7 +106,7 @@ def test_a_kept_verdict_runs_no_child(fresh: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("damage", ["garbage", "zeroed", "truncated", "directory", "fifo", "huge", "symlink",
-                                    "unreadable", "other machine"])
+                                    "unreadable", "other machine", "deeply nested"])
 def test_a_damaged_verdict_is_checked_again(fresh: Path, damage: str) -> None:
     native_check.decide({"F16"})
     path = next(fresh.glob("*.json"))
@@ -129,6 +129,8 @@ def test_a_damaged_verdict_is_checked_again(fresh: Path, damage: str) -> None:
     elif damage == "unreadable":
         path.write_text(text)
         path.chmod(0)
+    elif damage == "deeply nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)  # 200 KB: json's parser gives up with RecursionError
     elif damage == "other machine":
         path.write_text(text.replace(path.stem, "0" * 24))
     if damage != "unreadable" or os.geteuid() != 0:  # root reads a mode-000 file
