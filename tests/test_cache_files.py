@@ -155,3 +155,20 @@ def test_any_damaged_manifest_is_refused_as_damaged_and_nothing_else(tmp_path: P
         assert json.loads(content)["version"] != 1
     else:  # a flip in the indentation changes no value
         assert found == {**_GOOD, "digest": cache_files.digest_of(_GOOD)}
+
+
+def test_a_deeply_nested_onnx_manifest_is_converted_again(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from gguf_mcv.models.identity import file_identity
+    from gguf_mcv.vision import onnx_vision
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    identity = file_identity(tiny.mmproj)
+    first = onnx_vision.prepare(tiny.mmproj, identity, validate_int8=False)
+    (manifest,) = first.fp32.parent.glob("*.json")
+    manifest.write_text(_nested(100_000, "lists"))
+    assert onnx_vision.known_int8_cosine(identity) is None
+    with caplog.at_level("WARNING"):
+        again = onnx_vision.prepare(tiny.mmproj, identity, validate_int8=False)
+    assert again.convert_s > 0 and len([r for r in caplog.records if "unusable" in r.getMessage()]) == 1
+    assert cache_files.read_manifest(manifest, onnx_vision.MANIFEST_VERSION) is not None  # a good one in its place
