@@ -25,6 +25,7 @@ from .errors import (
     MediaError,
     ModelBusyError,
     ModelClosedError,
+    ModelFileChangedError,
     ModelNotFoundError,
     NativeKernelError,
     NoQuantFitsError,
@@ -69,7 +70,7 @@ __all__ = [
     "Reply", "Sampling", "SavedChatError", "Stream", "Timings", "Turn", "Usage", "VideoOptions", "VideoStats", "load",
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
-__all__ += ["NativeKernelError", "checked_llama"]  # native faults
+__all__ += ["ModelFileChangedError", "NativeKernelError", "checked_llama"]  # native faults, files changed under a model
 __all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs
 __all__ += ["SamplingKeywords"]  # the sampling keywords of every question, for typed wrappers
 __all__ += ["Observation", "SourceError", "SourceLostError", "watch"]  # watching a camera or stream

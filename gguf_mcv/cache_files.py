@@ -64,6 +64,17 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
     return data
 
 
+def read_json(path: str | os.PathLike, limit: int) -> Any:
+    """The JSON value in the regular file ``path`` (:func:`read_regular`): OSError as there;
+    ValueError when it is not UTF-8 JSON, or nests too deep for the parser (a planted
+    ``[[[…]]]`` is damage like any other, never a RecursionError for the caller)."""
+    data = read_regular(path, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("it nests too deeply to be one of ours") from None
+
+
 def is_regular(path: str | os.PathLike) -> bool:
     """Whether ``path`` itself (not a symlink's target) is a regular file."""
     try:
@@ -195,7 +206,7 @@ def read_manifest(path: Path, version: int, limit: int = 1 << 20) -> dict[str, A
     none or it is of another format ``version``; :class:`DamagedManifest` (saying why) when it
     is unusable."""
     try:
-        data = json.loads(read_regular(path, limit).decode("utf-8"))
+        data = read_json(path, limit)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

@@ -6,8 +6,11 @@ users) can change the environment after ``import gguf_mcv``.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from .errors import ConfigError
 
 #: Folder for gguf_mcv's own caches (image embeddings, the self-test model).
 ENV_CACHE = "GGUF_MCV_CACHE"
@@ -54,3 +57,27 @@ ENV_NO_PROBE = "GGUF_MCV_NO_PROBE"
 def no_probe() -> bool:
     """Whether ``$GGUF_MCV_NO_PROBE`` asks for the default speed constants instead of a probe."""
     return os.environ.get(ENV_NO_PROBE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+#: Seconds one path of the native check may run in its child before it counts as hung.
+ENV_NATIVE_TIMEOUT = "GGUF_MCV_NATIVE_TIMEOUT"
+DEFAULT_NATIVE_TIMEOUT_S = 60.0
+#: The longest limit ``$GGUF_MCV_NATIVE_TIMEOUT`` may set: an hour for a path that takes ~0.1 s.
+MAX_NATIVE_TIMEOUT_S = 3600.0
+
+
+def native_timeout() -> float:
+    """``$GGUF_MCV_NATIVE_TIMEOUT`` in seconds (unset or empty: 60); :class:`ConfigError` unless
+    it is a number above 0 and at most :data:`MAX_NATIVE_TIMEOUT_S`."""
+    raw = os.environ.get(ENV_NATIVE_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_NATIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_NATIVE_TIMEOUT_S:  # NaN fails this too
+        raise ConfigError(f"{ENV_NATIVE_TIMEOUT}={raw!r} is not a number of seconds above 0 and at most "
+                          f"{MAX_NATIVE_TIMEOUT_S:g}; set one in that range, or unset it for the default "
+                          f"{DEFAULT_NATIVE_TIMEOUT_S:g}.")
+    return value

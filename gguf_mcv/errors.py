@@ -70,6 +70,15 @@ class NativeKernelError(EngineError):
     alternative is left; the message names the kernel and the rebuild that avoids it."""
 
 
+class ModelFileChangedError(GgufMcvError, RuntimeError):
+    """A file the loaded model reads its weights from (the GGUF, the mmproj, the ONNX encoder's
+    graph or its data) changed on disk since the load; ``path`` names it. Load the model again."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class ServerWorkerError(GgufMcvError, RuntimeError):
     """The server's model worker could not load the model, or died again and again while loading it."""
 

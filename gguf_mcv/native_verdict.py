@@ -36,20 +36,25 @@ MAX_VERDICT_BYTES = 256 * 1024
 @dataclass(frozen=True)
 class Outcome:
     """What one path did in the child: ``ok``, ``error`` (a Python error, not a crash),
-    ``crashed`` (killed by a signal or an abnormal exit), ``hung``, or ``unchecked`` (the check
-    itself could not run: no child could be started, or it failed before any path; such an
-    outcome is never kept on disk, so the next process checks again)."""
+    ``crashed`` (killed by a signal or an abnormal exit), ``hung`` (silent for ``limit_s``
+    seconds: checked again under a longer limit, see :mod:`gguf_mcv.runtime.native_check`), or
+    ``unchecked`` (the check itself could not run: no child could be started, or it failed
+    before any path; such an outcome is never kept on disk, so the next process checks again)."""
 
     status: str
     detail: str = ""
+    limit_s: float | None = None
 
     @property
     def safe(self) -> bool:
         """The path did not take its process down."""
         return self.status in ("ok", "error", "unchecked")
 
-    def to_dict(self) -> dict[str, str]:
-        return {"status": self.status, "detail": self.detail}
+    def to_dict(self) -> dict[str, str | float]:
+        found: dict[str, str | float] = {"status": self.status, "detail": self.detail}
+        if self.limit_s is not None:
+            found["limit_s"] = self.limit_s
+        return found
 
 
 _memo: dict[str, dict[str, Outcome]] = {}
@@ -93,8 +98,15 @@ def read_verdict(path: Path, key: str) -> dict[str, Outcome]:
         if (isinstance(name, str) and isinstance(value, dict)
                 and value.get("status") in ("ok", "error", "crashed", "hung")
                 and isinstance(value.get("detail", ""), str)):
-            found[name] = Outcome(value["status"], value.get("detail", ""))
+            found[name] = Outcome(value["status"], value.get("detail", ""), _limit(value.get("limit_s")))
     return found
+
+
+def _limit(value: object) -> float | None:
+    """A kept limit when it is one (a positive finite number); None (unknown: checked again) else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return None
+    return float(value)
 
 
 def write_verdict(path: Path, key: str, known: dict[str, Outcome]) -> None:

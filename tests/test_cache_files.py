@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gguf_mcv import cache_files
 from gguf_mcv.cache_files import DamagedManifest, NotRegularFile
@@ -94,3 +96,79 @@ def test_a_manifest_is_trusted_only_with_its_digest(tmp_path: Path) -> None:
     path.write_text(json.dumps({"version": 0}))  # another release's: rebuilt, not damage
     assert cache_files.read_manifest(path, 1) is None
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def _nested(depth: int, kind: str) -> str:
+    if kind == "lists":
+        return "[" * depth + "]" * depth
+    if kind == "unclosed":
+        return "[" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("kind", ["lists", "unclosed", "objects"])
+def test_deeply_nested_json_is_damage_not_a_recursion_error(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(_nested(100_000, kind))  # 200 KB of [[[…]]]
+    with pytest.raises(DamagedManifest):
+        cache_files.read_manifest(path, 1)
+    with pytest.raises(ValueError):
+        cache_files.read_json(path, 1 << 20)
+
+
+_GOOD = {"version": 1, "size": 5, "files": {"a.onnx": [10, "ab" * 32]}, "written": 1.5}
+#: Values JSON can carry that a manifest's fields never hold: the wrong type, out of range, not finite.
+_WRONG = ["NaN", "Infinity", "-Infinity", "1e999", "-1e400", "9" * 5000, '"text"', "[]", "{}", "null", "true",
+          "false", "-0", "1.5e308", _nested(5000, "lists")]
+
+
+def _damaged() -> st.SearchStrategy[bytes]:
+    good = (json.dumps({**_GOOD, "digest": cache_files.digest_of(_GOOD)}, indent=1)).encode()
+    truncated = st.integers(0, len(good) - 1).map(lambda n: good[:n])
+    nested = st.builds(_nested, st.integers(1, 150_000), st.sampled_from(["lists", "unclosed", "objects"]))
+    # one field (the digest and the version included) given a value of the wrong kind, digest unchanged
+    wrong = st.builds(lambda key, value: _with(good, key, value), st.sampled_from([*_GOOD, "digest"]),
+                      st.sampled_from(_WRONG))
+    noise = st.binary(max_size=2000)
+    flipped = st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)).map(
+        lambda t: good[:t[0]] + bytes([good[t[0]] ^ t[1]]) + good[t[0] + 1:])
+    return st.one_of(truncated, nested.map(str.encode), wrong, noise, flipped)
+
+
+def _with(good: bytes, key: str, value: str) -> bytes:
+    """``good`` with the value of its top-level ``key`` written as ``value`` (JSON text)."""
+    data = json.loads(good)
+    data[key] = "\x00placeholder"
+    return json.dumps(data, indent=1).replace('"\\u0000placeholder"', value).encode()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=_damaged())
+def test_any_damaged_manifest_is_refused_as_damaged_and_nothing_else(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "m.json"
+    path.write_bytes(content)
+    try:
+        found = cache_files.read_manifest(path, 1)
+    except DamagedManifest:
+        return
+    if found is None:  # a byte flip on the version makes it another release's: rebuilt, not damage
+        assert json.loads(content)["version"] != 1
+    else:  # a flip in the indentation changes no value
+        assert found == {**_GOOD, "digest": cache_files.digest_of(_GOOD)}
+
+
+def test_a_deeply_nested_onnx_manifest_is_converted_again(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from gguf_mcv.models.identity import file_identity
+    from gguf_mcv.vision import onnx_vision
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    identity = file_identity(tiny.mmproj)
+    first = onnx_vision.prepare(tiny.mmproj, identity, validate_int8=False)
+    (manifest,) = first.fp32.parent.glob("*.json")
+    manifest.write_text(_nested(100_000, "lists"))
+    assert onnx_vision.known_int8_cosine(identity) is None
+    with caplog.at_level("WARNING"):
+        again = onnx_vision.prepare(tiny.mmproj, identity, validate_int8=False)
+    assert again.convert_s > 0 and len([r for r in caplog.records if "unusable" in r.getMessage()]) == 1
+    assert cache_files.read_manifest(manifest, onnx_vision.MANIFEST_VERSION) is not None  # a good one in its place

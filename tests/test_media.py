@@ -211,7 +211,7 @@ def test_huge_file_is_refused_quickly_without_reading_it(tmp_path: Path, size: i
                                                          match: str) -> None:
     result = load_in_child(sparse(tmp_path / "big.jpg", size, head))
     assert re.search(match, result["outcome"]), result
-    assert result["seconds"] < 10, result
+    assert result["seconds"] < 60, result  # generous: the memory it grew by is what shows a read
     assert result["grew_mib"] < 200, result  # reading the file would cost its size
 
 

@@ -136,7 +136,7 @@ def test_an_absurd_context_is_refused_or_planned_at_once(hub, tiny) -> None:
     # the largest context that fits is bisected, not walked: a 1M context on a small budget
     with pytest.raises(NoQuantFitsError, match="n_ctx="):
         _plan(_REPO, ram_budget="200MB", n_ctx=2**20)
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 120  # generous: walking took hours
 
 
 

@@ -344,7 +344,7 @@ def test_a_fifo_or_device_is_refused_without_reading(tmp_path) -> None:
             "    try:\n"
             "        saved_chat.read(path, n_vocab=100, n_ctx=100)\n"
             "    except saved_chat.SavedChatError as exc:\n"
-            "        print(round(time.monotonic() - t), str(exc).split(':')[0])\n")
+            "        print(int(time.monotonic() - t > 20), str(exc).split(':')[0])\n")  # generous: a block is forever
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fifo"), "/dev/zero", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env=os.environ)
     assert done.returncode == 0, done.stderr

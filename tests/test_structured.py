@@ -429,7 +429,7 @@ def test_amplifying_schemas_are_refused_at_once(schema) -> None:
     start = time.monotonic()
     with pytest.raises(ConfigError, match=r"at most"):
         structured.constraint(schema)
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 30  # generous: expanding any of these takes minutes or all memory
 
 
 def test_numbers_stay_finite(tiny_model) -> None:

@@ -18,6 +18,7 @@ import ctypes
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Generator, Protocol, Sequence, cast
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..prompt import plaintext
 from ..vision.embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from ..vision.media import Image
 from . import native
+from .file_watch import MappedFiles
 from .sampling import TokenSampler
 from .sequence import (
     ImageUnit,
@@ -57,6 +59,10 @@ class VisionEncoder(Protocol):
 
     def encode(self, image: Image, index: int) -> np.ndarray:
         """Embeddings (tokens × width) of slice ``index`` (0 = the overview) of ``image``."""
+
+    @property
+    def mapped_files(self) -> tuple[Path, ...]:
+        """The files it reads weights from while it encodes (checked before each answer)."""
 
 
 @dataclass
@@ -198,6 +204,8 @@ class Engine:
             self.close()
             raise EngineError(f"{self.mmproj_path} has no vision encoder.")
         self.marker = mtmd_cpp.mtmd_default_marker().decode()
+        #: every file whose weights are mapped: a change is refused before the next answer
+        self.files = MappedFiles([llama.model_path, self.mmproj_path, *(encoder.mapped_files if encoder else ())])
 
     # -- state -----------------------------------------------------------------
 
@@ -271,9 +279,12 @@ class Engine:
 
         Text marked plain (:mod:`gguf_mcv.prompt.plaintext`: what people wrote) is tokenized
         without special tokens, and a marker inside it is text, not an image; the rest
-        (the template's markup) may hold special tokens and the images' markers.
+        (the template's markup) may hold special tokens and the images' markers. Every answer
+        starts here, so here a weights file changed since the load is refused
+        (:class:`~gguf_mcv.errors.ModelFileChangedError`), before anything reads it.
         """
         self._check_open()
+        self.files.check()
         segments = plaintext.split(text)
         n_markers = sum(seg.count(self.marker) for seg, is_plain in segments if not is_plain)
         if n_markers != len(images):

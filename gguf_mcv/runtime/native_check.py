@@ -13,17 +13,21 @@ loaded, :func:`decide` runs the kernels the load will use in a child process:
   through libmtmd, and through ONNX Runtime graphs converted from a tiny mmproj.
 
 A child killed by a signal, or silent past :func:`path_timeout`, marks the path it was
-running as failed; the paths after it run in a new child. A Python error in the child
+running as failed; the paths after it run in a new child. A hang is kept with the limit it ran
+under and checked again by later loads under a longer one (:func:`due`: twice as long, up to
+:data:`HANG_RETRY_CAP_S`, or the variable's when longer), so a slow first run on a busy machine
+is not taken for a fault for good. A Python error in the child
 (llama.cpp refusing a file, say) is not a crash and does not mark a path unsafe: the
 real load then reports it as usual.
 
 Verdicts are kept by :mod:`gguf_mcv.native_verdict`, per machine and build (:func:`fingerprint`:
 CPU model and flags, kernel, Python, llama-cpp-python and onnxruntime versions, the native
 libraries' sizes and times), in ``<cache_dir>/native-check/<fingerprint>.json`` and in memory,
-so a kept verdict costs a few file stats. Delete the folder to check again.
+so a kept verdict costs a few file stats. Delete the folder (or the file a
+:class:`NativeKernelError` names) to check again.
 
-``GGUF_MCV_NATIVE_FAULT`` (for tests) makes the child fail given paths on purpose:
-``"text:Q4_K:extra=SIGILL,vision:onnx-int8=hang"``.
+``GGUF_MCV_NATIVE_FAULT`` (for tests) makes the child fail given paths on purpose, or slow them
+down: ``"text:Q4_K:extra=SIGILL,vision:onnx-int8=hang,text:F16:plain=sleep2"``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import native_verdict
+from .. import constants, native_verdict
 from ..children import child_command, child_env, death
 from ..errors import NativeKernelError
 from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
@@ -64,9 +68,12 @@ from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this modu
 
 logger = logging.getLogger(__name__)
 
-ENV_TIMEOUT = "GGUF_MCV_NATIVE_TIMEOUT"
+ENV_TIMEOUT = constants.ENV_NATIVE_TIMEOUT
 #: Seconds one path may run in the child before it counts as hung (a path takes ~0.1 s).
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = constants.DEFAULT_NATIVE_TIMEOUT_S
+#: A hang is checked again under twice its limit until it has hung under this long a limit
+#: (a longer ``$GGUF_MCV_NATIVE_TIMEOUT`` also checks it again): then it is kept for good.
+HANG_RETRY_CAP_S = 2 * DEFAULT_TIMEOUT_S
 #: What ``vision_backend="auto"`` falls back to when its choice crashes, in order.
 VISION_FALLBACKS = {"onnx-int8": ("onnx-fp32", "llama.cpp"), "onnx-fp32": ("llama.cpp",), "llama.cpp": ()}
 #: The kernels each vision backend runs: int8 is validated against fp32 when converted.
@@ -102,18 +109,38 @@ def outcomes(paths: Iterable[str]) -> dict[str, Outcome]:
     """Each path's :class:`Outcome` on this machine and build: from memory, from the kept
     verdict, or run now in child processes (and kept)."""
     wanted = list(dict.fromkeys(paths))
+    limit = path_timeout()  # a bad value is refused before anything runs
     key = fingerprint()
     with _lock:
         known = kept(key)
-        if any(p not in known for p in wanted):
+        if any(due(known.get(p), limit) is not None for p in wanted):
             path = verdict_path(key)
             with _folder_lock(path.parent, key):
                 known.update(read_verdict(path, key))  # another process may have checked meanwhile
-                missing = [p for p in wanted if p not in known]
-                if missing:
-                    known.update(run_paths(missing))
+                limits = {p: t for p in wanted if (t := due(known.get(p), limit)) is not None}
+                for t in sorted(set(limits.values())):
+                    again = [p for p, u in limits.items() if u == t and p in known]
+                    if again:
+                        logger.info("checking %s again under %g s: it hung under a shorter limit", ", ".join(again), t)
+                    known.update(run_paths([p for p, u in limits.items() if u == t], t))
+                if limits:
                     write_verdict(path, key, known)
         return {p: known[p] for p in wanted}
+
+
+def due(outcome: Outcome | None, limit: float) -> float | None:
+    """The limit to run a path under now, given its kept ``outcome`` and the limit of this
+    process (:func:`path_timeout`): ``limit`` for a path never run; for a hang, the longer of
+    ``limit`` and twice the limit it hung under (at most :data:`HANG_RETRY_CAP_S`) when that
+    is longer than the one it hung under (a hang kept without its limit counts as under 0 s);
+    None when the outcome stands."""
+    if outcome is None:
+        return limit
+    if outcome.status != "hung":
+        return None
+    ran = outcome.limit_s or 0.0
+    longer = max(limit, min(2 * ran, HANG_RETRY_CAP_S))
+    return longer if longer > ran else None
 
 
 @contextlib.contextmanager
@@ -144,12 +171,9 @@ def forget() -> None:
 
 
 def path_timeout() -> float:
-    """Seconds a path may run (``$GGUF_MCV_NATIVE_TIMEOUT``, default 60)."""
-    try:
-        value = float(os.environ.get(ENV_TIMEOUT, ""))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
-    return value if value > 0 else DEFAULT_TIMEOUT_S
+    """Seconds a path may run (``$GGUF_MCV_NATIVE_TIMEOUT``, default 60); :class:`ConfigError`
+    when the variable is not a number of seconds in (0, 3600] (:func:`gguf_mcv.constants.native_timeout`)."""
+    return constants.native_timeout()
 
 
 def run_paths(paths: list[str], timeout: float | None = None) -> dict[str, Outcome]:
@@ -185,7 +209,8 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
     for t in threads:
         t.start()
     current: str | None = None
-    deadline = time.monotonic() + timeout
+    # starting Python and importing llama.cpp is not a path: a short limit must not cut it off
+    deadline = time.monotonic() + max(timeout, DEFAULT_TIMEOUT_S)
     try:
         while True:
             try:
@@ -193,9 +218,10 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
             except queue.Empty:
                 proc.kill()
                 if current is not None:
-                    results[current] = Outcome("hung", f"no result after {timeout:.0f} s")
+                    results[current] = Outcome("hung", f"no result after {timeout:g} s", limit_s=timeout)
                 else:  # the child never started a path: it cannot import what it needs
-                    _unchecked(paths, results, f"its process hung for {timeout:.0f} s before starting")
+                    _unchecked(paths, results,
+                               f"its process hung for {max(timeout, DEFAULT_TIMEOUT_S):g} s before starting")
                 return
             if line is None:
                 break
@@ -265,7 +291,7 @@ def decide(text_types: Iterable[str], vision_backend: str | None = None, *, visi
         if still:
             raise NativeKernelError(
                 f"llama.cpp's CPU kernels crash on this machine for {what}: {_list(text_crashed)}; "
-                f"without the extra buffer types too: {_list(still)}. {rebuild_advice()}")
+                f"without the extra buffer types too: {_list(still)}. {rebuild_advice()} {kept_advice()}")
         notices.append(
             f"llama.cpp's extra buffer types (AMX/repacked kernels) crashed on this machine "
             f"({_list(text_crashed)}): loading without them (use_extra_bufts=False, 0-9 % slower "
@@ -276,11 +302,11 @@ def decide(text_types: Iterable[str], vision_backend: str | None = None, *, visi
         if not vision_auto:
             raise NativeKernelError(
                 f"the {vision_backend} vision encoder crashes on this machine ({_list(vision_crashed)}). "
-                f"Use vision_backend='auto' to fall back to one that works. {rebuild_advice()}")
+                f"Use vision_backend='auto' to fall back to one that works. {rebuild_advice()} {kept_advice()}")
         backend = _first_safe(VISION_FALLBACKS[vision_backend])
         if backend is None:
             raise NativeKernelError(
-                f"no vision encoder runs on this machine ({_list(vision_crashed)}). {rebuild_advice()}")
+                f"no vision encoder runs on this machine ({_list(vision_crashed)}). {rebuild_advice()} {kept_advice()}")
         notices.append(f"the {vision_backend} vision encoder crashed on this machine ({_list(vision_crashed)}): "
                        f"using {backend} instead. {rebuild_advice()}")
     if text_crashed:
@@ -339,6 +365,12 @@ def rebuild_advice() -> str:
             "--no-deps llama-cpp-python")
 
 
+def kept_advice() -> str:
+    """Where this machine's verdict is kept, and how to have it checked again."""
+    return (f"This verdict is kept in {verdict_path(fingerprint())}; delete that file to check again "
+            f"(a hang is checked again by itself under a longer limit, up to {HANG_RETRY_CAP_S:g} s).")
+
+
 def weight_types(model_path: str | os.PathLike) -> set[str]:
     """The ggml type names of a GGUF file's matrices (what llama.cpp's matrix kernels see)."""
     from gguf import GGMLQuantizationType
@@ -359,6 +391,8 @@ def inject_fault(name: str) -> None:
     if fault == "hang":
         while True:
             time.sleep(3600)
+    elif fault and fault.startswith("sleep"):  # a slow path: "sleep2.5" takes 2.5 s, then runs
+        time.sleep(float(fault.removeprefix("sleep")))
     elif fault:
         signal.signal(getattr(signal, fault), signal.SIG_DFL)
         os.kill(os.getpid(), getattr(signal, fault))

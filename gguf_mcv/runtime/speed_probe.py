@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import constants
-from ..cache_files import digest_of, read_regular, write_manifest
+from ..cache_files import digest_of, read_json, write_manifest
 from ..errors import ConfigError, EngineError, GgufMcvError
 from ..hardware import cpu_identity, dist_version
 from ..planning.speed import DEFAULT_RATES, Rates
@@ -118,7 +118,7 @@ def read_cache(path: Path, key: dict[str, Any]) -> Rates | None:
     """The cached rates when ``path`` holds a valid probe for ``key``; None otherwise (with one
     warning when the file is there but damaged: it is probed again and replaced)."""
     try:
-        data = json.loads(read_regular(path, MAX_CACHE_BYTES).decode("utf-8"))
+        data = read_json(path, MAX_CACHE_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:  # a folder, a FIFO (never read: it would block), huge, not JSON

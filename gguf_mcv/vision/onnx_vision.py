@@ -544,6 +544,12 @@ class OnnxVision:
     def encode(self, image: Image, index: int) -> np.ndarray:
         return self.encoder.encode_rgb(image.rgb, index, image.digest)
 
+    @property
+    def mapped_files(self) -> tuple[Path, ...]:
+        """The graph and its external data, which the session reads weights from."""
+        graph = self.encoder.path
+        return (graph, graph.with_name(f"{graph.name}.data"))
+
 
 def standin(mmproj_path: str | os.PathLike, identity: str) -> Path:
     """The stand-in of ``mmproj_path`` (``gguf_mcv.vision.mmproj_standin``) in the cache folder: written
