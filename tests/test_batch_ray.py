@@ -170,11 +170,16 @@ def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_a_ray_job_keys_local_files_as_a_local_job_and_names_by_name(tiny) -> None:
+def test_a_ray_job_keys_the_files_or_the_name_and_the_vision_settings_asked_for(tiny) -> None:
     from gguf_mcv.jobs.batch_input import model_identity
     from gguf_mcv.jobs.batch_ray import load_identity
 
     local = dict(model_path=str(tiny.quants["Q4_K_M"]), mmproj_path=str(tiny.mmproj), n_threads=1)
-    assert load_identity(local) == model_identity(tiny.quants["Q4_K_M"], tiny.mmproj)
+    assert load_identity(local).startswith(model_identity(tiny.quants["Q4_K_M"], tiny.mmproj) + "+")
+    assert load_identity({**local, "n_threads": 4}) == load_identity(local)  # threads do not change answers
+    assert load_identity({**local, "vision_backend": "auto"}) == load_identity(local)  # the default, spelled out
     named = [load_identity(dict(model="minicpm-v-2.6", quant=q, n_threads=1)) for q in ("Q4_K_M", "Q8_0", None)]
-    assert len({*named, load_identity(local)}) == 4
+    encoders = [load_identity({**local, "vision_backend": b}) for b in ("onnx-int8", "onnx-fp32", "llama.cpp")]
+    others = [load_identity({**local, k: v}) for k, v in (("mmproj_precision", "bf16"), ("chat_template", "chatml"),
+                                                          ("n_ctx", 2048), ("vision_gpu", True))]
+    assert len({*named, *encoders, *others, load_identity(local)}) == 11
