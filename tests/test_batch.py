@@ -125,7 +125,7 @@ def test_closed_model_ends_the_job(tiny, tmp_path: Path) -> None:
     _png(tmp_path / "in" / "a.png", 301)
     with pytest.raises(ModelClosedError):
         batch.run(model, tmp_path / "in", tmp_path / "out.jsonl", prompts=["q"], progress=False)
-    assert (tmp_path / "out.jsonl").read_bytes() == b""  # nothing half-written
+    assert not (tmp_path / "out.jsonl").exists()  # refused before the results file is opened
 
 
 def _cli(*args: str) -> list[str]:
@@ -270,3 +270,55 @@ def test_a_row_that_is_not_strict_json_is_recorded_as_an_error(tmp_path: Path) -
     assert written["inf"]["error"]["class"] == "ValueError" and written["inf"]["parsed"] is None
     assert written["deep"]["error"] is not None and written["ok"]["parsed"] == {"x": 1.5}
     assert batch.write_rows(items, out, rows, progress=False).skipped == 3  # a rerun does not ask again
+
+
+def test_a_rerun_with_another_vision_encoder_or_precision_answers_again(tiny, tmp_path: Path) -> None:
+    import gguf_mcv
+
+    for i in range(2):
+        _png(tmp_path / "in" / f"p{i}.png", 720 + i)
+    out = tmp_path / "out.jsonl"
+    files = dict(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2)
+
+    def run(backend: str) -> batch.Summary:
+        with gguf_mcv.load(**files, vision_backend=backend) as model:
+            assert model.info.vision_backend == backend
+            return batch.run(model, tmp_path / "in", out, prompts=["q"], options=GREEDY, progress=False)
+
+    for backend in ("onnx-int8", "onnx-fp32", "llama.cpp"):
+        summary = run(backend)
+        assert (summary.answered, summary.skipped) == (2, 0), backend
+    again = run("onnx-int8")  # the same encoder and precision as the first run: nothing to ask
+    assert (again.answered, again.skipped) == (0, 2)
+    rows = _rows(out)
+    assert len(rows) == 6 and len({r["key"] for r in rows}) == 6
+
+
+def test_the_answer_identity_names_the_encoder_and_the_defaults_an_answer_depends_on(tiny_model) -> None:
+    from gguf_mcv.jobs.batch_input import answer_identity
+
+    settings = json.loads(answer_identity(tiny_model))
+    info = tiny_model.info
+    assert settings["vision"]["backend"] == info.vision_backend
+    if info.vision_backend == "onnx-int8":
+        assert settings["vision"]["int8_scope"] == "blocks"  # the 2.6 resampler stays fp32
+    assert settings["sampling"]["temperature"] == tiny_model.sampling.temperature
+    assert settings["n_ctx"] == info.n_ctx and settings["max_tokens"] > 0 and settings["max_frames"] > 0
+    assert len(settings["template"]) == 64
+    assert answer_identity(tiny_model) == answer_identity(tiny_model)  # stable: a rerun finds its keys
+
+
+def test_mapped_and_packed_encoder_weights_give_the_same_answers_and_keys(tiny, tmp_path: Path) -> None:
+    """Why the key leaves ``vision_weights`` out: the same weights, read from their file or copied."""
+    import gguf_mcv
+    from gguf_mcv.jobs.batch_input import answer_identity
+
+    image = _png(tmp_path / "p.png", 731, size=(500, 700))  # several slices
+    answers, identities = [], []
+    for weights in ("packed", "mapped"):
+        with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2,
+                           vision_backend="onnx-int8", vision_weights=weights) as model:
+            answers.append(model.ask("q", image, max_tokens=8, temperature=0.0, detail="high"))
+            identities.append(answer_identity(model))
+    assert str(answers[0]) == str(answers[1]) and answers[0].usage.completion_tokens > 0
+    assert identities[0] == identities[1]

@@ -1,7 +1,7 @@
 """Batch jobs: many questions about a folder, glob or CSV/JSONL of images and videos, resumable, into JSONL.
 
     import gguf_mcv
-    from gguf_mcv import batch
+    from gguf_mcv.jobs import batch
     model = gguf_mcv.load("minicpm-v")
     batch.run(model, "photos/", "results.jsonl", prompts=["What is in it?", "Any people?"])
 
@@ -26,7 +26,7 @@ from ..options import DETAILS, check_int, check_max_tokens, check_sampling, chec
 from ..prompt.turns import VideoOptions
 from ..reply import parsed_as_json
 from ..vision.slicing import MAX_SLICES
-from .batch_input import Item, collect, for_model, load_schema, model_identity
+from .batch_input import Item, answer_identity, collect, for_model, load_schema
 from .batch_output import ResultsFile
 
 if TYPE_CHECKING:
@@ -118,9 +118,9 @@ _VIDEO = frozenset({"max_frames", "fps", "dedupe", "timestamps"})
 def run_items(model: "Model", items: Sequence[Item], out: str | os.PathLike, *,
               progress: bool | None = None) -> Summary:
     """Answer keyed ``items`` into ``out`` one by one; each line is on disk before the next item.
-    Row keys include ``model``'s files (:func:`~gguf_mcv.jobs.batch_input.for_model`): another model
-    answers every item again."""
-    items = for_model(items, model_identity(model.info.model_path, model.info.mmproj_path))
+    Row keys include what of ``model`` changes an answer (:func:`~gguf_mcv.jobs.batch_input.answer_identity`):
+    another model file, vision encoder or precision answers every item again."""
+    items = for_model(items, answer_identity(model))
     return write_rows(items, out, lambda todo: (answer(model, item) for item in todo), progress=progress)
 
 

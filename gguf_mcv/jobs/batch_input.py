@@ -2,8 +2,9 @@
 
 Each item is one question about one image or video, with the key that makes a
 job resumable: a SHA-256 of the media file's bytes, its kind, the prompt, the
-schema and the options (:func:`keyed`), and, once the job knows its model, the
-identities of the text model and projector files (:func:`for_model`). A row that cannot
+schema and the options (:func:`keyed`), and, once the job knows its model, what of the
+model changes an answer: its files, vision encoder and defaults (:func:`answer_identity`,
+:func:`for_model`). A row that cannot
 be read (bad JSON, wrong-typed or unknown fields, a row too long or nested too deep, a
 missing file) is still an item: it carries its ``problem`` and is recorded as an error
 row, never the end of the job. Only a source that is not a batch input at all raises
@@ -15,6 +16,7 @@ as a warning.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import hashlib
 import json
@@ -23,11 +25,14 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from ..errors import BatchInputError, ConfigError, GgufMcvError, MediaError
 from ..models.identity import file_identity
 from ..vision.media import local_path, regular_file
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +138,51 @@ def model_identity(model_path: str | os.PathLike, mmproj_path: str | os.PathLike
     return f"{file_identity(model_path)}+{file_identity(mmproj_path)}"
 
 
+def answer_identity(model: "Model") -> str:
+    """Everything about a loaded ``model`` that changes its answers, for batch keys (:func:`for_model`).
+
+    The text model's and the mmproj's SHA-256 (:func:`model_identity`); who encodes images
+    (``llama.cpp`` or ``onnx-fp32`` / ``onnx-int8``) from which file — libmtmd's mmproj, a BF16
+    copy's SHA-256 when it encodes with one, the converted graph's version for ONNX — and, for
+    int8, what the graph quantizes (its scope); whether the encoder runs on a GPU (``detail="auto"``
+    cuts 9 slices there, 4 on a CPU); the chat template and the thinking default; the model's
+    sampling defaults, which an item's own options override; the context size (a video is thinned to
+    fit it); the default ``max_tokens`` and this machine's default video frame cap. Where an ONNX
+    encoder keeps its weights (``vision_weights``) is left out: packed and mapped weights are the
+    same numbers, so they give the same answers.
+    """
+    from ..models.headers import read_projector_header
+    from ..options import DEFAULT_MAX_TOKENS
+    from ..vision.video import default_max_frames
+
+    info, engine = model.info, model.engine
+    vision: dict[str, Any] = {"backend": engine.vision_backend, "encoder": engine.mmproj_id,
+                              "gpu": info.vision_gpu}
+    if engine.vision_backend.startswith("onnx-"):
+        from ..vision import onnx_vision  # loaded already: the model runs it
+
+        vision["graph"] = onnx_vision.MANIFEST_VERSION
+        if engine.vision_backend == "onnx-int8":
+            vision["int8_scope"] = onnx_vision.int8_scope(read_projector_header(info.mmproj_path).projector_type)
+    template = model.template
+    settings = {
+        "files": model_identity(info.model_path, info.mmproj_path),
+        "vision": vision,
+        "template": hashlib.sha256("\0".join((template.source, template.bos_token, template.eos_token))
+                                   .encode("utf-8", "surrogatepass")).hexdigest(),
+        "thinking": info.thinking_default if info.can_think else None,
+        "sampling": dataclasses.asdict(model.sampling),
+        "n_ctx": info.n_ctx,
+        "max_tokens": DEFAULT_MAX_TOKENS,
+        "max_frames": default_max_frames(),
+    }
+    return json.dumps(settings, sort_keys=True)
+
+
 def for_model(items: Iterable[Item], model: str) -> list[Item]:
     """``items`` (keyed first, :func:`keyed`) with keys for answers by ``model``
-    (:func:`model_identity`): the same question asked of other model files is another row."""
+    (:func:`answer_identity`, or :func:`model_identity` and the load's settings on Ray): the same
+    question asked of other model files, or with another vision encoder, is another row."""
     return [replace(k, key=hashlib.sha256(f"{k.key}:{model}".encode()).hexdigest())
             for k in map(keyed, items)]
 

@@ -110,14 +110,23 @@ def run_items(address: str, load: dict[str, Any], items: Sequence[Item], out: st
     return write_rows(items, out, rows, progress=progress)
 
 
+#: :func:`gguf_mcv.load` keywords that change answers, as given (each worker resolves "auto" for its node)
+ANSWER_SETTINGS = {"vision_backend": "auto", "mmproj_precision": "auto", "vision_gpu": None,
+                   "chat_template": None, "n_ctx": None}
+
+
 def load_identity(load: dict[str, Any]) -> str:
     """The model of ``load`` (:func:`gguf_mcv.load`'s keywords) for batch keys: the files' SHA-256
-    for local files (the same key as a local job's); for a name, which the workers resolve and plan
-    each for its node, the name, quant and revision."""
+    for local files; for a name, which the workers resolve and plan each for its node, the name,
+    quant and revision; and the keywords of :data:`ANSWER_SETTINGS` as given (their defaults when
+    left out), so an explicit ``vision_backend="onnx-int8"`` and ``"onnx-fp32"`` key apart."""
     if load.get("model_path") and load.get("mmproj_path"):
-        return model_identity(load["model_path"], load["mmproj_path"])
-    spec = {name: load.get(name) for name in ("model", "quant", "revision")}
-    return "load:" + json.dumps(spec, sort_keys=True, default=str)
+        model = model_identity(load["model_path"], load["mmproj_path"])
+    else:
+        model = "load:" + json.dumps({name: load.get(name) for name in ("model", "quant", "revision")},
+                                     sort_keys=True, default=str)
+    settings = {name: load.get(name, default) for name, default in ANSWER_SETTINGS.items()}
+    return f"{model}+{json.dumps(settings, sort_keys=True, default=str)}"
 
 
 def _rows_on_cluster(ray: Any, address: str, load: dict[str, Any], items: list[Item],
