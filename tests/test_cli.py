@@ -483,10 +483,13 @@ def test_watch_stops_cleanly_on_ctrl_c_and_keeps_its_lines(tiny, tmp_path: Path)
                                 stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None
+            started = time.monotonic()
             first = proc.stdout.readline()  # the first observation is out
+            to_first_line = time.monotonic() - started  # this machine's pace now: loading, one answer
             time.sleep(0.5)
             proc.send_signal(signal.SIGINT)
-            rest, stderr = proc.communicate(timeout=60)
+            # stopping takes at most the answer under way: far less than loading plus an answer
+            rest, stderr = proc.communicate(timeout=max(300.0, 10 * to_first_line))
         finally:
             if proc.poll() is None:
                 proc.kill()
