@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mjpegserver import MjpegServer  # tests/ is on sys.path
+from test_video import huge_frames_video  # noqa: F401 - a fixture
 
 from gguf_mcv.errors import ConfigError, SourceError, SourceLostError
 from gguf_mcv.watch.sources import STREAM_SCHEMES, IterableSource, check_source, open_source, redact, to_rgb
@@ -286,3 +287,26 @@ def test_opencv_frames_become_rgb_or_are_refused() -> None:
     assert to_rgb(np.zeros((2, 2, 4), np.uint8)).shape == (2, 2, 3)
     for bad in (None, np.zeros((0, 0, 3), np.uint8), np.zeros((2, 2, 3), np.float32), np.zeros((2, 2, 2), np.uint8)):
         assert to_rgb(bad) is None
+
+
+def test_a_huge_grey_frame_is_refused_before_it_is_expanded() -> None:
+    from test_video import peak_of
+
+    side = 20_000
+    grew, error = peak_of(f"import numpy as np\nfrom gguf_mcv.watch.sources import IterableSource\n"
+                          f"a = np.ones(({side}, {side}), np.uint8)",
+                          "IterableSource([a]).newest(-1, timeout=1)")
+    assert error is not None and error.startswith("SourceError") and "Frame 0" in error and f"{side}×{side}" in error
+    assert grew < side * side / 2, f"grew {grew / 2**20:.0f} MiB over the frame itself"
+    assert to_rgb(np.zeros((8001, 8000), np.uint8)) is None  # over MAX_PIXELS: not converted
+
+
+def test_a_video_of_huge_frames_is_refused_naming_it(huge_frames_video: Path) -> None:
+    from test_video import peak_of
+
+    grew, error = peak_of("from gguf_mcv.watch.sources import open_source",
+                          f"s = open_source({str(huge_frames_video)!r})\n    try:\n        s.newest(-1, timeout=60)\n"
+                          "    finally:\n        s.close()")
+    assert error is not None and error.startswith("SourceError") and str(huge_frames_video) in error
+    assert "9000×9000" in error
+    assert grew < 9000 * 9000 * 3 / 2, f"grew {grew / 2**20:.0f} MiB"

@@ -29,7 +29,8 @@ import numpy as np
 
 from ..errors import ConfigError, GgufMcvError, MediaError, SourceError, SourceLostError
 from ..options import check_number
-from ..vision.media import load_image, local_path, regular_file
+from ..vision.media import MAX_PIXELS, load_image, local_path, regular_file
+from ..vision.video import check_frame_size
 
 SourceInput = Union[int, str, os.PathLike, Iterable[Any]]
 
@@ -322,6 +323,13 @@ class CaptureSource:
                 self._finish(error=self._lost(True))
                 return
             cap = self._reopen(first=True)
+        if cap is not None:
+            try:
+                check_frame_size(cap, self.name)  # the size the container or stream declares, before decoding
+            except MediaError as exc:
+                cap.release()
+                self._finish(error=SourceError(str(exc)))
+                return
         fps = cap.get(cv2.CAP_PROP_FPS) if cap is not None and self.kind == "file" else 0.0
         start = time.monotonic()
         index, bad = 0, 0
@@ -335,6 +343,11 @@ class CaptureSource:
                         break
                     cap = self._reopen(first=False)
                     continue
+                if isinstance(frame, np.ndarray) and frame.ndim >= 2 and frame.shape[0] * frame.shape[1] > MAX_PIXELS:
+                    self._finish(error=SourceError(
+                        f"Frame {index} of {self.name} is {frame.shape[1]}×{frame.shape[0]} pixels, over the "
+                        f"{MAX_PIXELS:,}-pixel limit: lower the camera's or stream's resolution."))
+                    return
                 rgb = to_rgb(frame)
                 if rgb is None:
                     self.bad_frames += 1
@@ -359,10 +372,13 @@ class CaptureSource:
 
 
 def to_rgb(frame: Any) -> np.ndarray | None:
-    """An OpenCV frame (BGR, BGRA or grey; 8- or 16-bit) as H×W×3 uint8 RGB; None if unusable."""
+    """An OpenCV frame (BGR, BGRA or grey; 8- or 16-bit) as H×W×3 uint8 RGB; None if unusable
+    (over :data:`~gguf_mcv.vision.media.MAX_PIXELS` included)."""
     import cv2  # lazy: see CaptureSource._open
 
     if not isinstance(frame, np.ndarray) or frame.size == 0 or frame.ndim not in (2, 3):
+        return None
+    if frame.shape[0] * frame.shape[1] > MAX_PIXELS:  # refused before it is converted (copied)
         return None
     if frame.dtype == np.uint16:
         frame = (frame >> 8).astype(np.uint8)
