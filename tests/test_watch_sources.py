@@ -310,3 +310,4 @@ def test_a_video_of_huge_frames_is_refused_naming_it(huge_frames_video: Path) ->
     assert error is not None and error.startswith("SourceError") and str(huge_frames_video) in error
     assert "9000×9000" in error
     assert grew < 9000 * 9000 * 3 / 2, f"grew {grew / 2**20:.0f} MiB"
+

@@ -31,6 +31,7 @@ from ..errors import ConfigError, GgufMcvError, MediaError, SourceError, SourceL
 from ..options import check_number
 from ..vision.media import MAX_PIXELS, load_image, local_path, regular_file
 from ..vision.video import check_frame_size
+from .mjpeg import open_mjpeg
 
 SourceInput = Union[int, str, os.PathLike, Iterable[Any]]
 
@@ -255,6 +256,8 @@ class CaptureSource:
     def _run(self) -> None:
         try:
             self._read_all()
+        except GgufMcvError as exc:  # already says what happened (a part over the limits)
+            self._finish(error=exc)
         except Exception as exc:  # noqa: BLE001 - cv2.error and friends: the consumer gets one clear error
             why = str(exc).replace(str(self._target), self.name)  # OpenCV may quote the URL, secrets and all
             self._finish(error=SourceError(f"Reading {self.name} failed ({type(exc).__name__}: {why})."))
@@ -269,6 +272,13 @@ class CaptureSource:
     def _open(self) -> Any:
         import cv2  # lazy: `import gguf_mcv` does not load OpenCV
 
+        if self.kind == "stream" and urllib.parse.urlsplit(str(self._target)).scheme.lower() in ("http", "https"):
+            try:
+                mjpeg = open_mjpeg(str(self._target), self.name, self._network_timeout_s)
+            except OSError:
+                return None  # unreachable: tried again with backoff
+            if mjpeg is not None:
+                return mjpeg  # anything else over HTTP (HLS, a video file) goes on to FFmpeg
         if self.kind == "stream":
             ms = int(self._network_timeout_s * 1000)
             cap = cv2.VideoCapture(self._target, cv2.CAP_FFMPEG,
