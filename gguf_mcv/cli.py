@@ -554,6 +554,7 @@ def _batch(args: argparse.Namespace) -> int:
 def _watch(args: argparse.Namespace) -> int:
     from .watch import watch  # lazy: per command
     from .watch.changes import DEFAULT_THRESHOLD  # lazy: per command
+    from .watch.jsonl import LinesFile  # lazy: per command
     from .watch.sources import check_source  # lazy: per command
 
     schema = None
@@ -574,7 +575,9 @@ def _watch(args: argparse.Namespace) -> int:
     check_max_tokens(args.max_tokens)
     check_sampling(temperature=args.temperature, seed=args.seed)
     _checked_load_kwargs(args)
-    out = _open_jsonl(args.jsonl) if args.jsonl else None
+    out = LinesFile(args.jsonl).open() if args.jsonl else None  # a FIFO or a JPEG refused before loading
+    if out is not None and out.repaired_bytes:
+        print(f"{args.jsonl}: cut a torn last line ({out.repaired_bytes} bytes)", file=sys.stderr)
     status = None if args.quiet or not sys.stderr.isatty() else _status_line
     lines = 0
     try:
@@ -587,12 +590,11 @@ def _watch(args: argparse.Namespace) -> int:
             try:
                 for seen in watching:
                     line = json.dumps(seen.to_dict(), ensure_ascii=False)
+                    if out is not None:
+                        out.write(line)  # first: every line printed is in the file
                     if status is not None:
                         print("\r\x1b[K", end="", file=sys.stderr)
                     print(line, flush=True)
-                    if out is not None:
-                        out.write(line + "\n")
-                        out.flush()
                     lines += 1
                     if status is not None:
                         status(seen, lines)
@@ -607,17 +609,6 @@ def _watch(args: argparse.Namespace) -> int:
         if out is not None:
             out.close()
     return 0
-
-
-def _open_jsonl(path: str) -> Any:
-    """``path`` opened for appending lines; a clear error for a folder or an unwritable place."""
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise ConfigError(f"--jsonl {target} is a folder: name a file (lines are appended to it).")
-    try:
-        return open(target, "a", encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"Cannot write --jsonl {target}: {exc.strerror or exc}.") from exc
 
 
 def _status_line(seen: Any, lines: int) -> None:

@@ -1,9 +1,13 @@
 """An MJPEG-over-HTTP camera stand-in on 127.0.0.1, for tests that read a live stream with OpenCV.
 
 ``MjpegServer(frames, fps)`` serves ``/stream.mjpg`` (multipart/x-mixed-replace JPEG parts, as
-IP cameras do), cycling through ``frames`` (H×W×3 uint8 RGB arrays) at ``fps``. ``stop()``
-closes the listening socket and every open connection (the camera goes away); ``start()``
-serves again on the same port (it comes back).
+IP cameras do), cycling through ``frames`` (H×W×3 uint8 RGB arrays, or JPEG bytes as they are)
+at ``fps``. ``stop()`` closes the listening socket and every open connection (the camera goes
+away); ``start()`` serves again on the same port (it comes back).
+
+Hostile cameras: ``lengths="none"`` sends parts without ``Content-Length`` (some cameras do);
+``declare=N`` makes every part declare ``Content-Length: N`` and then sends filler bytes for as
+long as the client reads (a part of N bytes that never ends).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ BOUNDARY = "frameboundary"
 class MjpegServer:
     """A stoppable, restartable MJPEG stream (see the module docstring)."""
 
-    def __init__(self, frames: list[np.ndarray], fps: float = 20.0, port: int = 0) -> None:
-        self.jpegs = [cv2.imencode(".jpg", cv2.cvtColor(f, cv2.COLOR_RGB2BGR))[1].tobytes() for f in frames]
+    def __init__(self, frames: list[np.ndarray | bytes], fps: float = 20.0, port: int = 0, *,
+                 lengths: str = "declared", declare: int | None = None) -> None:
+        self.jpegs = [f if isinstance(f, bytes) else cv2.imencode(".jpg", cv2.cvtColor(f, cv2.COLOR_RGB2BGR))[1].tobytes()
+                      for f in frames]
         self.fps = fps
         self.port = port
+        self.lengths = lengths
+        self.declare = declare
+        self.authorization: str | None = None  #: the last request's Authorization header
         self.served = 0  #: frames sent so far, over all connections
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -45,7 +54,8 @@ class MjpegServer:
                 pass
 
             def do_GET(self) -> None:
-                if self.path != "/stream.mjpg":
+                owner.authorization = self.headers.get("Authorization")
+                if self.path.partition("?")[0] != "/stream.mjpg":
                     self.send_error(404)
                     return
                 with owner._lock:
@@ -57,8 +67,15 @@ class MjpegServer:
                 try:
                     while owner._alive.is_set():
                         jpeg = owner.jpegs[i % len(owner.jpegs)]
-                        self.wfile.write(f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
-                                         f"Content-Length: {len(jpeg)}\r\n\r\n".encode() + jpeg + b"\r\n")
+                        if owner.declare is not None:
+                            self.wfile.write(f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
+                                             f"Content-Length: {owner.declare}\r\n\r\n".encode())
+                            filler = b"\0" * 2**20
+                            while owner._alive.is_set():  # the part that never ends
+                                self.wfile.write(filler)
+                        length = "" if owner.lengths == "none" else f"Content-Length: {len(jpeg)}\r\n"
+                        self.wfile.write(f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\n{length}\r\n".encode()
+                                         + jpeg + b"\r\n")
                         self.wfile.flush()
                         owner.served += 1
                         i += 1

@@ -466,7 +466,7 @@ def test_watch_refuses_a_missing_source_before_loading(tiny, tmp_path: Path) -> 
     done = run("watch", str(tiny.quants["Q4_K_M"]), str(tmp_path / "none.mp4"), "--prompt", "?")
     assert done.returncode == 1 and "does not exist" in done.stderr and len(done.stderr.splitlines()) == 1
     done = run("watch", str(tiny.quants["Q4_K_M"]), "0", "--prompt", "?", "--every", "0")
-    assert done.returncode == 1 and "every_s must be more than 0" in done.stderr
+    assert done.returncode == 1 and "every_s must be at least 0.001" in done.stderr
 
 
 def test_watch_stops_cleanly_on_ctrl_c_and_keeps_its_lines(tiny, tmp_path: Path) -> None:
@@ -483,10 +483,13 @@ def test_watch_stops_cleanly_on_ctrl_c_and_keeps_its_lines(tiny, tmp_path: Path)
                                 stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None
+            started = time.monotonic()
             first = proc.stdout.readline()  # the first observation is out
+            to_first_line = time.monotonic() - started  # this machine's pace now: loading, one answer
             time.sleep(0.5)
             proc.send_signal(signal.SIGINT)
-            rest, stderr = proc.communicate(timeout=60)
+            # stopping takes at most the answer under way: far less than loading plus an answer
+            rest, stderr = proc.communicate(timeout=max(300.0, 10 * to_first_line))
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -386,3 +386,15 @@ print((status("VmHWM") - base) / (4000 * 3000 * 3))
     assert done.returncode == 0, done.stderr
     full_copies = float(done.stdout)
     assert full_copies <= memory.IMAGE_COPIES / 4 + 0.3, full_copies  # a quarter of the pixels, ~the same copies
+
+
+def test_a_huge_grey_array_is_refused_before_it_is_expanded_to_rgb() -> None:
+    """A 20000² grey frame (400 MB) is refused by the pixel limit before becoming 1.2 GB of RGB."""
+    from test_video import peak_of
+
+    side = 20_000
+    grew, error = peak_of(f"import numpy as np\nfrom gguf_mcv.vision.media import load_image\n"
+                          f"a = np.ones(({side}, {side}), np.uint8)",
+                          "load_image(a)")
+    assert error is not None and error.startswith("MediaError") and f"{side}×{side}" in error
+    assert grew < side * side / 2, f"grew {grew / 2**20:.0f} MiB over the array itself"

@@ -819,3 +819,63 @@ def test_importing_gguf_mcv_does_not_import_opencv() -> None:
     run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env,
                          timeout=120, check=False)
     assert run.returncode == 0, run.stderr
+
+
+_PEAK_CODE = """
+import json, sys
+from gguf_mcv.errors import GgufMcvError
+def status(k): return int(open("/proc/self/status").read().split(k + ":")[1].split()[0]) * 1024
+{setup}
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
+try:
+    {call}
+    error = None
+except GgufMcvError as exc:
+    error = f"{{type(exc).__name__}}: {{exc}}"
+print(json.dumps({{"grew": status("VmHWM") - base, "error": error}}))
+"""
+
+
+def peak_of(setup: str, call: str) -> tuple[int, str | None]:
+    """Bytes the peak RSS of a fresh process grows by during ``call`` (after ``setup``), and the
+    GgufMcvError it raised; VmHWM reset first (clear_refs), so the parent's peak does not count."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc to reset the peak")
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _PEAK_CODE.format(setup=setup, call=call)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    return int(out["grew"]), out["error"]
+
+
+@pytest.fixture(scope="module")
+def huge_frames_video(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-frame MJPG .avi of 9000×9000 flat frames (81 MP, over MAX_PIXELS): a few MB on disk.
+    Written by a child process, so this process never holds its frames."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("huge") / "huge.avi"
+    code = ("import cv2, numpy as np, sys\n"
+            "w = cv2.VideoWriter(sys.argv[1], cv2.VideoWriter_fourcc(*'MJPG'), 2.0, (9000, 9000))\n"
+            "f = np.full((9000, 9000, 3), 60, np.uint8)\n"
+            "[w.write(f) for _ in range(2)]\nw.release()\n")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=600)
+    assert 0 < path.stat().st_size < 20 * 2**20
+    return path
+
+
+def test_frames_over_the_pixel_limit_are_refused_before_decoding(huge_frames_video: Path) -> None:
+    """The size the container declares is checked first: no 243 MB frame is decoded (it peaked at 1.2 GB),
+    and the error names the video."""
+    frame_bytes = 9000 * 9000 * 3
+    grew, error = peak_of("import cv2\nfrom gguf_mcv.vision.video import sample_frames",
+                          f"sample_frames({str(huge_frames_video)!r})")
+    assert error is not None and error.startswith("MediaError") and str(huge_frames_video) in error
+    assert "9000×9000" in error and "pixel limit" in error
+    assert grew < frame_bytes / 2, f"grew {grew / 2**20:.0f} MiB"

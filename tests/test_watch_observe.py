@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -15,6 +16,7 @@ from test_watch_sources import write_avi
 
 import gguf_mcv
 from gguf_mcv.errors import ConfigError, SourceError
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.vision.slicing import slice_grid
 
 
@@ -101,6 +103,90 @@ def test_answer_unchanged_asks_again_from_the_kv_cache(model) -> None:
         assert str(o.answer) == str(seen[0].answer)  # greedy by default
 
 
+def test_a_colour_change_of_equal_brightness_is_asked_about(model) -> None:
+    """The whole frame turns from red to a green of the same grey level: a change, not a repeat."""
+    red = np.full((336, 448, 3), (200, 0, 0), np.uint8)
+    green = np.full((336, 448, 3), (0, 102, 0), np.uint8)
+    first, second = _run(model, [red, green])
+    assert second.asked and second.changed == 1.0 and second.slices_encoded == 1
+    assert second.answer is not first.answer
+
+
+def test_kept_slices_never_stand_in_a_shared_disk_cache_for_the_new_frame(tiny, model, tmp_path: Path) -> None:
+    """A cache entry is always the encoding of its key's pixels: another process sharing the disk
+    tier and asking about exactly the watched frame gets that frame's own embeddings."""
+    scene = _scene(900, 448, seed=7)
+    moved = _noisy(scene, 1, sigma=3.0)  # the right slice: noise only, kept from the first frame
+    moved[100:200, 100:200] = 0  # the left slice changes
+    disk = tmp_path / "embeddings"
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=2048, n_threads=2,
+                       vision_backend="llama.cpp", embed_cache=EmbeddingCache(disk_dir=disk)) as watcher:
+        seen = _run(watcher, [scene, moved], detail="high")
+        assert (seen[1].slices_encoded, seen[1].slices_reused) == (2, 1)
+        digest = watcher.prepare_image(moved, detail="high").digest
+        keys = [watcher.engine.image_key(digest, i) for i in range(3)]
+        in_memory = [watcher.engine.embed_cache.get(key) for key in keys]
+    model.ask("Describe.", model.prepare_image(moved, detail="high"), detail="high", max_tokens=1)
+    truth = [model.engine.embed_cache.get(key) for key in keys]  # the frame encoded as it is
+    assert all(t is not None for t in truth)
+    other_process = EmbeddingCache(disk_dir=disk)
+    for stored in ([other_process.get(key) for key in keys], in_memory):
+        for i, (entry, expected) in enumerate(zip(stored, truth, strict=True)):
+            assert entry is None or np.array_equal(entry, expected), f"slice {i}: another frame's encoding"
+
+
+def test_stop_from_another_thread_ends_the_watch(model) -> None:
+    scene = _scene(448, 336, seed=8)
+    watching = gguf_mcv.watch(model, (scene for _ in itertools.count()), "What?", every_s=0.05, max_tokens=2)
+    seen: list[gguf_mcv.Observation] = []
+    two = threading.Event()
+
+    def consume() -> None:
+        for o in watching:
+            seen.append(o)
+            if len(seen) == 2:
+                two.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert two.wait(300)
+    watching.stop()
+    consumer.join(300)
+    assert not consumer.is_alive() and watching.stopped  # the endless iterable was stopped
+    count = len(seen)
+    assert next(watching, None) is None and len(seen) == count  # a stopped watch stays ended
+
+
+def test_close_from_another_thread_stops_and_releases_the_stream(model) -> None:
+    with MjpegServer([_scene(448, 336, seed=9)], fps=20) as server:
+        watching = gguf_mcv.watch(model, server.url, "What?", every_s=0.1, max_tokens=2, give_up_s=60)
+        first = threading.Event()
+        errors: list[BaseException] = []
+
+        def consume() -> None:
+            try:
+                for _ in watching:
+                    first.set()
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        consumer = threading.Thread(target=consume, daemon=True)
+        consumer.start()
+        assert first.wait(300)
+        watching.close()  # from this thread, while the consumer is inside the loop
+        consumer.join(300)
+        assert not consumer.is_alive() and errors == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("gguf-mcv watch")]  # released
+
+
+def test_a_watch_closed_before_it_starts_opens_nothing(model) -> None:
+    frames = iter([_scene(448, 336, seed=10)])
+    with gguf_mcv.watch(model, frames, "What?", every_s=0.05, max_tokens=2) as watching:
+        watching.stop()
+        assert list(watching) == []
+    assert next(frames, None) is not None  # never read
+
+
 def test_only_changes_yields_when_the_answer_changes(model) -> None:
     scene = _scene(448, 336, seed=4)
     seen = _run(model, [scene] * 4, answer_unchanged=True, only_changes=True)
@@ -169,6 +255,8 @@ def test_a_corrupt_frame_ends_the_watch_with_a_clear_error(model) -> None:
 
 @pytest.mark.parametrize("change, match", [
     ({"every_s": 0}, "every_s"), ({"every_s": -1}, "every_s"), ({"every_s": 1e12}, "every_s"),
+    ({"every_s": 10**400}, "every_s"), ({"every_s": -10**400}, "every_s"), ({"every_s": 1e-300}, "every_s"),
+    ({"every_s": 0.0009}, "every_s"), ({"give_up_s": 10**400}, "give_up_s"), ({"threshold": 10**400}, "threshold"),
     ({"every_s": float("nan")}, "every_s"), ({"every_s": "2"}, "every_s"), ({"threshold": 2}, "threshold"),
     ({"detail": "ultra"}, "detail"), ({"max_slices": 10}, "max_slices"), ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"only_changes": "yes"}, "only_changes"),

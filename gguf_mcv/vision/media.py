@@ -345,6 +345,8 @@ def _from_array(arr: np.ndarray, source: str) -> Image:
             f"Image {source} has dtype {arr.dtype}; expected uint8 RGB values 0-255 "
             "(convert with np.clip(a, 0, 255).astype(np.uint8))."
         )
+    if arr.ndim in (2, 3):  # before any conversion: a grey 20000² frame would take 1.2 GB as RGB
+        _check_size((arr.shape[1], arr.shape[0]), source)
     if arr.ndim == 2:
         arr = np.repeat(arr[:, :, None], 3, axis=2)
     elif arr.ndim == 3 and arr.shape[2] == 4:

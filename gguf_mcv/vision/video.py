@@ -527,12 +527,13 @@ def _from_video(path: Path, name: str, opts: _Opts) -> Frames:
     with _quiet():
         try:
             cap = reopen()
+            check_frame_size(cap, name)
             native, codec = cap.get(cv2.CAP_PROP_FPS), _fourcc(cap)
             rate = native if _valid_fps(native) else None
             total = _plausible_count(cap.get(cv2.CAP_PROP_FRAME_COUNT), rate)
-            read, missed = _read_known(cap, reopen, total, rate, opts) if total else ([], 0)
+            read, missed = _read_known(cap, reopen, total, rate, opts, name) if total else ([], 0)
             if not read:  # count unknown or wrong: one sequential pass
-                read, total = _scan(reopen() if total else cap, rate, opts)
+                read, total = _scan(reopen() if total else cap, rate, opts, name)
                 missed = 0
         finally:
             for cap in opened:
@@ -558,13 +559,13 @@ def _plausible_count(count: float, rate: float | None) -> int | None:
 
 
 def _read_known(cap: cv2.VideoCapture, reopen: Callable[[], cv2.VideoCapture], total: int,
-                rate: float | None, opts: _Opts) -> tuple[list[tuple[int, np.ndarray]], int]:
+                rate: float | None, opts: _Opts, name: str) -> tuple[list[tuple[int, np.ndarray]], int]:
     planned = sample_indices(total, rate or 0.0, fps=opts.fps if rate else None,
                              max_frames=opts.max_frames)
     try:
-        return _read_planned(cap, planned, opts.max_side, seek=True)
+        return _read_planned(cap, planned, opts.max_side, name, seek=True)
     except _SeekMismatch:
-        return _read_planned(reopen(), planned, opts.max_side, seek=False)
+        return _read_planned(reopen(), planned, opts.max_side, name, seek=False)
 
 
 def _open(path: Path, name: str) -> cv2.VideoCapture:
@@ -590,12 +591,26 @@ def _fourcc(cap: cv2.VideoCapture) -> str:
     return text.strip("\x00 ") if text.isprintable() else ""
 
 
-def _rgb(cap: cv2.VideoCapture, max_side: int | None) -> np.ndarray | None:
+def check_frame_size(cap: cv2.VideoCapture, name: str) -> None:
+    """MediaError naming the video when its container declares frames over ``MAX_PIXELS`` (checked
+    before any frame is decoded: a 1.6 MB file of 9000² frames otherwise held 1.2 GB of them)."""
+    import cv2
+
+    w, h = cap.get(cv2.CAP_PROP_FRAME_WIDTH), cap.get(cv2.CAP_PROP_FRAME_HEIGHT)
+    if math.isfinite(w) and math.isfinite(h) and w * h > MAX_PIXELS:
+        raise MediaError(f"Video {name} has {int(w)}×{int(h)}-pixel frames, over the {MAX_PIXELS:,}-pixel "
+                         "limit: scale it down (e.g. ffmpeg -vf scale=1920:-2) before asking about it.")
+
+
+def _rgb(cap: cv2.VideoCapture, max_side: int | None, name: str, index: int) -> np.ndarray | None:
     import cv2
 
     ok, bgr = cap.retrieve()
     if not ok or bgr is None or bgr.ndim != 3 or bgr.shape[2] != 3:
         return None
+    if bgr.shape[0] * bgr.shape[1] > MAX_PIXELS:  # a container that declared a smaller size
+        raise MediaError(f"Frame {index} of video {name} is {bgr.shape[1]}×{bgr.shape[0]} pixels, over the "
+                         f"{MAX_PIXELS:,}-pixel limit: scale the video down before asking about it.")
     return np.ascontiguousarray(cv2.cvtColor(_fit(bgr, max_side), cv2.COLOR_BGR2RGB))
 
 
@@ -603,7 +618,7 @@ class _SeekMismatch(Exception):
     """A seek landed on another frame than asked: this file's seeking is not trustworthy."""
 
 
-def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | None,
+def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | None, name: str,
                   *, seek: bool) -> tuple[list[tuple[int, np.ndarray]], int]:
     """Decode the ``planned`` frames (ascending): ``(index, rgb)`` pairs and how many failed."""
     import cv2
@@ -625,7 +640,7 @@ def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | Non
         if ok and seeking and round(cap.get(cv2.CAP_PROP_POS_FRAMES)) != k + 1:
             raise _SeekMismatch  # the caller starts over, grabbing only
 
-        rgb = _rgb(cap, max_side) if ok else None
+        rgb = _rgb(cap, max_side, name, k) if ok else None
         pos = k + 1
         if rgb is None:
             misses += 1
@@ -635,8 +650,8 @@ def _read_planned(cap: cv2.VideoCapture, planned: list[int], max_side: int | Non
     return out, len(planned) - len(out)
 
 
-def _scan(cap: cv2.VideoCapture, native: float | None,
-          opts: _Opts) -> tuple[list[tuple[int, np.ndarray]], int]:
+def _scan(cap: cv2.VideoCapture, native: float | None, opts: _Opts,
+          name: str) -> tuple[list[tuple[int, np.ndarray]], int]:
     """One sequential pass of a video whose length is unknown: a bounded, thinning reservoir.
 
     Frames are kept at the centres of a grid of ``step`` frames (one per ``1/fps`` s when
@@ -654,14 +669,14 @@ def _scan(cap: cv2.VideoCapture, native: float | None,
             continue
         fails = 0
         if i >= target:
-            rgb = _rgb(cap, opts.max_side)
+            rgb = _rgb(cap, opts.max_side, name, i)
             if rgb is not None:
                 held.append((i, rgb))
                 if len(held) > 2 * opts.max_frames:
                     held, step = held[1::2], step * 2
                 target = max(i + 1, int((len(held) + 0.5) * step))
         elif i == 0:  # kept in case the video is shorter than half a step
-            rgb = _rgb(cap, opts.max_side)
+            rgb = _rgb(cap, opts.max_side, name, 0)
             first = (0, rgb) if rgb is not None else None
         i += 1
     if not held and first is not None:

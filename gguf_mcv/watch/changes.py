@@ -2,13 +2,14 @@
 
 MiniCPM-V's encoder sees an image as an overview (index 0, the whole picture) and a grid
 of slices (indexes 1…, row by row, as libmtmd orders its chunks). Each frame is reduced to
-a grey picture of :data:`CELL`×:data:`CELL`-pixel block averages; a block changed when its
-grey level moved by more than ``level`` since the version last encoded. Averaging a block
-divides sensor noise by :data:`CELL` (a noise of σ 8 grey levels per pixel leaves σ 1 per
-block), so noise never moves a block by the default :data:`DEFAULT_LEVEL`, while anything
-larger than a block and of visible contrast does. A slice is stale when more than
-``threshold`` of its blocks changed; the overview when any slice is, or when more than
-``threshold`` of the whole picture changed.
+:data:`CELL`×:data:`CELL`-pixel block averages of each colour channel (red, green, blue); a
+block changed when any of its channels moved by more than ``level`` since the version last
+encoded, so a change of colour counts even where the brightness stays (a red light turning a
+green of the same luminance). Averaging a block divides sensor noise by :data:`CELL` (a noise
+of σ 8 levels per pixel and channel leaves σ 1 per block), so noise never moves a block by the
+default :data:`DEFAULT_LEVEL`, while anything larger than a block and of visible contrast does.
+A slice is stale when more than ``threshold`` of its blocks changed; the overview when any slice
+is, or when more than ``threshold`` of the whole picture changed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..options import check_number
 
 #: Side, in pixels, of the blocks compared.
 CELL = 8
-#: Grey levels (0-255) a block's average must move to count as changed.
+#: Levels (0-255) one of a block's channel averages must move for the block to count as changed.
 DEFAULT_LEVEL = 12.0
 #: Fraction of a slice's blocks that must change for it to be encoded again: 0.002 is about a
 #: 20×20-pixel object in a 448-pixel slice (conservative: a slice is rather encoded once too often).
@@ -34,20 +35,23 @@ MARGIN_CELLS = 1
 
 def check_threshold(value: object) -> float:
     """``threshold`` checked: a fraction in [0, 1) (0: any changed block re-encodes its slice)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value != 0:  # 10**400 too: no float
+        raise ConfigError(f"threshold is the fraction of a slice that must change, in [0, 1), not the integer "
+                          f"{value if abs(value) < 10**12 else 'of ' + str(len(str(abs(value)))) + ' digits'}.")
     number = check_number("threshold", value)
     if not 0 <= number < 1:
         raise ConfigError(f"threshold is the fraction of a slice that must change, in [0, 1), not {number:g}.")
     return number
 
 
-def grey_cells(rgb: np.ndarray, cell: int = CELL) -> np.ndarray:
-    """``rgb`` (H×W×3 uint8) as grey block averages (⌈H/cell⌉×⌈W/cell⌉ float32)."""
+def colour_cells(rgb: np.ndarray, cell: int = CELL) -> np.ndarray:
+    """``rgb`` (H×W×3 uint8) as block averages of each channel (⌈H/cell⌉×⌈W/cell⌉×3 float32)."""
     import cv2  # lazy: `import gguf_mcv` does not load OpenCV
 
-    grey = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
-    h, w = grey.shape
+    h, w = rgb.shape[:2]
     size = (max(1, -(-w // cell)), max(1, -(-h // cell)))
-    return cv2.resize(grey, size, interpolation=cv2.INTER_AREA).astype(np.float32)
+    cells = cv2.resize(rgb, size, interpolation=cv2.INTER_AREA).astype(np.float32)
+    return cells.reshape(size[1], size[0], 3)  # a 1-pixel-wide result keeps its channel axis
 
 
 def slice_boxes(width: int, height: int, grid: tuple[int, int]) -> list[tuple[int, int, int, int]]:
@@ -79,7 +83,7 @@ class ChangeTracker:
         self.threshold = check_threshold(threshold)
         self.level = check_number("level", level)
         if not 0 < self.level < 255:
-            raise ConfigError(f"level is a grey-level difference between 0 and 255, not {self.level:g}.")
+            raise ConfigError(f"level is a difference of channel levels between 0 and 255, not {self.level:g}.")
         self.cell = cell
         self._layout: tuple[tuple[int, int], tuple[int, int]] | None = None
         self._regions: list[tuple[slice, slice]] = []  # per box: its cells (rows, columns), margin included
@@ -87,7 +91,7 @@ class ChangeTracker:
 
     def compare(self, cells: np.ndarray, size: tuple[int, int], grid: tuple[int, int]) -> Changes:
         """Which boxes of a frame of ``size`` (width, height) cut in ``grid`` changed; ``cells``
-        are its :func:`grey_cells`. A new size or grid makes every box stale."""
+        are its :func:`colour_cells`. A new size or grid makes every box stale."""
         if (size, grid) != self._layout:
             self._layout = (size, grid)
             self._regions = [self._region(i, box) for i, box in enumerate(slice_boxes(*size, grid))]
@@ -97,7 +101,8 @@ class ChangeTracker:
             if ref is None:
                 fractions.append(1.0)
             else:
-                fractions.append(float(np.mean(np.abs(cells[region] - ref[region]) > self.level)))
+                moved = np.abs(cells[region] - ref[region]).max(axis=2)  # the channel that moved most
+                fractions.append(float(np.mean(moved > self.level)))
         stale = [i for i in range(1, len(fractions)) if fractions[i] > self.threshold]
         if stale or fractions[0] > self.threshold:
             stale.insert(0, 0)

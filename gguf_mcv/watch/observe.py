@@ -3,9 +3,12 @@
 At each tick the newest frame is taken from the source (:mod:`.sources`), sized for the
 vision encoder, and compared, box by box, with what each box (the overview and every
 slice) was last encoded from (:mod:`.changes`). A slice that did not change keeps its
-embedding: it is put into the model's embedding cache under the new frame's key before the
-question is asked, so the engine takes it from there and only the stale slices (and the
-overview, whenever any slice changed) go through the vision encoder. A frame in which
+embedding: it is put into the model's embedding cache before the question is asked, so the
+engine takes it from there and only the stale slices (and the overview, whenever any slice
+changed) go through the vision encoder. Such a frame is asked about under a digest of the mix
+(which frame each box's embedding came from), never under its own pixels' digest: a cache
+entry of a frame's pixels is always that frame's encoding, for this process and for any other
+sharing a disk tier. A frame in which
 nothing changed costs no encoder call; it is answered again (``answer_unchanged=True``:
 the previous prompt, so the KV cache serves all of it) or reported with the last answer
 and no model call at all.
@@ -13,26 +16,29 @@ and no model call at all.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..options import DETAILS, check_int, check_max_tokens, check_number, check_text
+from ..options import DETAILS, check_int, check_max_tokens, check_text
 from ..reply import Reply, parsed_as_json
 from ..vision.media import Image
 from ..vision.slicing import MAX_SLICES, slice_grid
-from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, grey_cells
+from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, colour_cells
 from .sources import (
     DEFAULT_GIVE_UP_S,
     NETWORK_TIMEOUT_S,
     FrameSource,
     SourceInput,
     check_give_up,
+    check_seconds,
     check_source,
     start_source,
 )
@@ -42,6 +48,9 @@ if TYPE_CHECKING:
 
 #: Longest ``every_s`` accepted (a day): a longer wait looks like a hang.
 MAX_EVERY_S = 86_400.0
+#: Shortest ``every_s`` accepted (a millisecond): no answer is that fast, and a shorter tick only
+#: inflates ``ticks_skipped`` (1e-300 made it a 301-digit number).
+MIN_EVERY_S = 0.001
 #: An answer's default token budget: a watch asks the same short question again and again.
 DEFAULT_MAX_TOKENS = 128
 
@@ -86,8 +95,9 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
           threshold: float = DEFAULT_THRESHOLD, only_changes: bool = False, answer_unchanged: bool = False,
           schema: Any = None, detail: str = "auto", max_slices: int | None = None,
           max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, seed: int | None = None,
-          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> Generator[Observation, None, None]:
-    """Ask ``prompt`` about ``source`` every ``every_s`` seconds; an iterator of :class:`Observation`.
+          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> "Watch":
+    """Ask ``prompt`` about ``source`` every ``every_s`` seconds; a :class:`Watch`, an iterator of
+    :class:`Observation` that any thread may stop.
 
     ``source``: a camera index or device path, a video file (played at its own frame rate), an
     ``rtsp://`` or ``http(s)://`` stream, or an iterable of frames (one per tick). Each tick
@@ -100,7 +110,8 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     so an unchanged picture gives an unchanged answer. A stream or camera that drops is
     reopened with backoff; after ``give_up_s`` seconds without a frame,
     :class:`~gguf_mcv.errors.SourceLostError`. The watch ends when a file or iterable does;
-    closing the iterator releases the source (as does leaving a ``for`` loop over ``watch(...)`` itself).
+    closing the iterator releases the source (as does leaving a ``for`` loop over ``watch(...)`` itself);
+    :meth:`Watch.stop` and :meth:`Watch.close` work from any thread.
 
     Arguments are checked here, before anything is opened (:class:`ConfigError`,
     :class:`~gguf_mcv.errors.SourceError` for a missing file).
@@ -126,15 +137,59 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     spec = check_source(source)
     run = _Watch(model, prompt, options, ChangeTracker(check_threshold(threshold)), detail=detail,
                  max_slices=max_slices, answer_unchanged=answer_unchanged)
-    return run.observations(spec, every_s=every_s, only_changes=only_changes, give_up_s=check_give_up(give_up_s))
+    stop = threading.Event()
+    return Watch(run.observations(spec, every_s=every_s, only_changes=only_changes,
+                                  give_up_s=check_give_up(give_up_s), stop=stop), stop)
 
 
 def check_every(value: Any) -> float:
-    """``every_s`` checked: seconds between ticks, more than 0 and at most a day."""
-    every_s = check_number("every_s", value)
-    if not 0 < every_s <= MAX_EVERY_S:
-        raise ConfigError(f"every_s must be more than 0 and at most {MAX_EVERY_S:g} seconds, not {every_s:g}.")
-    return every_s
+    """``every_s`` checked: seconds between ticks, from a millisecond to a day."""
+    return check_seconds("every_s", value, MIN_EVERY_S, MAX_EVERY_S)
+
+
+class Watch(Iterator[Observation]):
+    """A running watch: iterate it for observations; stop it from any thread.
+
+    :meth:`stop` asks the loop to end: it is seen between ticks and while the loop waits for a
+    frame or for the next tick (an answer under way is finished first), and the iteration then
+    ends as a finished source would, the source released. :meth:`close` stops and releases the
+    source too, waiting (from another thread) for the tick under way to end. Also a context
+    manager that closes on exit.
+    """
+
+    def __init__(self, observations: Generator[Observation, None, None], stop: threading.Event) -> None:
+        self._observations = observations
+        self._stop = stop
+        self._turn = threading.Lock()  # one thread at a time inside the generator
+
+    def __iter__(self) -> "Watch":
+        return self
+
+    def __next__(self) -> Observation:
+        with self._turn:
+            return next(self._observations)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` or :meth:`close` was called."""
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask the watch to end (thread-safe, returns at once): the iteration ends after the tick under way."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop the watch and release its source (thread-safe; from another thread, this waits
+        for the tick under way)."""
+        self._stop.set()
+        with self._turn:
+            self._observations.close()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _Watch:
@@ -150,19 +205,22 @@ class _Watch:
         self.max_slices = max_slices
         self.answer_unchanged = answer_unchanged
         self.held: dict[int, np.ndarray] = {}  # box -> the embedding it was last encoded to
+        self.origin: dict[int, str] = {}  # box -> the digest of the frame that embedding was encoded from
         self.reference: Image | None = None  # the image last asked about
         self.last: Reply | None = None
 
-    def observations(self, spec: Any, *, every_s: float, only_changes: bool,
-                     give_up_s: float) -> Generator[Observation, None, None]:
+    def observations(self, spec: Any, *, every_s: float, only_changes: bool, give_up_s: float,
+                     stop: threading.Event) -> Generator[Observation, None, None]:
+        if stop.is_set():
+            return
         frames: FrameSource = start_source(spec, give_up_s=give_up_s)
         try:
             start = time.monotonic()
             served = 0  # the tick number last served
             after, skipped_ticks = -1, 0
             shown: Any = _NOTHING
-            while True:
-                grab = frames.newest(after, timeout=give_up_s + NETWORK_TIMEOUT_S)
+            while not stop.is_set():
+                grab = frames.newest(after, timeout=give_up_s + NETWORK_TIMEOUT_S, stop=stop)
                 if grab is None:
                     return
                 skipped_frames = grab.index - after - 1
@@ -182,7 +240,7 @@ class _Watch:
                 upcoming = max(served + 1, math.floor((now - start) / every_s) + 1)
                 skipped_ticks = upcoming - served - 1
                 served = upcoming
-                time.sleep(max(0.0, start + upcoming * every_s - time.monotonic()))
+                stop.wait(max(0.0, start + upcoming * every_s - time.monotonic()))
         finally:
             frames.close()
 
@@ -192,7 +250,7 @@ class _Watch:
         engine = model.engine
         image = model.prepare_image(rgb, detail=self.detail, max_slices=self.max_slices)
         grid = slice_grid(image.width, image.height, engine.slice_size)
-        cells = grey_cells(image.rgb)
+        cells = colour_cells(image.rgb)
         changes = self.tracker.compare(cells, (image.width, image.height), grid)
         n_boxes = len(changes.fractions)
         stale = set(changes.stale) | {i for i in range(n_boxes) if i not in self.held}
@@ -202,6 +260,9 @@ class _Watch:
             self.last = self._ask(self.reference)  # the same prompt: the KV cache holds all of it
             return changes.fraction, self.last.timings.slices_encoded, n_boxes - self.last.timings.slices_encoded, True
         stale.add(0)  # the overview sees every slice
+        origin = {i: image.digest if i in stale else self.origin[i] for i in range(n_boxes)}
+        if len(stale) < n_boxes:
+            image = _Mixed(image.rgb, image.source, _mix_digest(origin))
         cache = engine.embed_cache
         for i in range(n_boxes):
             if i not in stale:
@@ -212,9 +273,11 @@ class _Watch:
             embedding = cache.get(engine.image_key(image.digest, i))
             if embedding is None:  # the cache is too small to hold a frame: encode it next time too
                 self.held.pop(i, None)
+                self.origin.pop(i, None)
                 self.tracker.forget(i)
             else:
                 self.held[i] = embedding
+                self.origin[i] = origin[i]
                 kept.append(i)
         self.tracker.encoded(cells, kept)
         if self.reference is not None and self.reference.digest != image.digest:
@@ -237,6 +300,24 @@ class _Watch:
         engine = self.model.engine
         for i in range(1 + MAX_SLICES):
             engine.embed_cache.discard(engine.image_key(image.digest, i))
+
+
+@dataclass(frozen=True, eq=False)
+class _Mixed(Image):
+    """A frame asked about with some boxes' embeddings kept from earlier frames: its ``digest``
+    names that mix, so the embedding cache never holds them under the frame's own pixels."""
+
+    mix: str = ""
+
+    @property
+    def digest(self) -> str:
+        return self.mix
+
+
+def _mix_digest(origin: dict[int, str]) -> str:
+    """A digest of which frame (by pixel digest) each box's embedding was encoded from."""
+    text = "watch-mix:" + ",".join(f"{i}={digest}" for i, digest in sorted(origin.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _NOTHING = object()

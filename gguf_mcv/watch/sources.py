@@ -29,7 +29,9 @@ import numpy as np
 
 from ..errors import ConfigError, GgufMcvError, MediaError, SourceError, SourceLostError
 from ..options import check_number, check_url
-from ..vision.media import load_image, local_path, regular_file
+from ..vision.media import MAX_PIXELS, load_image, local_path, regular_file
+from ..vision.video import check_frame_size
+from .mjpeg import open_mjpeg
 
 SourceInput = Union[int, str, os.PathLike, Iterable[Any]]
 
@@ -39,11 +41,15 @@ STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
 DEFAULT_GIVE_UP_S = 30.0
 #: Longest ``give_up_s`` accepted (a day): past it a dead camera would look like a hang.
 MAX_GIVE_UP_S = 86_400.0
+#: Shortest ``give_up_s`` accepted: no camera or stream reopens faster.
+MIN_GIVE_UP_S = 0.01
 #: OpenCV's FFmpeg backend waits at most this long to open or read a network stream.
 NETWORK_TIMEOUT_S = 5.0
 #: First wait before reopening a dropped source, doubled after each failed try up to the maximum.
 BACKOFF_START_S = 0.25
 BACKOFF_MAX_S = 5.0
+#: Longest wait, in seconds, between two looks at Ctrl-C or a stop request while waiting for a frame.
+STOP_POLL_S = 0.1
 #: Unusable frames in a row (empty, of an unknown pixel format) before a source counts as corrupt.
 MAX_BAD_IN_A_ROW = 25
 ACCEPTED_SOURCES = ("a camera index (0), a device path (/dev/video0), a video file, an rtsp:// or "
@@ -66,9 +72,10 @@ class FrameSource(Protocol):
     reconnects: int  #: times the source dropped and was reopened
     bad_frames: int  #: unusable frames skipped
 
-    def newest(self, after: int, timeout: float) -> Grab | None:
+    def newest(self, after: int, timeout: float, stop: threading.Event | None = None) -> Grab | None:
         """The newest frame with an index above ``after`` (waiting up to ``timeout`` s for one);
-        None when the source has ended. Raises :class:`SourceError` when it cannot go on."""
+        None when the source has ended or ``stop`` is set. Raises :class:`SourceError` when it
+        cannot go on."""
         ...
 
     def close(self) -> None:
@@ -121,10 +128,7 @@ def start_source(spec: SourceSpec, *, give_up_s: float = DEFAULT_GIVE_UP_S,
                  network_timeout_s: float = NETWORK_TIMEOUT_S) -> FrameSource:
     """The :class:`FrameSource` for a checked source, opened (an OpenCV source in its reader thread)."""
     give_up_s = check_give_up(give_up_s)
-    network_timeout_s = check_number("network_timeout_s", network_timeout_s)
-    if not 0 < network_timeout_s <= MAX_GIVE_UP_S:
-        raise ConfigError(f"network_timeout_s must be more than 0 and at most {MAX_GIVE_UP_S:g}, "
-                          f"not {network_timeout_s:g}.")
+    network_timeout_s = check_seconds("network_timeout_s", network_timeout_s, MIN_GIVE_UP_S, MAX_GIVE_UP_S)
     if spec.kind == "frames":
         return IterableSource(spec.target, spec.name)
     return CaptureSource(spec.target, spec.kind, spec.name, give_up_s=give_up_s,
@@ -132,10 +136,19 @@ def start_source(spec: SourceSpec, *, give_up_s: float = DEFAULT_GIVE_UP_S,
 
 
 def check_give_up(value: Any) -> float:
-    """``give_up_s`` checked: a number of seconds, more than 0 and at most a day."""
-    seconds = check_number("give_up_s", value)
-    if not 0 < seconds <= MAX_GIVE_UP_S:
-        raise ConfigError(f"give_up_s must be more than 0 and at most {MAX_GIVE_UP_S:g} seconds, not {seconds:g}.")
+    """``give_up_s`` checked: a number of seconds, from 0.01 to a day."""
+    return check_seconds("give_up_s", value, MIN_GIVE_UP_S, MAX_GIVE_UP_S)
+
+
+def check_seconds(name: str, value: Any, low: float, high: float) -> float:
+    """``value`` checked as a number of seconds in [``low``, ``high``] (an int too large for a
+    float included: a ConfigError, never an OverflowError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -high <= value <= high:
+        raise ConfigError(f"{name} must be at least {low:g} and at most {high:g} seconds, not a number "
+                          f"of {len(str(abs(value)))} digits.")
+    seconds = check_number(name, value)
+    if not low <= seconds <= high:
+        raise ConfigError(f"{name} must be at least {low:g} and at most {high:g} seconds, not {seconds:g}.")
     return seconds
 
 
@@ -164,13 +177,32 @@ def classify(text: str) -> tuple[str, int | str]:
 
 
 def redact(url: str) -> str:
-    """``url`` without a password (camera URLs often carry one)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    """``url`` as messages show it: its user info and the value of every query parameter masked
+    (``***``), scheme, host (brackets of an IPv6 address kept), port and path as they were.
+
+    Camera URLs carry secrets in the password, in a token given as the user name
+    (``rtsp://TOKEN@host``) and in query parameters (``?user=admin&pwd=…``, ``?token=…``); a
+    user name shown next to a password is kept (``admin:***``), one alone is masked. A URL that
+    cannot be split is shown as its scheme alone.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    netloc_end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:netloc_end], rest[netloc_end:]
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        netloc = (f"{user}:***" if colon and user else "***") + "@" + hostport
+    path, _, fragment = tail.partition("#")
+    path, question, query = path.partition("?")
+    if question:
+        masked = [(name + "=***" if equals else "***") if (name or equals) else ""
+                  for name, equals, _ in (part.partition("=") for part in query.split("&"))]
+        path += "?" + "&".join(masked)
+    if fragment:
+        path += "#***"
+    return f"{scheme}://{netloc}{path}"
 
 
 class CaptureSource:
@@ -193,11 +225,13 @@ class CaptureSource:
         self._thread = threading.Thread(target=self._run, name=f"gguf-mcv watch: {name}", daemon=True)
         self._thread.start()
 
-    def newest(self, after: int, timeout: float) -> Grab | None:
+    def newest(self, after: int, timeout: float, stop: threading.Event | None = None) -> Grab | None:
         """See :meth:`FrameSource.newest`."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
+                if stop is not None and stop.is_set():
+                    return None
                 if self._latest is not None and self._latest.index > after:
                     return self._latest
                 if self._error is not None:
@@ -208,7 +242,7 @@ class CaptureSource:
                 if left <= 0:
                     raise SourceLostError(f"{self.name} gave no new frame for {timeout:g} s: is it still "
                                           "delivering? (check the camera or stream).")
-                self._cond.wait(min(left, 0.5))  # short waits: Ctrl-C is seen promptly
+                self._cond.wait(min(left, STOP_POLL_S))  # short waits: Ctrl-C and stop() are seen promptly
 
     def close(self) -> None:
         """See :meth:`FrameSource.close`; waits for the reader thread (at most a network timeout)."""
@@ -223,8 +257,11 @@ class CaptureSource:
     def _run(self) -> None:
         try:
             self._read_all()
+        except GgufMcvError as exc:  # already says what happened (a part over the limits)
+            self._finish(error=exc)
         except Exception as exc:  # noqa: BLE001 - cv2.error and friends: the consumer gets one clear error
-            self._finish(error=SourceError(f"Reading {self.name} failed ({type(exc).__name__}: {exc})."))
+            why = str(exc).replace(str(self._target), self.name)  # OpenCV may quote the URL, secrets and all
+            self._finish(error=SourceError(f"Reading {self.name} failed ({type(exc).__name__}: {why})."))
 
     def _finish(self, *, error: GgufMcvError | None = None) -> None:
         with self._cond:
@@ -236,6 +273,13 @@ class CaptureSource:
     def _open(self) -> Any:
         import cv2  # lazy: `import gguf_mcv` does not load OpenCV
 
+        if self.kind == "stream" and urllib.parse.urlsplit(str(self._target)).scheme.lower() in ("http", "https"):
+            try:
+                mjpeg = open_mjpeg(str(self._target), self.name, self._network_timeout_s)
+            except OSError:
+                return None  # unreachable: tried again with backoff
+            if mjpeg is not None:
+                return mjpeg  # anything else over HTTP (HLS, a video file) goes on to FFmpeg
         if self.kind == "stream":
             ms = int(self._network_timeout_s * 1000)
             cap = cv2.VideoCapture(self._target, cv2.CAP_FFMPEG,
@@ -290,6 +334,13 @@ class CaptureSource:
                 self._finish(error=self._lost(True))
                 return
             cap = self._reopen(first=True)
+        if cap is not None:
+            try:
+                check_frame_size(cap, self.name)  # the size the container or stream declares, before decoding
+            except MediaError as exc:
+                cap.release()
+                self._finish(error=SourceError(str(exc)))
+                return
         fps = cap.get(cv2.CAP_PROP_FPS) if cap is not None and self.kind == "file" else 0.0
         start = time.monotonic()
         index, bad = 0, 0
@@ -303,6 +354,11 @@ class CaptureSource:
                         break
                     cap = self._reopen(first=False)
                     continue
+                if isinstance(frame, np.ndarray) and frame.ndim >= 2 and frame.shape[0] * frame.shape[1] > MAX_PIXELS:
+                    self._finish(error=SourceError(
+                        f"Frame {index} of {self.name} is {frame.shape[1]}×{frame.shape[0]} pixels, over the "
+                        f"{MAX_PIXELS:,}-pixel limit: lower the camera's or stream's resolution."))
+                    return
                 rgb = to_rgb(frame)
                 if rgb is None:
                     self.bad_frames += 1
@@ -327,10 +383,13 @@ class CaptureSource:
 
 
 def to_rgb(frame: Any) -> np.ndarray | None:
-    """An OpenCV frame (BGR, BGRA or grey; 8- or 16-bit) as H×W×3 uint8 RGB; None if unusable."""
+    """An OpenCV frame (BGR, BGRA or grey; 8- or 16-bit) as H×W×3 uint8 RGB; None if unusable
+    (over :data:`~gguf_mcv.vision.media.MAX_PIXELS` included)."""
     import cv2  # lazy: see CaptureSource._open
 
     if not isinstance(frame, np.ndarray) or frame.size == 0 or frame.ndim not in (2, 3):
+        return None
+    if frame.shape[0] * frame.shape[1] > MAX_PIXELS:  # refused before it is converted (copied)
         return None
     if frame.dtype == np.uint16:
         frame = (frame >> 8).astype(np.uint8)
@@ -353,8 +412,11 @@ class IterableSource:
         self._frames: Iterator[Any] = iter(frames)
         self._index = -1
 
-    def newest(self, after: int, timeout: float) -> Grab | None:
-        """The iterable's next frame (``after`` and ``timeout`` do not apply); None once it is exhausted."""
+    def newest(self, after: int, timeout: float, stop: threading.Event | None = None) -> Grab | None:
+        """The iterable's next frame (``after`` and ``timeout`` do not apply); None once it is
+        exhausted or ``stop`` is set."""
+        if stop is not None and stop.is_set():
+            return None
         try:
             item = next(self._frames)
         except StopIteration:
