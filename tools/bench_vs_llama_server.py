@@ -133,11 +133,12 @@ def one_round(base: str, ours: bool, args: argparse.Namespace, round_no: int) ->
     import openai
 
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+    name = client.models.list().data[0].id  # ours refuses another model's name
     side = args.photo_side
     photos = [photo_bytes(1000 * round_no + i, side, side) for i in range(6)]
 
     def ask(messages: list[dict[str, Any]], max_tokens: int = args.image_tokens) -> str:
-        out = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, **GREEDY)
+        out = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens, **GREEDY)
         return out.choices[0].message.content or ""
 
     def question(photo: bytes, text: str, detail: str | None) -> list[dict[str, Any]]:
