@@ -447,7 +447,7 @@ def test_a_damaged_conversion_is_rebuilt_with_one_warning_in_a_child(tiny, onnx_
                                                                       damage, target) -> None:
     folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
     manifest = next(folder.glob("*.json"))
-    fp32, int8 = next(folder.glob("*-fp32.onnx.data")), next(folder.glob("*-int8.onnx.data"))
+    fp32, int8 = next(folder.glob("*-fp32.onnx.data")), next(folder.glob("*-int8-*.onnx.data"))
     harmed = manifest if target == "manifest" else fp32
     damage(harmed, fp32 if target == "manifest" else int8)
     result = damage_mod.run_child(_PREPARE_AFTER_DAMAGE, str(tiny.mmproj), timeout=300)
