@@ -341,12 +341,12 @@ def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
 
 
 def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int, int], None] | None,
-             validate_int8: bool = True, *, checkpoint: Callable[[], None] | None = None,
+             validate_int8: bool = True, *, checkpoint: Callable[[str], None] | None = None,
              kernels: list[str] | None = None) -> Converted:
     """Convert and validate into ``folder`` (its lock held by the caller), the int8 graph in the
     fastest of ``kernels`` whose embeddings pass (``onnx_variants.better``; the first alone when
-    int8 is not validated); ``checkpoint`` is called once the first graphs are written, before
-    validating (the child's fault injection). Whatever fails, nothing is left under a final name
+    int8 is not validated); ``checkpoint`` is called with "validate" once the first graphs are
+    written, and with "manifest" once the files are in place (the child's fault injection). Whatever fails, nothing is left under a final name
     without its manifest."""
     import onnx
 
@@ -382,7 +382,7 @@ def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int
         graph("fp32")
         graph("int8", kernels[0])
         if checkpoint is not None:
-            checkpoint()
+            checkpoint("validate")
         reference = _reference(graph("fp32"), projector) if validate_int8 else None
         cosines: dict[str, float | None] = {}
         seconds: dict[str, float] = {}
@@ -412,6 +412,8 @@ def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int
             os.replace(f, folder / f.name)
             moved.append(folder / f.name)
         _forget_other_versions(folder, stem)
+        if checkpoint is not None:
+            checkpoint("manifest")
         manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
                     "int8_cosine": cosines[best], "threshold": INT8_MIN_COSINE, "files": files,
                     "kernel": best, "cpu_class": onnx_variants.cpu_class(), "kernels_tried": cosines,
