@@ -346,8 +346,8 @@ def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int
     """Convert and validate into ``folder`` (its lock held by the caller), the int8 graph in the
     fastest of ``kernels`` whose embeddings pass (``onnx_variants.better``; the first alone when
     int8 is not validated); ``checkpoint`` is called with "validate" once the first graphs are
-    written, and with "manifest" once the files are in place (the child's fault injection). Whatever fails, nothing is left under a final name
-    without its manifest."""
+    written, and with "manifest" once the files are in place (the child's fault injection).
+    Whatever fails, nothing is left under a final name without its manifest."""
     import onnx
 
     _check_disk(mmproj, folder)
