@@ -447,7 +447,7 @@ def test_a_damaged_conversion_is_rebuilt_with_one_warning_in_a_child(tiny, onnx_
                                                                       damage, target) -> None:
     folder = _copy_of(onnx_folder, tmp_path, monkeypatch)
     manifest = next(folder.glob("*.json"))
-    fp32, int8 = next(folder.glob("*-fp32.onnx.data")), next(folder.glob("*-int8.onnx.data"))
+    fp32, int8 = next(folder.glob("*-fp32.onnx.data")), next(folder.glob("*-int8-*.onnx.data"))
     harmed = manifest if target == "manifest" else fp32
     damage(harmed, fp32 if target == "manifest" else int8)
     result = damage_mod.run_child(_PREPARE_AFTER_DAMAGE, str(tiny.mmproj), timeout=300)
@@ -616,3 +616,97 @@ def test_a_first_run_peaks_no_higher_than_a_cached_run(tmp_path: Path) -> None:
     first, cached = runs[0]["peak"], runs[1]["peak"]
     assert "int8 vs fp32 cosine" in runs[0]["reason"]  # the first run converted and validated
     assert first <= cached + 4 * 2**20, (first / 2**20, cached / 2**20)
+
+
+# --- a disk that fills during a conversion -------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """Mount a small tmpfs (as root) at a fresh folder: yields a function (size in bytes ->
+    remount at that size) and the folder; skipped where it cannot be mounted."""
+    import subprocess
+
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+
+    def mount(size: int, remount: bool = False) -> None:
+        opts = f"{'remount,' if remount else ''}size={-(-size // 4096) * 4096}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+    yield mount, where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _allocated(folder: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in folder.iterdir() if p.is_file())
+
+
+def test_files_no_manifest_vouches_for_are_removed_not_counted_against_the_disk(tiny, onnx_folder, tmpfs,
+                                                                                 monkeypatch) -> None:
+    """A conversion that failed once the graphs were under their final names (a full disk, a
+    killed child) left them without a manifest: the next load removes them before it checks the
+    free space, so once there is room again it converts, never NotEnoughDiskError forever."""
+    import shutil
+
+    mount, where = tmpfs
+    need = onnx_vision.DISK_FACTOR * tiny.mmproj.stat().st_size
+    mount(need + 2**20)
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(where))
+    folder = where / "onnx"
+    folder.mkdir()
+    for f in onnx_folder.iterdir():
+        if f.name.endswith((".onnx", ".data")):
+            shutil.copyfile(f, folder / f.name)  # the graphs of a conversion without its manifest
+    assert shutil.disk_usage(folder).free < need  # they would make the check fail
+    converted = prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False)
+    assert converted.convert_s > 0 and converted.int8.is_file()
+    assert {p.name for p in folder.iterdir()} == {*(f.name for f in onnx_folder.iterdir())}
+
+
+def test_a_disk_that_fills_during_a_conversion_leaves_no_file(tiny, onnx_folder, tmpfs, monkeypatch) -> None:
+    """The disk check passed, then something else filled the disk: with room for a little less
+    than the conversion, then a page more each time (the last graph, then the manifest, do not
+    fit), each failure is the disk's error and leaves no file under a final name; once there is
+    room the next load converts."""
+    import errno
+
+    mount, where = tmpfs
+    lock = f"{next(onnx_folder.glob('*.json')).stem}.lock"
+    files = sum(-(-p.stat().st_size // 4096) * 4096 for p in onnx_folder.iterdir()
+                if p.name.endswith((".onnx", ".data")))
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(where))
+    monkeypatch.setattr(onnx_vision, "CONVERT_IN_CHILD", False)  # the check is patched in this process
+    monkeypatch.setattr(onnx_vision, "DISK_FACTOR", 0)
+    failures = 0
+    for extra in range(0, 8 * 4096, 4096):
+        mount(files + extra, remount=extra > 0)
+        try:
+            converted = prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            assert [p.name for p in (where / "onnx").iterdir()] == [lock]
+            failures += 1
+            continue
+        assert converted.convert_s > 0 and converted.int8.is_file()
+        break
+    else:
+        pytest.fail("the conversion never fitted")
+    assert failures >= 2  # the disk filled at least once with the graphs in place
+
+
+def test_a_child_killed_before_its_manifest_leaves_no_file(tiny, tmp_path: Path, monkeypatch) -> None:
+    from gguf_mcv.vision import onnx_child
+
+    monkeypatch.setenv("GGUF_MCV_CACHE", str(tmp_path))
+    monkeypatch.setenv(onnx_child.ENV_FAULT, "SIGKILL@manifest")
+    with pytest.raises(EngineError, match="SIGKILL"):
+        prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False)
+    assert [p.suffix for p in (tmp_path / "onnx").iterdir()] == [".lock"]
+    monkeypatch.delenv(onnx_child.ENV_FAULT)
+    assert prepare(tiny.mmproj, file_identity(tiny.mmproj), validate_int8=False).convert_s > 0

@@ -325,3 +325,25 @@ def test_a_damaged_verdict_is_probed_again_with_one_warning_in_a_child(tmp_path:
         assert not result["hit"], result
     else:
         assert not result["hit"] and len(result["warnings"]) == 1, result
+
+
+def test_the_onnx_int8_rate_is_the_fastest_kernel_this_cpu_class_tries(tiny, tmp_path: Path, monkeypatch) -> None:
+    """A conversion keeps the fastest int8 kernel that passes its check, so the probe times every
+    kernel of this CPU's class (A B A B) and gives the fastest's time as onnx-int8's."""
+    pytest.importorskip("onnxruntime")
+    from gguf_mcv.vision import onnx_variants
+
+    monkeypatch.setitem(onnx_variants.CANDIDATES, onnx_variants.cpu_class(), ("u8s8", "nbits8", "u8u8"))
+    measured: list[dict[str, float]] = []
+    real = onnx_variants.time_alternating
+
+    def spy(runs, rounds=2):
+        measured.append(real(runs, rounds))
+        return measured[-1]
+
+    monkeypatch.setattr(onnx_variants, "time_alternating", spy)
+    times = speed_probe.time_onnx(tiny.mmproj, 2, tmp_path)
+    assert set(times) == {"onnx-fp32", "onnx-int8"} and all(t > 0 for t in times.values())
+    fp32, int8 = measured
+    assert set(int8) == {"u8s8", "nbits8", "u8u8"} and times["onnx-int8"] == min(int8.values())
+    assert {p.name for p in tmp_path.glob("probe-int8-*.onnx")} == {f"probe-int8-{k}.onnx" for k in int8}

@@ -21,6 +21,14 @@ conversion from the cache; each one's peak RSS, load time and encode times, the 
 cosine and the converted files' sizes.
 
     python tools/bench_vision.py --ladder /tmp/bench-onnx --quant Q4_0 --first-run
+
+``--variants`` times the int8 graph's candidates in one process, one alternating run (A B A B,
+``--runs`` rounds, one fresh random 448-px slice per round, the same for every candidate): each
+int8 kernel (``gguf_mcv.vision.onnx_variants``) with the loader's session options, and u8s8
+with other session options (spinning on; basic graph optimizations only); the median of each,
+its ratio to libmtmd's F16 slice (timed first, in a fresh process) and its cosine to u8s8.
+
+    python tools/bench_vision.py --ladder /tmp/bench-onnx --variants --runs 4
 """
 
 from __future__ import annotations
@@ -150,6 +158,60 @@ def first_run(args: argparse.Namespace) -> None:
     print(json.dumps({"runs": runs, "files": sizes, "int8_cosine": saved["int8_cosine"]}))
 
 
+def variants(args: argparse.Namespace) -> None:
+    """The int8 candidates side by side (see the module's docstring)."""
+    import onnx
+    import onnxruntime as ort
+
+    from gguf_mcv.vision.onnx_graph import INT8_KERNELS, Weights, build_model, graph_inputs
+    from gguf_mcv.vision.onnx_variants import cpu_class
+    from gguf_mcv.vision.onnx_vision import int8_scope, token_cosines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        libmtmd = run("llama.cpp", args, {**os.environ, "GGUF_MCV_CACHE": tmp}, Path(tmp) / "ref.npy")
+        weights = Weights(Path(args.ladder) / "mmproj-model-f16.gguf")
+        p = weights.projector()
+        sessions = {}
+        for kernel in INT8_KERNELS:
+            path = Path(tmp) / f"int8-{kernel}.onnx"
+            model, _ = build_model(weights, fold=True, int8=True, int8_scope=int8_scope(p.projector_type),
+                                   kernel=kernel, external=path.with_name(path.name + ".data"))
+            onnx.save_model(model, str(path))
+            del model
+            options = {kernel: {}} if kernel != "u8s8" else {
+                "u8s8": {}, "u8s8 spinning": {"spin": "1"}, "u8s8 basic-opt": {"level": "basic"}}
+            for name, opt in options.items():
+                so = ort.SessionOptions()
+                so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if opt.get("level")
+                                               else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+                so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
+                so.add_session_config_entry("session.intra_op.allow_spinning", opt.get("spin", "0"))
+                sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        side = p.image_size // p.patch_size
+        rng = np.random.default_rng(0)
+        times: dict[str, list[float]] = {name: [] for name in sessions}
+        outs: dict[str, np.ndarray] = {}
+        for name, session in sessions.items():  # warm-up, and each one's embeddings of one slice
+            feeds = {"pixels": rng.standard_normal((1, 3, p.image_size, p.image_size), np.float32).clip(-1, 1),
+                     **graph_inputs(p, side, side)}
+            outs[name] = session.run(["embeddings"], {**feeds, "pixels": np.zeros_like(feeds["pixels"]) + 0.1})[0]
+        for _ in range(args.runs):
+            feeds = {"pixels": rng.uniform(-1, 1, (1, 3, p.image_size, p.image_size)).astype(np.float32),
+                     **graph_inputs(p, side, side)}
+            for name, session in sessions.items():
+                start = time.perf_counter()
+                session.run(["embeddings"], feeds)
+                times[name].append(time.perf_counter() - start)
+    base = libmtmd["median_ms"] / 1000
+    print(f"CPU class {cpu_class()}, {args.threads} threads, libmtmd F16 {base:.3f} s per slice")
+    print("\n| int8 variant | s per 448-px slice (median) | vs libmtmd F16 | cosine vs u8s8 |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, ts in times.items():
+        cos = float(token_cosines(outs["u8s8"][0], outs[name][0]).mean())
+        print(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.2f}x | {cos:.5f} |")
+    print(json.dumps({"cpu_class": cpu_class(), "libmtmd_s": base, "times": times}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ladder", required=True, help="folder of tools/make_test_model.py --preset bench")
@@ -161,9 +223,13 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--embeddings", help=argparse.SUPPRESS)
     ap.add_argument("--first-run", action="store_true", help="onnx-int8 converting, then from the cache")
+    ap.add_argument("--variants", action="store_true", help="the int8 kernels and session options, A B A B")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
+        return
+    if args.variants:
+        variants(args)
         return
     if args.first_run:
         first_run(args)

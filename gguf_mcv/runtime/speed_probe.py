@@ -19,9 +19,11 @@ What is measured (:func:`measure`):
   up to 3x per byte between types, and a file mixes several); two narrow models that
   time the fixed cost of a token and of a layer; and one 448-pixel slice through two
   SigLIP-400M-sized vision blocks (libmtmd's F16 matrices) and through one (ONNX Runtime
-  fp32 and int8). Those kernels run at rates numpy's BLAS says nothing about, so they are
-  timed where they run. The text models' weights are random blocks of the type, written
-  without llama.cpp's quantizer (which needs seconds per K-quant model).
+  fp32, and int8 in each kernel a conversion on this CPU class tries,
+  ``gguf_mcv.vision.onnx_variants``: the fastest stands for the one it keeps). Those
+  kernels run at rates numpy's BLAS says nothing about, so they are timed where they run.
+  The text models' weights are random blocks of the type, written without llama.cpp's
+  quantizer (which needs seconds per K-quant model).
 
 Every timing is wall time (:func:`clock`): llama.cpp's worker threads sleep at their
 barriers, so CPU seconds per thread undercount a multi-threaded step (with two threads
@@ -32,6 +34,7 @@ therefore pessimistic: ``gguf-mcv plan --reprobe`` measures again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,7 +59,7 @@ from ..planning.speed import DEFAULT_RATES, Rates
 logger = logging.getLogger(__name__)
 
 #: Bumped when what is measured changes: older cache files are then probed again.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 CACHE_NAME = "speed-probe.json"
 #: Bytes each thread streams through per bandwidth pass: far beyond any CPU cache.
 BANDWIDTH_BYTES = 128 * 2**20
@@ -309,8 +312,10 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
 def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
     """Seconds ONNX Runtime takes for one 448-pixel slice through ``mmproj``'s tower (the
     faster of two, after a small one has warmed the session up), per variant (``{"onnx-fp32": s,
-    "onnx-int8": s}``); empty when onnxruntime or onnx cannot be imported (then the
-    libmtmd rate stands in)."""
+    "onnx-int8": s}``); int8's is the fastest of the kernels a conversion on this CPU class tries
+    (``onnx_variants.candidates``, timed in turn A B A B), as the conversion keeps the fastest
+    that passes its check. Empty when onnxruntime or onnx cannot be imported (then the libmtmd
+    rate stands in)."""
     try:
         import onnx
 
@@ -320,28 +325,35 @@ def time_onnx(mmproj: Path, threads: int, folder: Path) -> dict[str, float]:
         return {}
     import numpy as np
 
+    from ..vision import onnx_variants
     from .native_check import vision_safe
 
     weights = Weights(mmproj)
     projector = weights.projector()
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((3, projector.image_size, projector.image_size), np.float32)
+    kernels = {"fp32": ("u8s8",), "int8": onnx_variants.candidates(onnx_variants.cpu_class())}
     times = {}
     for variant in ("fp32", "int8"):
         if not vision_safe(f"onnx-{variant}"):
             continue  # its kernels crash here: the loader will not use it either
-        path = folder / f"probe-{variant}.onnx"
-        model, _ = build_model(weights, fold=True, int8=variant == "int8")
-        onnx.save_model(model, str(path))
-        encoder = OnnxEncoder(path, projector, n_threads=threads)
-        rng = np.random.default_rng(0)
-        encoder.encode_pixels(rng.standard_normal((3, 112, 112), np.float32))  # warm-up
-        pixels = rng.standard_normal((3, projector.image_size, projector.image_size), np.float32)
-        runs = []
-        for _ in range(2):  # the faster of two, as for libmtmd
-            start = clock()
-            encoder.encode_pixels(pixels)
-            runs.append(clock() - start)
-        times[f"onnx-{variant}"] = min(runs)
+        runs = {}
+        for kernel in kernels[variant]:
+            path = folder / f"probe-{variant}-{kernel}.onnx"
+            model, _ = build_model(weights, fold=True, int8=variant == "int8", kernel=kernel)
+            onnx.save_model(model, str(path))
+            encoder = OnnxEncoder(path, projector, n_threads=threads)
+            encoder.encode_pixels(rng.standard_normal((3, 112, 112), np.float32))  # warm-up
+            runs[kernel] = functools.partial(_slice_seconds, encoder, pixels)
+        # the faster of two each, as for libmtmd
+        times[f"onnx-{variant}"] = min(onnx_variants.time_alternating(runs, 2).values())
     return times
+
+
+def _slice_seconds(encoder: Any, pixels: Any) -> float:
+    start = clock()
+    encoder.encode_pixels(pixels)
+    return clock() - start
 
 
 @contextlib.contextmanager

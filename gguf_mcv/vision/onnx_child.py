@@ -12,7 +12,8 @@ the cache.
 
 ``GGUF_MCV_ONNX_FAULT`` (for tests) makes the child fail just before it validates:
 a signal's name (``SIGKILL``) kills it, ``OSError`` / ``EngineError`` / ``KeyboardInterrupt``
-is raised.
+is raised; with ``@manifest`` after it (``SIGKILL@manifest``) it fails instead once the
+converted files are under their final names, just before their manifest is written.
 """
 
 from __future__ import annotations
@@ -117,9 +118,12 @@ def say(kind: str, body: Any) -> None:
     print(f"{PROTOCOL} {kind} {json.dumps(body)}", flush=True)
 
 
-def inject_fault() -> None:
-    """In the child: fail as ``$GGUF_MCV_ONNX_FAULT`` says (tests only; nothing when it is unset)."""
-    fault = os.environ.get(ENV_FAULT, "")
+def inject_fault(stage: str = "validate") -> None:
+    """In the child, at ``stage`` ("validate" or "manifest"): fail as ``$GGUF_MCV_ONNX_FAULT``
+    says (tests only; nothing when it is unset or names another stage)."""
+    fault, _, at = os.environ.get(ENV_FAULT, "").partition("@")
+    if (at or "validate") != stage:
+        return
     if fault.startswith("SIG"):
         if fault not in ("SIGKILL", "SIGSTOP"):  # those two have no handler to reset
             signal.signal(getattr(signal, fault), signal.SIG_DFL)

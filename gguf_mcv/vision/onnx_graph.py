@@ -22,6 +22,7 @@ from typing import IO, Any, Callable
 import numpy as np
 
 from ..errors import CorruptModelError, IncompatibleProjectorError
+from .onnx_variants import quantize_blocks8, symmetric_blocks
 
 #: libmtmd's resampler attention head size (clip.cpp: ``const int d_head = 128``)
 RESAMPLER_HEAD = 128
@@ -35,8 +36,12 @@ EXTERNAL_ALIGN = 4096
 #: LayerNorm gamma channels larger than this many times the median are moved into the next
 #: MatMul's weights before int8 quantization (exact in fp32; see fold_outliers)
 OUTLIER_FACTOR = 4.0
-#: MatMulNBits' block along the input when the tower's MatMuls are 4-bit (``block_bits=4``)
+#: MatMulNBits' block along the input (4-bit tower blocks, ``block_bits=4``; the "nbits8" kernel)
 INT4_BLOCK = 32
+#: how an int8 MatMul runs (``kernel``; ``gguf_mcv.vision.onnx_variants`` picks one per CPU):
+#: "u8s8", DynamicQuantizeMatMul with int8 weights; "u8u8", the same with uint8 weights (zero
+#: point 128: no vpmaddubsw saturation); "nbits8", MatMulNBits at 8 bits, accuracy_level 4
+INT8_KERNELS = ("u8s8", "u8u8", "nbits8")
 #: what ``int8`` quantizes (``int8_scope``): "all", every MatMul with a weight; "blocks", the tower
 #: blocks' only, the merger/resampler fp32 and unfolded (the int8 graph before issue 27). The cache
 #: converts "all" for MiniCPM-V 4.6's mergers and "blocks" for the 2.x resampler
@@ -213,7 +218,7 @@ class _Builder:
     conversion holds one weight at a time, not the whole tower twice (numpy + protobuf)."""
 
     def __init__(self, external: IO[bytes] | None = None, location: str = "", int8: bool = False,
-                 ggml: bool = False, block_bits: int = 8, int8_scope: str = "all") -> None:
+                 ggml: bool = False, block_bits: int = 8, int8_scope: str = "all", kernel: str = "u8s8") -> None:
         from onnx import TensorProto, helper, numpy_helper  # lazy: only for conversion
 
         self.h, self.nh, self.tp = helper, numpy_helper, TensorProto
@@ -229,6 +234,9 @@ class _Builder:
             raise ValueError(f"int8_scope must be one of {INT8_SCOPES}, not {int8_scope!r}")
         #: with ``int8``, "blocks": only the tower blocks' MatMuls int8 (:data:`INT8_SCOPES`)
         self.int8_scope = int8_scope
+        if kernel not in INT8_KERNELS:  #: how the int8 MatMuls run
+            raise ValueError(f"kernel must be one of {INT8_KERNELS}, not {kernel!r}")
+        self.kernel = kernel
         self.ggml = ggml  #: round where ggml's CPU kernels round (see :func:`build_model`)
         self.flash = ggml  #: round Q/K/V as ggml's flash attention does (libmtmd's CPU default)
 
@@ -276,8 +284,10 @@ class _Builder:
     def matmul_in_out(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str,
                       rnd: str | None = None) -> str:
         if self.int8 and self.block_bits == 4 and hint.startswith("v.blk."):
-            return self._int4_matmul(x, w_in_out, b, hint)
+            return self._nbits_matmul(x, w_in_out, b, hint, 4)
         if self.int8 and (self.projector_int8 or hint.startswith("v.blk.")):
+            if self.kernel == "nbits8":
+                return self._nbits_matmul(x, w_in_out, b, hint, 8)
             return self._int8_matmul(x, w_in_out, b, hint)
         y = self.op("MatMul", [self.rounded(x, rnd), self.const(hint + ".w", w_in_out)], hint + ".matmul")
         return self.op("Add", [y, self.const(hint + ".b", b)], hint) if b is not None else y
@@ -290,20 +300,25 @@ class _Builder:
     def _int8_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
         """ONNX Runtime's DynamicQuantizeMatMul (what its quantize_dynamic + graph fusion give for
         a MatMul): symmetric int8 weights with one scale per output column, the activation
-        quantized per call, the bias added in the same op."""
+        quantized per call, the bias added in the same op; kernel "u8u8": the weights as uint8
+        (q + 128, zero point 128), which ORT multiplies without 8-bit pair sums."""
         w_q, scale = quantize_columns(w_in_out)
-        inputs = [x, self.const(hint + ".wq", w_q), self.const(hint + ".ws", scale), ""]
+        zero = ""
+        if self.kernel == "u8u8":
+            w_q = (w_q.astype(np.int16) + 128).astype(np.uint8)
+            zero = self.const(hint + ".wz", np.full(scale.shape, 128, np.uint8))
+        inputs = [x, self.const(hint + ".wq", w_q), self.const(hint + ".ws", scale), zero]
         if b is not None:
             inputs.append(self.const(hint + ".b", b.astype(np.float32)))
         return self.op("DynamicQuantizeMatMul", inputs, hint, domain="com.microsoft")
 
-    def _int4_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str) -> str:
-        """ONNX Runtime's MatMulNBits: 4-bit symmetric weights in blocks of :data:`INT4_BLOCK`
-        along the input, one f32 scale per block and column; accuracy_level 4 computes in int8."""
+    def _nbits_matmul(self, x: str, w_in_out: np.ndarray, b: np.ndarray | None, hint: str, bits: int) -> str:
+        """ONNX Runtime's MatMulNBits: ``bits``-bit (4 or 8) symmetric weights in blocks of
+        :data:`INT4_BLOCK` along the input, a scale per block and column; computed in int8."""
         k, n = w_in_out.shape
-        packed, scales = quantize_blocks4(w_in_out)
-        y = self.op("MatMulNBits", [x, self.const(hint + ".w4", packed), self.const(hint + ".s4", scales)],
-                    hint + ".matmul", domain="com.microsoft", K=k, N=n, bits=4, block_size=INT4_BLOCK,
+        packed, scales = quantize_blocks4(w_in_out) if bits == 4 else quantize_blocks8(w_in_out, INT4_BLOCK)
+        y = self.op("MatMulNBits", [x, self.const(hint + f".w{bits}", packed), self.const(hint + f".s{bits}", scales)],
+                    hint + ".matmul", domain="com.microsoft", K=k, N=n, bits=bits, block_size=INT4_BLOCK,
                     accuracy_level=4)
         return self.op("Add", [y, self.const(hint + ".b", b.astype(np.float32))], hint) if b is not None else y
 
@@ -358,19 +373,13 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_blocks4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits' layout of an (in × out) weight at 4 bits: (uint8 N × blocks × block/2, two
     values a byte, low nibble first, stored as q + 8; float32 scale per column and block)."""
-    k, n = w.shape
-    blocks = -(-k // INT4_BLOCK)
-    padded = np.zeros((blocks * INT4_BLOCK, n), np.float32)
-    padded[:k] = w
-    cols = padded.T.reshape(n, blocks, INT4_BLOCK)
-    scale = (np.abs(cols).max(axis=2) / 7.0).astype(np.float32)
-    scale[scale == 0] = 1.0
-    q = (np.clip(np.rint(cols / scale[..., None]), -8, 7) + 8).astype(np.uint8)
+    q4, scale = symmetric_blocks(w, 7.0, INT4_BLOCK)
+    q = (np.clip(q4, -8, 7) + 8).astype(np.uint8)
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), scale.reshape(-1)
 
 
 def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggml: bool = False,
-                external: Path | None = None, block_bits: int = 8, int8_scope: str = "all",
+                external: Path | None = None, block_bits: int = 8, int8_scope: str = "all", kernel: str = "u8s8",
                 progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[str]]:
     """The ONNX model of ``weights``' vision encoder, and the names of the tower's MatMul
     nodes. ``fold`` applies :func:`fold_outliers` to each LayerNorm that feeds MatMuls (the
@@ -385,12 +394,13 @@ def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggm
     ``int8_scope="blocks"`` (with ``int8``) quantizes the tower blocks only, as before issue 27:
     the mergers' and resampler's MatMuls stay fp32, their LayerNorms unfolded, the resampler's
     queries projected in the graph (:data:`INT8_SCOPES`; which one the cache converts is
-    ``onnx_vision.int8_scope``'s)."""
+    ``onnx_vision.int8_scope``'s); ``kernel``: how the int8 MatMuls run (:data:`INT8_KERNELS`)."""
     if external is None:
-        builder = _Builder(int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope)
+        builder = _Builder(int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope, kernel=kernel)
         return _build(weights, builder, fold, progress)
     with open(external, "wb") as f:
-        builder = _Builder(f, external.name, int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope)
+        builder = _Builder(f, external.name, int8=int8, ggml=ggml, block_bits=block_bits, int8_scope=int8_scope,
+                           kernel=kernel)
         return _build(weights, builder, fold, progress)
 
 

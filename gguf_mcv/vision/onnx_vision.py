@@ -2,14 +2,17 @@
 
 :func:`prepare` converts an mmproj (``gguf_mcv.vision.onnx_graph``) into ``<cache>/onnx/`` —
 fp32 (rounding where ggml's CPU kernels round, so its embeddings follow libmtmd's closely),
-and int8 (ONNX Runtime's DynamicQuantizeMatMul: per-column int8 weights for the ViT
-blocks' MatMuls and MiniCPM-V 4.6's mergers, activations quantized per call, LayerNorm gamma
-outliers folded into the weights first; the patch embedding and the 2.x resampler stay fp32:
-:func:`int8_scope`). Files are keyed by the mmproj's identity
-and the onnxruntime version, written into a temporary folder and moved into place; a
-manifest with each file's size and SHA-256 and a digest of its own content is written last
-and checked on every load (the projector's numbers are read again from the mmproj), so a
-killed conversion, a damaged file or an edited manifest is rebuilt, never used. At conversion the int8
+and int8 (per-column int8 weights for the ViT blocks' MatMuls and MiniCPM-V 4.6's mergers,
+activations quantized per call, LayerNorm gamma outliers folded into the weights first; the
+patch embedding and the 2.x resampler stay fp32: :func:`int8_scope`), in the int8 kernel this
+CPU class runs fastest among those that pass validation (``gguf_mcv.vision.onnx_variants``).
+Files are keyed by the mmproj's identity, the onnxruntime version and (int8) the kernel,
+written into a temporary folder and moved into place; a manifest with each file's size and
+SHA-256, the CPU class and a digest of its own content is written last and checked on every
+load (the projector's numbers are read again from the mmproj), so a killed conversion, a
+damaged file, an edited manifest or one made on another CPU class is rebuilt, never used;
+files of this conversion that no manifest vouches for (a conversion that failed, a full disk)
+are removed before converting again. At conversion the int8
 graph's embeddings are compared with the fp32 graph's on the bundled example image and
 synthetic patterns; :data:`INT8_MIN_COSINE` decides whether ``auto`` may use int8. Both run in
 a child process (``gguf_mcv.vision.onnx_child``): the caller then loads the cached result.
@@ -20,6 +23,7 @@ position inputs for that slice's size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -47,9 +51,23 @@ from ..cache_files import (
 )
 from ..errors import ConfigError, EngineError, NotEnoughDiskError
 from ..units import format_size
+from . import onnx_variants
 from .media import Image
-from .mtmd_preprocess import PreprocessParams, slice_pixels
-from .onnx_graph import STAGES_KEY, Projector, Weights, build_model, graph_inputs
+from .onnx_graph import INT8_KERNELS, Projector, Weights, build_model
+from .onnx_session import (  # noqa: F401  (the names tools and tests use from here)
+    EXAMPLE_IMAGE,
+    OnnxEncoder,
+    _params,
+    _reference,
+    _score,
+    _session,
+    _trim_heap,
+    run_in_stages,
+    slice_seconds,
+    token_cosines,
+    validate,
+    validation_images,
+)
 from .vision_backends import INT8_MIN_COSINE, choose_backend, int8_passes  # noqa: F401  (the rule lives there)
 
 logger = logging.getLogger(__name__)
@@ -66,18 +84,17 @@ def int8_scope(projector_type: str) -> str:
     return "all" if projector_type == "minicpmv4_6" else "blocks"
 #: 2: the fp32 graph rounds as ggml does; 3: the manifest carries a digest of its content; 4: the
 #: int8 graph quantizes the merger and resampler too, and the graphs carry their stages; 5: the
-#: resampler is fp32 again in the int8 graph (:func:`int8_scope`)
-MANIFEST_VERSION = 5
-#: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, the int8 graph about
-#: 0.6x, with room to spare
-DISK_FACTOR = 3
+#: resampler is fp32 again in the int8 graph (:func:`int8_scope`); 6: the int8 kernel, chosen per
+#: CPU class (``onnx_variants``), and the class
+MANIFEST_VERSION = 6
+#: disk a conversion needs, in mmproj (f16) sizes: the fp32 graph 2x, two int8 graphs (the best
+#: kernel so far and the one timed against it) about 0.6x each, with room to spare
+DISK_FACTOR = 4
 #: temporary entries a conversion writes (``tempfile``'s 8 random characters after the stem):
 #: those of a killed conversion are removed when its lock is next taken
 TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}(?:\.json\.part)?|(?P<old>.+)\.json\.part")
 #: the same for a stand-in's temporary file (:func:`gguf_mcv.vision.mmproj_standin.write_standin`)
 STANDIN_TEMP_NAME = re.compile(r"\.(?P<stem>.+)-[a-z0-9_]{8}\.part")
-#: the bundled example photo (also the self-test's)
-EXAMPLE_IMAGE = Path(__file__).resolve().parent.parent / "assets" / "example.png"
 #: False: convert in this process (tools that patch the graph builder); True: in a child process
 #: (:mod:`gguf_mcv.vision.onnx_child`), so this process's peak is a cached load's
 CONVERT_IN_CHILD = True
@@ -94,6 +111,8 @@ class Converted:
     #: (int8's kernels crash on the machine that converted it)
     int8_cosine: float | None
     convert_s: float  #: how long the conversion took (0 when it came from the cache)
+    kernel: str = "u8s8"  #: how the int8 graph's MatMuls run (``onnx_graph.INT8_KERNELS``)
+    cpu_class: str = ""  #: the CPU class the kernel was chosen on (``onnx_variants.cpu_class``)
 
     @property
     def int8_ok(self) -> bool:
@@ -132,7 +151,9 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
 
     Converting and validating run in a child process (:mod:`gguf_mcv.vision.onnx_child`), so
     this process peaks no higher than a later load from the cache; its errors are raised here
-    as they were, and a child killed by a signal (out of memory) is an EngineError, nothing cached."""
+    as they were, and a child killed by a signal (out of memory) is an EngineError, nothing cached
+    (the files it wrote are removed). A conversion made on another CPU class is made again, its
+    int8 kernel chosen for this one."""
     version = onnxruntime_version()
     if version is None:
         raise ConfigError("onnxruntime is not installed: pip install onnxruntime onnx, or use "
@@ -148,6 +169,11 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
             logger.warning("the ONNX conversion of %s in %s is unusable (%s): converting it again",
                            os.fspath(mmproj_path), folder, exc)
             found = None
+        here = onnx_variants.cpu_class()
+        if found is not None and found.cpu_class != here:
+            logger.info("the ONNX conversion of %s was made on a %s CPU, this one is %s: converting it again",
+                        os.fspath(mmproj_path), found.cpu_class, here)
+            found = None
         if found is not None and (found.int8_cosine is not None or not validate_int8):
             return found
         if found is not None:
@@ -156,13 +182,18 @@ def prepare(mmproj_path: str | os.PathLike, identity: str, *,
             _update_manifest(folder, stem, int8_cosine=cosine)
             return dataclasses.replace(found, int8_cosine=cosine)
         mmproj = Path(mmproj_path)
+        _remove_unvouched(folder, stem)  # what a failed conversion left; it must not count against the disk
         _check_disk(mmproj, folder)
+        kernels = list(onnx_variants.candidates(here))
         if not CONVERT_IN_CHILD:
-            return _convert(mmproj, folder, stem, progress, validate_int8)
+            return _convert(mmproj, folder, stem, progress, validate_int8, kernels=kernels)
         start = time.perf_counter()
         try:
             _in_child({"do": "convert", "mmproj": os.fspath(mmproj), "folder": os.fspath(folder), "stem": stem,
-                       "validate_int8": validate_int8}, progress)
+                       "validate_int8": validate_int8, "kernels": kernels}, progress)
+        except BaseException:
+            _remove_unvouched(folder, stem)  # a killed child's files, moved in before its manifest
+            raise
         finally:
             sweep(folder, TEMP_NAME, stem)  # what a killed child left
         # loaded as every later run loads it: the files hashed, the projector read from the mmproj
@@ -202,7 +233,7 @@ def _child_task(task: dict[str, Any]) -> dict[str, Any]:
     mmproj = Path(task["mmproj"])
     if task["do"] == "convert":
         converted = _convert(mmproj, Path(task["folder"]), task["stem"], progress, bool(task["validate_int8"]),
-                             checkpoint=onnx_child.inject_fault)
+                             checkpoint=onnx_child.inject_fault, kernels=list(task.get("kernels") or ["u8s8"]))
         return {"int8_cosine": converted.int8_cosine, "convert_s": converted.convert_s}
     onnx_child.inject_fault()
     cosine = validate(Path(task["fp32"]), Path(task["int8"]), Weights(mmproj).projector(),
@@ -230,7 +261,9 @@ def known_int8_cosine(identity: str) -> float | None:
         manifest = read_manifest(cache_folder() / f"{_stem(identity, version)}.json", MANIFEST_VERSION)
     except (DamagedManifest, OSError):
         return None
-    cosine = manifest.get("int8_cosine") if manifest is not None else None
+    if manifest is None or manifest.get("cpu_class") != onnx_variants.cpu_class():
+        return None  # converted again on this CPU: its figure is not this one's
+    cosine = manifest.get("int8_cosine")
     if isinstance(cosine, bool) or not isinstance(cosine, (int, float)) or not -1.0 <= cosine <= 1.0:
         return None
     return float(cosine)
@@ -256,9 +289,23 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _file_names(stem: str) -> set[str]:
+def _graph_names(stem: str, kernel: str) -> dict[str, str]:
+    """Each graph's file name: the int8 one names its kernel."""
+    return {"fp32": f"{stem}-fp32.onnx", "int8": f"{stem}-int8-{kernel}.onnx"}
+
+
+def _file_names(stem: str, kernel: str) -> set[str]:
     """The files a conversion writes: each graph and its external data."""
-    return {f"{stem}-{v}.onnx{data}" for v in VARIANTS for data in ("", ".data")}
+    return {f"{name}{data}" for name in _graph_names(stem, kernel).values() for data in ("", ".data")}
+
+
+def _remove_unvouched(folder: Path, stem: str) -> None:
+    """Delete this conversion's manifest and files (``<stem>.json``, ``<stem>-*``; files and
+    symlinks only, a folder in the way is set aside when the new file comes) before it is made
+    again: what a failed conversion moved in before its manifest, or an unusable conversion's."""
+    for f in [folder / f"{stem}.json", *folder.glob(f"{stem}-*")]:
+        if f.is_symlink() or f.is_file():
+            f.unlink(missing_ok=True)
 
 
 def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
@@ -268,9 +315,11 @@ def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
     if m is None:
         return None
     try:
-        names = _file_names(stem)
-        files = m["files"]
-        if (m["fp32"], m["int8"]) != (f"{stem}-fp32.onnx", f"{stem}-int8.onnx") or set(files) != names:
+        kernel, cpu = m["kernel"], m["cpu_class"]
+        if kernel not in INT8_KERNELS or not isinstance(cpu, str):
+            raise DamagedManifest(f"its int8 kernel {kernel!r} or CPU class {cpu!r} is not one a conversion writes")
+        names, files = _file_names(stem, kernel), m["files"]
+        if [m["fp32"], m["int8"]] != list(_graph_names(stem, kernel).values()) or set(files) != names:
             raise DamagedManifest("it names files a conversion does not write")
         cosine = m["int8_cosine"]
         if cosine is not None and (isinstance(cosine, bool) or not isinstance(cosine, (int, float))
@@ -287,58 +336,98 @@ def _load_manifest(folder: Path, stem: str, mmproj: Path) -> Converted | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DamagedManifest(f"{type(exc).__name__}: {exc}") from None
     return Converted(fp32=folder / m["fp32"], int8=folder / m["int8"], projector=projector,
-                     int8_cosine=None if cosine is None else float(cosine), convert_s=0.0)
+                     int8_cosine=None if cosine is None else float(cosine), convert_s=0.0, kernel=kernel,
+                     cpu_class=cpu)
 
 
 def _convert(mmproj: Path, folder: Path, stem: str, progress: Callable[[str, int, int], None] | None,
-             validate_int8: bool = True, *, checkpoint: Callable[[], None] | None = None) -> Converted:
-    """Convert and validate into ``folder`` (its lock held by the caller); ``checkpoint`` is
-    called once the graphs are written, before validating (the child's fault injection)."""
+             validate_int8: bool = True, *, checkpoint: Callable[[str], None] | None = None,
+             kernels: list[str] | None = None) -> Converted:
+    """Convert and validate into ``folder`` (its lock held by the caller), the int8 graph in the
+    fastest of ``kernels`` whose embeddings pass (``onnx_variants.better``; the first alone when
+    int8 is not validated); ``checkpoint`` is called with "validate" once the first graphs are
+    written, and with "manifest" once the files are in place (the child's fault injection).
+    Whatever fails, nothing is left under a final name without its manifest."""
     import onnx
 
     _check_disk(mmproj, folder)
     start = time.perf_counter()
     weights = Weights(mmproj)
     projector = weights.projector()
+    kernels = list(kernels or onnx_variants.candidates(onnx_variants.cpu_class()))[:None if validate_int8 else 1]
+    if not kernels or any(k not in INT8_KERNELS for k in kernels):
+        raise ConfigError(f"int8 kernels must be some of {', '.join(INT8_KERNELS)}, not {kernels!r}.")
     tmp = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=folder))
+    moved: list[Path] = []
+    built: dict[str, set[str]] = {"fp32": set(), "int8": set()}
     try:
-        names = {v: f"{stem}-{v}.onnx" for v in VARIANTS}
+        def graph(variant: str, kernel: str = "u8s8") -> Path:
+            path = tmp / _graph_names(stem, kernel)[variant]
+            if kernel not in built[variant]:
+                built[variant].add(kernel)
+                # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
+                # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M).
+                # fp32 follows libmtmd's roundings (ggml=True) and is not folded (folding is exact
+                # only in exact arithmetic); int8 folds the outliers its activation quantization hates
+                int8 = variant == "int8"
+                model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8, kernel=kernel,
+                                       int8_scope=int8_scope(projector.projector_type),
+                                       external=path.with_name(path.name + ".data"),
+                                       progress=_step(progress, f"{variant} graph" + (f" ({kernel})" if int8 else "")))
+                onnx.save_model(model, str(path))
+                del model
+                _trim_heap()
+            return path
 
-        # both graphs are written straight from the GGUF, one weight in memory at a time (ORT's
-        # quantize_dynamic loads the whole fp32 model and copies it: ~6 GB for SigLIP-400M)
-        for variant in VARIANTS:
-            path = tmp / names[variant]
-            # fp32 follows libmtmd's roundings (ggml=True) and is not folded (folding is exact
-            # only in exact arithmetic); int8 folds the outliers its activation quantization hates
-            int8 = variant == "int8"
-            model, _ = build_model(weights, fold=int8, int8=int8, ggml=not int8,
-                                   int8_scope=int8_scope(projector.projector_type),
-                                   external=path.with_name(path.name + ".data"),
-                                   progress=_step(progress, f"{variant} graph"))
-            onnx.save_model(model, str(path))
-            del model
-        del weights
-        _trim_heap()
+        graph("fp32")
+        graph("int8", kernels[0])
         if checkpoint is not None:
-            checkpoint()
-        cosine = (validate(tmp / names["fp32"], tmp / names["int8"], projector, progress=_step(progress, "validation"))
-                  if validate_int8 else None)
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            files[f.name] = [f.stat().st_size, sha256_file(f)]
+            checkpoint("validate")
+        reference = _reference(graph("fp32"), projector) if validate_int8 else None
+        cosines: dict[str, float | None] = {}
+        seconds: dict[str, float] = {}
+
+        def timed(a: str, b: str) -> dict[str, float]:
+            measured = onnx_variants.time_alternating(
+                {k: functools.partial(slice_seconds, graph("int8", k), projector) for k in (a, b)})
+            seconds.update(measured)
+            return measured
+
+        best = ""
+        for kernel in kernels:
+            path = graph("int8", kernel)
+            cosines[kernel] = (_score(path, projector, reference, progress=_step(progress, "validation"))
+                               if reference is not None else None)
+            keep = onnx_variants.better(best, kernel, cosines, timed) if best else kernel
+            for dropped in {best, kernel} - {keep, ""}:  # at most two int8 graphs on disk (DISK_FACTOR)
+                lost = tmp / _graph_names(stem, dropped)["int8"]
+                lost.unlink()
+                lost.with_name(lost.name + ".data").unlink()
+            best = keep
+        names = _graph_names(stem, best)
+        files = {f.name: [f.stat().st_size, sha256_file(f)] for f in sorted(tmp.iterdir())}
         for f in sorted(tmp.iterdir()):  # the data files first; the manifest, written last, vouches for them
             if os.path.isdir(folder / f.name) and not os.path.islink(folder / f.name):
                 set_aside(folder / f.name, "a folder where a converted file belongs", warn=False)  # warned
             os.replace(f, folder / f.name)
+            moved.append(folder / f.name)
         _forget_other_versions(folder, stem)
+        if checkpoint is not None:
+            checkpoint("manifest")
         manifest = {"version": MANIFEST_VERSION, "fp32": names["fp32"], "int8": names["int8"],
-                    "int8_cosine": cosine, "threshold": INT8_MIN_COSINE, "files": files,
-                    "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
+                    "int8_cosine": cosines[best], "threshold": INT8_MIN_COSINE, "files": files,
+                    "kernel": best, "cpu_class": onnx_variants.cpu_class(), "kernels_tried": cosines,
+                    "kernel_seconds": seconds, "projector": dataclasses.asdict(projector), "mmproj": str(mmproj)}
         write_manifest(folder / f"{stem}.json", manifest)
+    except BaseException:
+        for f in moved:  # e.g. the disk filled before the manifest: no file without one
+            f.unlink(missing_ok=True)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Converted(fp32=folder / names["fp32"], int8=folder / names["int8"], projector=projector,
-                     int8_cosine=cosine, convert_s=time.perf_counter() - start)
+                     int8_cosine=cosines[best], convert_s=time.perf_counter() - start, kernel=best,
+                     cpu_class=onnx_variants.cpu_class())
 
 
 def _forget_other_versions(folder: Path, stem: str) -> None:
@@ -354,182 +443,6 @@ def _save(onnx: Any, model: Any, path: Path) -> None:
                     location=path.name + ".data", size_threshold=1024)
 
 
-def validation_images() -> list[np.ndarray]:
-    """The bundled example photo and synthetic patterns (a gradient, a checkerboard), one slice each."""
-    from .media import load_image
-
-    photo = load_image(EXAMPLE_IMAGE).resized_to(448, 448).rgb
-    y, x = np.mgrid[0:448, 0:448]
-    gradient = np.stack([x * 255 // 447, y * 255 // 447, (x + y) * 255 // 894], axis=-1).astype(np.uint8)
-    checker = (((x // 32 + y // 32) % 2) * 255).astype(np.uint8)[..., None].repeat(3, axis=-1)
-    return [photo, gradient, checker]
-
-
-def token_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Cosine similarity of each token (row) of two (tokens × width) embeddings."""
-    a = a.reshape(-1, a.shape[-1]).astype(np.float64)
-    b = b.reshape(-1, b.shape[-1]).astype(np.float64)
-    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return np.where(den > 0, (a * b).sum(axis=1) / np.maximum(den, 1e-30), 1.0)
-
-
-def validate(fp32: Path, int8: Path, projector: Projector, *,
-             progress: Callable[[int, int], None] | None = None, n_threads: int | None = None) -> float:
-    """Mean per-token cosine of the int8 graph's embeddings vs the fp32 graph's (the worst
-    validation image's). The fp32 graph runs one stage at a time (:func:`run_in_stages`), so
-    validating never holds more weights than the int8 session a later load holds."""
-    images = validation_images()
-    params = _params(projector)
-    feeds = []
-    for rgb in images:
-        pixels = slice_pixels(rgb, params)[0]
-        h, w = pixels.shape[1] // projector.patch_size, pixels.shape[2] // projector.patch_size
-        feeds.append({"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(projector, h, w)})
-    reference = [out[0] for out in run_in_stages(fp32, feeds, n_threads=n_threads)]
-    if progress:
-        progress(1, 2)
-    encoder = OnnxEncoder(int8, projector, n_threads=n_threads)
-    quantized = [encoder.encode_rgb(rgb, 0) for rgb in images]
-    del encoder
-    _trim_heap()  # the load that follows makes its own session: this one's memory goes back first
-    if progress:
-        progress(2, 2)
-    scores = [float(token_cosines(a, b).mean()) for a, b in zip(reference, quantized, strict=True)]
-    return min(scores) if scores else 0.0
-
-
-def run_in_stages(path: Path, feeds: list[dict[str, np.ndarray]], *,
-                  n_threads: int | None = None) -> list[np.ndarray]:
-    """The graph at ``path`` run on each of ``feeds``, one stage (patch embedding, block, merger,
-    projector: ``onnx_graph.STAGES_KEY``) at a time, each stage a session of its own that holds
-    only that stage's weights; returns each feed's ``embeddings``. A graph without stages runs whole."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    model = onnx.load(str(path), load_external_data=False)
-    props = {p.key: p.value for p in model.metadata_props}
-    if not props.get(STAGES_KEY):
-        session = _session(str(path), n_threads, None)
-        return [session.run(["embeddings"], f)[0] for f in feeds]
-    graph = model.graph
-    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
-    inits = {t.name: t for t in graph.initializer}
-    graph_inputs_ = {i.name: i for i in graph.input}
-    values = [dict(f) for f in feeds]
-    start = 0
-    for name in [*props[STAGES_KEY].split(","), "embeddings"]:
-        end = producer[name] + 1
-        nodes = list(graph.node[start:end])
-        made = {o for node in nodes for o in node.output}
-        needed = list(dict.fromkeys(i for node in nodes for i in node.input if i and i not in made))
-        inputs = [n for n in needed if n not in inits]
-        if any(n not in values[0] for n in inputs):
-            raise EngineError(f"{path.name}: stage {name!r} needs {inputs}, which earlier stages do not give.")
-        stage = helper.make_graph(
-            nodes, f"stage_{name}",
-            [graph_inputs_[n] if n in graph_inputs_ else helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-             for n in inputs],
-            [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)],
-            initializer=[inits[n] for n in needed if n in inits])
-        sub = helper.make_model(stage, opset_imports=model.opset_import, ir_version=model.ir_version)
-        session = _session(sub.SerializeToString(), n_threads, path.parent, arena=False)
-        for v in values:
-            v[name] = session.run([name], {n: v[n] for n in inputs})[0]
-            for n in inputs:  # a stage's input is no later stage's (graph inputs stay)
-                if n not in graph_inputs_:
-                    del v[n]
-        del session, sub, stage
-        _trim_heap()
-        start = end
-    return [v["embeddings"] for v in values]
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
-    nothing): each stage's session frees its weights, and they must not add up in RSS."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
-
-
-def _session(model: str | bytes, n_threads: int | None, data_folder: Path | None, *, arena: bool = True,
-             packed: bool = True) -> Any:
-    """An ONNX Runtime CPU session: all graph optimizations, ``n_threads`` intra-op threads, no
-    spinning; ``data_folder`` is where a model given as bytes finds its external data.
-    ``arena=False``: no memory arena (what a short-lived session's arena held stays in the
-    process's heap after the session is gone). ``packed=False``: no prepacking, so the weights
-    stay in their memory-mapped data file (file pages the kernel may drop and read again)
-    instead of being copied into anonymous memory; int8 slices then take ~25 % longer."""
-    import onnxruntime as ort  # lazy: a native library
-
-    options = ort.SessionOptions()
-    options.enable_cpu_mem_arena = arena
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if n_threads:
-        options.intra_op_num_threads = int(n_threads)
-    options.inter_op_num_threads = 1
-    # ORT's pool spins after each run by default; llama.cpp's threads need those cores then
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if not packed:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    if data_folder is not None:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(data_folder))
-    try:
-        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
-        shown = model if isinstance(model, str) else "a stage of a converted graph"
-        raise EngineError(f"ONNX Runtime could not load {shown}: {exc}") from exc
-
-
-def _params(projector: Projector) -> PreprocessParams:
-    return PreprocessParams(image_size=projector.image_size, patch_size=projector.patch_size,
-                            mean=projector.mean, std=projector.std, n_merge=projector.n_merge)
-
-
-class OnnxEncoder:
-    """One ONNX Runtime session of the vision encoder; encodes slices of an image."""
-
-    def __init__(self, path: str | os.PathLike, projector: Projector, *, n_threads: int | None = None,
-                 packed: bool = True) -> None:
-        self.path = Path(path)
-        self.projector = projector
-        self.params = _params(projector)
-        self.packed = packed  #: False: weights read from the mapped file (see :func:`_session`)
-        self._session = _session(str(self.path), n_threads, None, packed=packed)
-        self._last: tuple[str, list[np.ndarray]] | None = None
-        self.calls = 0
-
-    def encode_rgb(self, rgb: np.ndarray, index: int, digest: str | None = None) -> np.ndarray:
-        """Embeddings (tokens × width, float32) of slice ``index`` (0 = the overview) of ``rgb``."""
-        if digest is None or self._last is None or self._last[0] != digest:
-            slices = slice_pixels(rgb, self.params)
-            self._last = (digest, slices) if digest is not None else None
-        else:
-            slices = self._last[1]
-        if not 0 <= index < len(slices):
-            raise EngineError(f"libmtmd asked for slice {index} of an image that has {len(slices)}; "
-                              "the ONNX preprocessing disagrees with libmtmd's slicing.")
-        return self.encode_pixels(slices[index])
-
-    def encode_pixels(self, pixels: np.ndarray) -> np.ndarray:
-        """Embeddings of one normalised 3×H×W slice."""
-        h, w = pixels.shape[1] // self.projector.patch_size, pixels.shape[2] // self.projector.patch_size
-        feeds = {"pixels": pixels[None].astype(np.float32, copy=False), **graph_inputs(self.projector, h, w)}
-        try:
-            (out,) = self._session.run(["embeddings"], feeds)
-        except Exception as exc:  # onnxruntime's own error classes
-            raise EngineError(f"The ONNX vision encoder failed: {exc}") from exc
-        self.calls += 1
-        return np.ascontiguousarray(out[0], dtype=np.float32)
-
-
 class OnnxVision:
     """The engine's view of an ONNX encoder (:class:`gguf_mcv.runtime.engine.VisionEncoder`)."""
 
@@ -538,7 +451,8 @@ class OnnxVision:
         if variant not in VARIANTS:
             raise ConfigError(f"ONNX variant must be one of {', '.join(VARIANTS)}, not {variant!r}.")
         self.name = f"onnx-{variant}"
-        self.key_tag = f"{mmproj_identity}+{self.name}"
+        #: the embeddings' cache key names what made them: the int8 graph's kernel too
+        self.key_tag = f"{mmproj_identity}+{self.name}" + (f"-{converted.kernel}" if variant == "int8" else "")
         self.encoder = OnnxEncoder(converted.path(variant), converted.projector, n_threads=n_threads, packed=packed)
 
     def encode(self, image: Image, index: int) -> np.ndarray:
