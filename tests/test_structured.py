@@ -289,22 +289,6 @@ class Card(pydantic.BaseModel):
     tags: list[Annotated[str, pydantic.StringConstraints(max_length=4)]] = pydantic.Field(max_length=2)
 
 
-@pytest.fixture(scope="module")
-def byte_model(tmp_path_factory):
-    """A random-weight model whose vocabulary is the 256 bytes (and one merge): every byte,
-    continuation bytes and 0xF8-0xFF included, is a token the sampler may pick."""
-    import gguf_mcv
-    from gguf_mcv.testing import synthetic
-
-    spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
-    spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
-    built = synthetic.build(tmp_path_factory.mktemp("byte_model"), spec, quants=[])
-    model = gguf_mcv.load(model_path=built.f16, mmproj_path=built.mmproj, n_ctx=2048, n_threads=2)
-    assert model.engine.llama.n_vocab() < 300
-    yield model
-    model.close()
-
-
 @pytest.mark.parametrize("target", [Note, Card])
 def test_constrained_answers_on_a_byte_vocabulary_are_strict_utf8(byte_model, target) -> None:
     finished = 0
