@@ -31,6 +31,8 @@ INTEGER_DIGITS = 20
 NUMBER_DIGITS = 15
 SIGNIFICANT_DIGITS = 15
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: Decimal digits kept in arithmetic: a double's exact value has at most 767 significant digits.
+_PRECISION = 2000
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,19 @@ def has_bounds(schema: dict) -> bool:
 def bounds_range(schema: dict, path: str = "$") -> Range:
     """The :class:`Range` an integer or number schema's bounds admit; :class:`ConfigError`
     when no value the grammar can write lies inside them."""
+    with localcontext() as ctx:
+        ctx.prec = _PRECISION
+        return _bounds_range(schema, path)
+
+
+def _bounds_range(schema: dict, path: str) -> Range:
     integer = schema.get("type") == "integer"
     low, low_open, high, high_open = _tightest(schema)
     reach = Decimal(10) ** (INTEGER_DIGITS if integer else NUMBER_DIGITS)
     kind = "integer" if integer else f"number (at most {NUMBER_DIGITS} digits before the point, no exponent)"
     if (low is not None and low >= reach) or (high is not None and high <= -reach) or (
             low is not None and high is not None and low > high):
-        raise ConfigError(f"The schema at {path} has bounds that leave no {kind} inside them: "
-                          "check minimum/maximum and their exclusive forms.")
+        raise _empty(schema, path, kind)
     low = None if low is not None and low <= -reach else low  # past what the grammar writes anyway
     high = None if high is not None and high >= reach else high
     if integer:
@@ -71,13 +78,24 @@ def bounds_range(schema: dict, path: str = "$") -> Range:
     last = limit if high is None else _grid_high(high, high_open, fraction)
     first, last = max(first, -limit), min(last, limit)
     if first > last:
-        raise ConfigError(f"The schema at {path} has bounds that leave no {kind} inside them: "
-                          "check minimum/maximum and their exclusive forms.")
+        raise _empty(schema, path, kind)
     return Range(first, last, fraction)
+
+
+def _empty(schema: dict, path: str, kind: str) -> ConfigError:
+    given = ", ".join(f"{path}.{k} = {schema[k]!r:.30}" for k in _BOUNDS if k in schema)
+    return ConfigError(f"The bounds {given} leave no {kind} inside them: check minimum/maximum and their "
+                       "exclusive forms.")
 
 
 def range_rule(span: Range) -> str:
     """A GBNF expression (without the trailing ``space``) for the numbers in ``span``."""
+    with localcontext() as ctx:
+        ctx.prec = _PRECISION
+        return _signed(span)
+
+
+def _signed(span: Range) -> str:
     step = Decimal(1).scaleb(-span.fraction)
     alternatives = []
     if span.high >= 0:
@@ -116,19 +134,17 @@ def _admits(value: Decimal, bound: Decimal, is_open: bool, above: bool, fraction
 def _grid_low(bound: Decimal, is_open: bool, fraction: int) -> Decimal:
     """The smallest grid value that passes a lower bound."""
     step = Decimal(1).scaleb(-fraction)
-    with localcontext() as ctx:
-        ctx.prec = 80
-        value = bound.scaleb(fraction).to_integral_value(rounding="ROUND_CEILING").scaleb(-fraction)
-        while not _admits(value, bound, is_open, True, fraction):
-            value += step
-        while _admits(value - step, bound, is_open, True, fraction):  # 0.1 parses to float(0.1)
-            value -= step
+    value = bound.scaleb(fraction).to_integral_value(rounding="ROUND_CEILING").scaleb(-fraction)
+    while not _admits(value, bound, is_open, True, fraction):
+        value += step
+    while _admits(value - step, bound, is_open, True, fraction):  # 0.1 parses to float(0.1)
+        value -= step
     return value
 
 
 def _grid_high(bound: Decimal, is_open: bool, fraction: int) -> Decimal:
     """The largest grid value that passes an upper bound."""
-    return -_grid_low(-bound, is_open, fraction)
+    return _grid_low(bound.copy_negate(), is_open, fraction).copy_negate()
 
 
 # -- the grammar --------------------------------------------------------------------
