@@ -8,10 +8,10 @@ import json
 import uuid
 
 import pytest
+from gbnf_match import Matcher
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gbnf_match import Matcher
 from gguf_mcv.output import formats, structured
 
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
@@ -49,7 +49,8 @@ def valid(kind: str, text: str) -> bool:
     ("date-time", ["2024-02-29T23:59:59Z", "1999-12-31T00:00:00.000001+01:00"],
      ["2024-02-30T00:00:00Z", "2024-02-29 23:59:59Z", "2024-02-29T25:00:00Z"]),
     ("uuid", ["123e4567-e89b-12d3-a456-426614174000", "ABCDEF01-2345-6789-ABCD-EF0123456789"],
-     ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g", "{123e4567-e89b-12d3-a456-426614174000}"]),
+     ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g",
+      "{123e4567-e89b-12d3-a456-426614174000}"]),
     ("ipv4", ["0.0.0.0", "255.255.255.255", "192.168.1.10"],
      ["256.1.1.1", "1.2.3", "01.2.3.4", "1.2.3.4.5", "1.2.3.-4"]),
     ("email", ["a@b.co", "first.last+tag@mail.example.org"], ["a@b", "@b.co", "a b@c.de", "a@@b.co"]),

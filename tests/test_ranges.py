@@ -13,10 +13,10 @@ import math
 from decimal import Decimal
 
 import pytest
+from gbnf_match import Matcher
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gbnf_match import Matcher
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.output import ranges, structured
 

@@ -65,7 +65,7 @@ def _objects(children: st.SearchStrategy) -> st.SearchStrategy:
     def build(props: dict[str, Any], required: list[bool]) -> dict[str, Any]:
         names = sorted(props)
         return {"type": "object", "properties": props, "additionalProperties": False,
-                "required": [n for n, r in zip(names, required) if r]}
+                "required": [n for n, r in zip(names, required[:len(names)], strict=True) if r]}
 
     return st.builds(build, st.dictionaries(st.sampled_from(["a", "b", "c"]), children, min_size=1, max_size=3),
                      st.lists(st.booleans(), min_size=3, max_size=3))

@@ -298,4 +298,6 @@ def _group(alternatives: list[str]) -> str:
 
 def is_finite_bound(value: object) -> bool:
     """Whether ``value`` can be a bound: an int or a finite float (not a bool)."""
-    return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)))
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))

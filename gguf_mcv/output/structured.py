@@ -70,6 +70,8 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "description
 #: Keywords naming other documents; "$ref" is checked apart (it must point inside the schema).
 _URL_KEYWORDS = ("$id", "$schema", "$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: Keywords that decide a subschema's grammar before its type does (the converter's order).
+_LEFT_TO_THE_CONVERTER = ("$ref", "anyOf", "oneOf", "const", "enum")
 
 
 class SchemaWarning(UserWarning):
@@ -346,7 +348,8 @@ def _check_numbers(node: dict[str, Any], path: str) -> None:
     for key in (k for k in _BOUNDS if k in node):
         if not ranges.is_finite_bound(node[key]):
             raise ConfigError(f"{path}.{key} must be a finite number, not {node[key]!r:.40}.")
-    kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    declared = node.get("type")
+    kinds: list[Any] = declared if isinstance(declared, list) else [declared]
     for kind in ("integer", "number"):
         if kind in kinds and ranges.has_bounds({**node, "type": kind}):
             ranges.bounds_range({**node, "type": kind}, path)  # raises when no value fits
@@ -439,7 +442,7 @@ def _converter_class(llama_grammar: Any) -> type:
                 return self._add_rule(name, '"\\"" ' + patterns.to_gbnf(pattern) + ' "\\"" space')
 
             def visit(self, schema: Any, name: str) -> Any:
-                if not isinstance(schema, dict) or any(k in schema for k in ("$ref", "anyOf", "oneOf", "const", "enum")):
+                if not isinstance(schema, dict) or any(k in schema for k in _LEFT_TO_THE_CONVERTER):
                     return super().visit(schema, name)
                 rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
                 kind = schema.get("type")
