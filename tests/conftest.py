@@ -155,6 +155,31 @@ def tiny_model(tiny):
 
 
 @pytest.fixture(scope="session")
+def byte_vocab(tmp_path_factory: pytest.TempPathFactory):
+    """A random-weight model whose vocabulary is the 256 bytes (and one merge): every byte,
+    continuation bytes and 0xF8-0xFF included, is a token the sampler may pick, so under a
+    grammar the grammar alone decides what is written (``.f16``, ``.mmproj``)."""
+    import dataclasses
+
+    from gguf_mcv.testing import synthetic
+
+    spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
+    spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
+    return synthetic.build(tmp_path_factory.mktemp("byte_model"), spec, quants=[])
+
+
+@pytest.fixture(scope="session")
+def byte_model(byte_vocab):
+    """:func:`byte_vocab` loaded (n_ctx 2048)."""
+    import gguf_mcv
+
+    model = gguf_mcv.load(model_path=byte_vocab.f16, mmproj_path=byte_vocab.mmproj, n_ctx=2048, n_threads=2)
+    assert model.engine.llama.n_vocab() < 300
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
 def retuned_mmproj(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A same-size copy of the tiny mmproj that differs only in the middle, as a re-exported
     fine-tuned tower would: half the rows of a weight matrix scaled. The tiny file's vision

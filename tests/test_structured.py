@@ -171,6 +171,10 @@ def test_thinking_stays_free_and_the_answer_is_constrained(tiny, template) -> No
     ({"type": "number", "minimum": float("nan")}, "$.minimum"),
     ({"type": "integer", "minimum": 10**400}, "$.minimum"),
     ({"type": "number", "exclusiveMaximum": -1e300}, "$.exclusiveMaximum"),
+    ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "$.exclusiveMinimum"),
+    ({"type": "number", "minimum": 2, "maximum": 1}, "$.minimum"),
+    ({"type": "integer", "multipleOf": 0}, "$.multipleOf"),
+    ({"type": "string", "format": 5}, "$.format"),
     ({"$ref": "https://example.com/s.json"}, "$.$ref"),
     ({"$ref": "#/$defs/missing"}, "points to nothing"),
     ({"type": "string", "pattern": "("}, "$.pattern"),
@@ -227,11 +231,90 @@ def test_a_grammar_llama_cpp_cannot_parse_is_a_config_error(tiny_model) -> None:
 
 
 def test_bounded_number_rules() -> None:
-    rule = structured.bounded_number_rule({"type": "integer", "minimum": 2, "maximum": 4})
-    assert rule == '("2" | "3" | "4") space'
-    assert structured.bounded_number_rule({"type": "integer", "minimum": 0, "maximum": 10**6}) is None
-    assert structured.bounded_number_rule({"type": "number", "minimum": 0.25, "maximum": 0.75}) is None
+    assert structured.bounded_number_rule({"type": "integer", "minimum": 2, "maximum": 4}) == "[2-4] space"
+    wide = structured.bounded_number_rule({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1})
+    assert wide is not None and len(wide) < 2000  # digit by digit, not 2**64 alternatives
+    assert structured.bounded_number_rule({"type": "number", "minimum": 0.25, "maximum": 0.75}) is not None
     assert structured.bounded_number_rule({"type": "string", "minimum": 1}) is None
+    assert structured.bounded_number_rule({"type": "integer"}) is None
+
+
+class Meter(pydantic.BaseModel):
+    reading: int = pydantic.Field(ge=0, le=9999)
+
+
+def test_a_meter_reading_from_0_to_9999_is_always_in_range(byte_model) -> None:
+    # the byte vocabulary makes every byte equally likely: only the grammar keeps the value in range
+    for seed in range(10):  # before digit-wise ranges, 5 of these 10 were out of range
+        reply = byte_model.ask("?", schema=Meter, seed=seed, max_tokens=60)
+        assert reply.finish_reason == "stop" and reply.parse_error is None, (seed, str(reply), reply.parse_error)
+        assert isinstance(reply.parsed, Meter) and 0 <= reply.parsed.reading <= 9999
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 1_000_000, "maximum": 2_000_000_000},
+    {"type": "integer", "minimum": -40, "maximum": -3},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "number", "minimum": 0.5, "maximum": 0.7},
+    {"type": "number", "minimum": -40.5, "maximum": -3.25},
+    {"type": ["integer", "null"], "exclusiveMinimum": 9, "maximum": 12},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "ipv4"},
+])
+def test_bounds_and_formats_hold_on_a_byte_vocabulary(byte_model, schema) -> None:
+    wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    finished = 0
+    for seed in range(4):
+        reply = byte_model.ask("?", schema=wrapped, seed=seed, max_tokens=120)
+        if reply.finish_reason == "stop":
+            finished += 1
+            assert reply.parse_error is None, (seed, str(reply), reply.parse_error)
+            structured.validate(reply.parsed, wrapped)
+    assert finished >= 3
+
+
+def test_keywords_the_grammar_cannot_enforce_are_warned_and_named_in_parse_error(byte_model) -> None:
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99, "multipleOf": 7},
+        "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2}, "uniqueItems": True},
+        "u": {"type": "string", "format": "uri", "maxLength": 8}}, "required": ["n"]}
+    with pytest.warns(structured.SchemaWarning) as caught:
+        made = structured.constraint(schema)
+    said = " ".join(str(w.message) for w in caught)
+    assert "multipleOf at $.properties.n" in said and "uniqueItems at $.properties.xs" in said
+    assert "'uri' at $.properties.u" in said
+    assert made is not None and len(made.unenforced) == 3
+    refused = 0
+    with pytest.warns(structured.SchemaWarning):
+        for seed in range(12):
+            reply = byte_model.ask("?", schema=schema, seed=seed, max_tokens=120)
+            if reply.finish_reason != "stop":
+                continue
+            if reply.parsed is None:
+                refused += 1
+                assert "cannot enforce multipleOf at $.properties.n" in reply.parse_error, reply.parse_error
+            else:
+                assert reply.parsed["n"] % 7 == 0 and len(set(reply.parsed.get("xs", []))) == len(
+                    reply.parsed.get("xs", []))
+    assert refused  # 1 value in 7 is a multiple: the grammar alone would not hold it
+    value, why = made.parse('{"n": 8}')
+    assert value is None and "multipleOf" in why
+
+
+def test_a_schema_without_unenforced_keywords_does_not_warn() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        structured.constraint(Receipt)
+        structured.constraint({"type": "object", "properties": {"d": {"type": "string", "format": "date-time"}}})
+
+
+def test_a_date_past_the_month_end_is_never_parsed() -> None:
+    made = structured.constraint({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}})
+    assert made is not None
+    value, why = made.parse('{"d": "7909-06-31"}')
+    assert value is None and "date" in why
 
 
 def test_validate_says_what_does_not_match() -> None:
@@ -287,22 +370,6 @@ class Card(pydantic.BaseModel):
     title: str = pydantic.Field(max_length=6)
     lines: list[Note] = pydantic.Field(max_length=1)
     tags: list[Annotated[str, pydantic.StringConstraints(max_length=4)]] = pydantic.Field(max_length=2)
-
-
-@pytest.fixture(scope="module")
-def byte_model(tmp_path_factory):
-    """A random-weight model whose vocabulary is the 256 bytes (and one merge): every byte,
-    continuation bytes and 0xF8-0xFF included, is a token the sampler may pick."""
-    import gguf_mcv
-    from gguf_mcv.testing import synthetic
-
-    spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
-    spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
-    built = synthetic.build(tmp_path_factory.mktemp("byte_model"), spec, quants=[])
-    model = gguf_mcv.load(model_path=built.f16, mmproj_path=built.mmproj, n_ctx=2048, n_threads=2)
-    assert model.engine.llama.n_vocab() < 300
-    yield model
-    model.close()
 
 
 @pytest.mark.parametrize("target", [Note, Card])

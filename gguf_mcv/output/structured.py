@@ -4,12 +4,15 @@ A :class:`Constraint` is made once per question, before anything is evaluated: t
 schema (a dict, a pydantic model class or a dataclass) is checked keyword by
 keyword, converted to GBNF by llama-cpp-python's own converter
 (``llama_cpp.llama_grammar.SchemaConverter``) and, after generation, parses and
-validates the answer. The converter does not enforce numeric bounds; this module
-adds that one rule (see :class:`_Converter`), everything else is the converter's.
+validates the answer. The converter does not enforce numeric bounds or most formats;
+this module adds them (digit-wise ranges from :mod:`gguf_mcv.output.ranges`, formats from
+:mod:`gguf_mcv.output.formats`; see :class:`_Converter`), everything else is the converter's.
+Keywords the grammar cannot enforce but validation checks (:data:`CHECKED_AFTER`) are
+named in a :class:`SchemaWarning` when the schema is given.
 
 Validation: pydantic for model classes and dataclasses; ``jsonschema`` for dict
-schemas (with a registry that retrieves nothing, and patterns matched in linear time by
-:mod:`gguf_mcv.output.patterns`).
+schemas (with a registry that retrieves nothing, patterns matched in linear time by
+:mod:`gguf_mcv.output.patterns`, and the formats of :mod:`gguf_mcv.output.formats` checked).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator
 
 from ..errors import ConfigError
-from . import patterns
+from . import formats, patterns, ranges
 
 #: A schema larger than this (as JSON) is a mistake, not a request.
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -31,14 +35,10 @@ MAX_SCHEMA_BYTES = 64 * 1024
 MAX_DEPTH = 48
 #: A grammar larger than this makes every sampled token slow (llama.cpp walks it per token).
 MAX_GRAMMAR_BYTES = 256 * 1024
-#: Bounded integers are spelled out as alternatives up to this many values.
-MAX_BOUNDED_VALUES = 1000
 #: minLength, maxLength, minItems and maxItems, each and all together: the converter spells
 #: every counted repetition out, and a count of 1e8 took gigabytes before any limit applied.
 MAX_COUNT = 10_000
 MAX_COUNTS_TOTAL = 20_000
-#: Numbers are written with at most 16 digits before the point (the converter's rule).
-MAX_MAGNITUDE = 10**16
 
 #: A character inside a JSON string, as llama.cpp's own converter (C++) spells it, and only
 #: Unicode scalar values, raw or escaped (llama.cpp's grammar decodes surrogates and code
@@ -53,12 +53,15 @@ _PRIMITIVES = {
 }
 _GBNF_LITERAL_ESCAPE = re.compile(r'[\x00-\x1F"\\\x7F]')
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-#: Keywords the grammar cannot enforce: refused rather than silently ignored.
+#: Keywords the grammar cannot enforce and that would change what a valid answer looks like
+#: too much to leave to validation: refused rather than silently ignored.
 UNSUPPORTED = frozenset({
     "not", "if", "then", "else", "patternProperties", "dependentRequired", "dependentSchemas",
-    "dependencies", "multipleOf", "minProperties", "maxProperties", "contains", "minContains",
+    "dependencies", "minProperties", "maxProperties", "contains", "minContains",
     "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
 })
+#: Keywords the grammar cannot enforce that validation checks: named in a SchemaWarning.
+CHECKED_AFTER = frozenset({"multipleOf", "uniqueItems"})
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
@@ -67,6 +70,13 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "description
 #: Keywords naming other documents; "$ref" is checked apart (it must point inside the schema).
 _URL_KEYWORDS = ("$id", "$schema", "$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: Keywords that decide a subschema's grammar before its type does (the converter's order).
+_LEFT_TO_THE_CONVERTER = ("$ref", "anyOf", "oneOf", "const", "enum")
+
+
+class SchemaWarning(UserWarning):
+    """A schema keyword the grammar cannot enforce: an answer may break it, and then
+    ``reply.parsed`` is None and ``reply.parse_error`` names the keyword."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ class Constraint:
     json: bool = True  #: the answer is JSON (False for a caller's own grammar)
     after: str | None = None  #: the grammar starts once this text was generated (a tool call's tag)
     tools: Any = None  #: the :class:`~gguf_mcv.prompt.tools.Toolbox` whose calls the answer may hold
+    #: what the grammar does not enforce ("multipleOf at $.properties.n"), checked only after
+    unenforced: tuple[str, ...] = ()
 
     def parse(self, text: str, finish_reason: str = "stop") -> tuple[Any, str | None]:
         """``(value, None)`` for a valid answer, ``(None, why)`` otherwise; never half a value."""
@@ -101,7 +113,11 @@ class Constraint:
         try:
             return self._validated(value), None
         except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-            return None, f"The answer does not match the schema: {exc}"
+            why = f"The answer does not match the schema: {exc}"
+            if self.unenforced:
+                why += (f" (the grammar cannot enforce {'; '.join(self.unenforced)}: those are checked only "
+                        "after generation)")
+            return None, why
 
     def _validated(self, value: Any) -> Any:
         if self.target is not None:
@@ -143,7 +159,7 @@ def constraint(schema: Any = None, format: str | dict[str, Any] | None = None) -
     target = schema if isinstance(schema, type) else None
     as_dict = schema_of(schema)
     check_schema(as_dict)
-    return Constraint(_gbnf(as_dict), schema=as_dict, target=target)
+    return Constraint(_gbnf(as_dict), schema=as_dict, target=target, unenforced=unenforced(as_dict))
 
 
 def grammar_constraint(grammar: Any) -> Constraint:
@@ -181,7 +197,8 @@ def _type_adapter(target: type) -> Any:
 
 
 def check_schema(schema: dict[str, Any]) -> None:
-    """Raise :class:`ConfigError` unless ``schema`` is one this module can turn into a grammar."""
+    """Raise :class:`ConfigError` unless ``schema`` is one this module can turn into a grammar;
+    warn (:class:`SchemaWarning`) naming each keyword the grammar will not enforce."""
     _check_shape(schema)
     try:
         size = len(json.dumps(schema))
@@ -197,6 +214,25 @@ def check_schema(schema: dict[str, Any]) -> None:
     if counts > MAX_COUNTS_TOTAL:
         raise ConfigError(f"The schema's minLength, maxLength, minItems and maxItems add up to {counts} "
                           f"(at most {MAX_COUNTS_TOTAL}): the grammar spells each one out.")
+    for what in unenforced(schema):
+        warnings.warn(f"The grammar cannot enforce {what}: an answer may break it, and is then not parsed "
+                      "(reply.parse_error says why).", SchemaWarning, stacklevel=3)
+
+
+def unenforced(schema: dict[str, Any]) -> tuple[str, ...]:
+    """What in a checked ``schema`` the grammar does not enforce, each named with its path
+    (``"multipleOf at $.properties.n"``): :data:`CHECKED_AFTER` keywords and unknown formats."""
+    found = []
+    for path, node in _nodes(schema, "$"):
+        found += [f"{key} at {path}" for key in sorted(CHECKED_AFTER & node.keys())]
+        kind = node.get("format")
+        if kind is None or node.get("type") not in (None, "string"):
+            continue
+        if kind not in formats.GRAMMARS:
+            found.append(f"format {kind!r} at {path} (neither written nor checked)")
+        elif "pattern" in node or "minLength" in node or "maxLength" in node:
+            found.append(f"format {kind!r} beside pattern/minLength/maxLength at {path} (the format is checked only)")
+    return tuple(found)
 
 
 def _check_shape(value: Any) -> None:
@@ -310,13 +346,17 @@ def _check_numbers(node: dict[str, Any], path: str) -> None:
         if node.get(low, 0) > node.get(high, math.inf):
             raise ConfigError(f"{path}: {low} is larger than {high}, so no value can match.")
     for key in (k for k in _BOUNDS if k in node):
-        value = node[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                isinstance(value, float) and not math.isfinite(value)):
-            raise ConfigError(f"{path}.{key} must be a finite number, not {value!r:.40}.")
-        if (key.endswith("inimum") and value >= MAX_MAGNITUDE) or (key.endswith("aximum") and value <= -MAX_MAGNITUDE):
-            raise ConfigError(f"{path}.{key} leaves no number the grammar can write (at most 16 digits before the "
-                              "point): use a smaller bound.")
+        if not ranges.is_finite_bound(node[key]):
+            raise ConfigError(f"{path}.{key} must be a finite number, not {node[key]!r:.40}.")
+    declared = node.get("type")
+    kinds: list[Any] = declared if isinstance(declared, list) else [declared]
+    for kind in ("integer", "number"):
+        if kind in kinds and ranges.has_bounds({**node, "type": kind}):
+            ranges.bounds_range({**node, "type": kind}, path)  # raises when no value fits
+    if "multipleOf" in node and (not ranges.is_finite_bound(node["multipleOf"]) or node["multipleOf"] <= 0):
+        raise ConfigError(f"{path}.multipleOf must be a positive number, not {node['multipleOf']!r:.40}.")
+    if "format" in node and not isinstance(node["format"], str):
+        raise ConfigError(f"{path}.format must be a string, not {node['format']!r:.40}.")
 
 
 def _resolve(ref: Any, root: dict[str, Any], path: str) -> Any:
@@ -402,71 +442,35 @@ def _converter_class(llama_grammar: Any) -> type:
                 return self._add_rule(name, '"\\"" ' + patterns.to_gbnf(pattern) + ' "\\"" space')
 
             def visit(self, schema: Any, name: str) -> Any:
-                rule = bounded_number_rule(schema) if isinstance(schema, dict) else None
-                if rule is None:
+                if not isinstance(schema, dict) or any(k in schema for k in _LEFT_TO_THE_CONVERTER):
                     return super().visit(schema, name)
-                fraction = self._add_rule("bounded-fraction", "[0-9]{0,14} [1-9]")
                 rule_name = name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root"
-                return self._add_rule(rule_name, rule.replace("FRACTION", fraction))
+                kind = schema.get("type")
+                if isinstance(kind, list):  # the port keeps only the type of each ({"type": t}), losing bounds
+                    alternatives = [self.visit({**schema, "type": t}, f"{name}{'-' if name else ''}{t}") for t in kind]
+                    return self._add_rule(rule_name, " | ".join(alternatives))
+                rule = bounded_number_rule(schema)
+                if rule is not None:
+                    return self._add_rule(rule_name, rule)
+                text_format = schema.get("format")
+                if kind in (None, "string") and text_format in formats.GRAMMARS and "pattern" not in schema:
+                    return self._add_rule(rule_name, f'"\\"" {formats.GRAMMARS[text_format]} "\\"" space')
+                return super().visit(schema, name)
 
         _CONVERTER = _Converter
     return _CONVERTER
 
 
 def bounded_number_rule(schema: dict[str, Any]) -> str | None:
-    """A GBNF rule for an integer or number schema with bounds (``FRACTION`` stands for the
-    digits after the point); None when there are no bounds or they cannot be spelled out.
+    """A GBNF rule for an integer or number schema with bounds, None when it has none.
 
-    Values are spelled out: each whole number in range, and for a ``number`` each whole
-    part ``k`` whose whole unit ``k.x`` lies inside the bounds. Ranges of more than
-    :data:`MAX_BOUNDED_VALUES` whole numbers, or with no whole number inside, are left to
-    the converter (and checked when the answer is parsed).
+    Built digit by digit (:mod:`gguf_mcv.output.ranges`): a few dozen alternatives for any
+    64-bit integer range; bounded numbers are written without an exponent. Raises
+    :class:`ConfigError` when no value the grammar can write fits the bounds.
     """
-    kind = schema.get("type")
-    if kind not in ("integer", "number") or not any(k in schema for k in _BOUNDS) or "enum" in schema:
+    if not ranges.has_bounds(schema):
         return None
-    low, low_open, high, high_open = _bounds(schema)
-    if low == -math.inf or high == math.inf:
-        return _half_open_rule(kind, low, low_open, high)
-    first = math.floor(low) + 1 if low_open or low != math.floor(low) else int(low)
-    last = math.ceil(high) - 1 if high_open or high != math.ceil(high) else int(high)
-    if last < first or last - first + 1 > MAX_BOUNDED_VALUES:
-        return None
-    whole = [str(k) for k in range(first, last + 1)]
-    alternatives = [_alternation(whole)]
-    if kind == "number":
-        up = [str(k) for k in range(max(first, 0), last + 1) if k + 1 <= high]
-        down = [str(k) for k in range(max(-last, 0), -first + 1) if -(k + 1) >= low and -k <= high]
-        alternatives += [f"({_alternation(up)}) \".\" FRACTION"] if up else []
-        alternatives += [f"\"-\" ({_alternation(down)}) \".\" FRACTION"] if down else []
-    return f"({' | '.join(alternatives)}) space"
-
-
-def _bounds(schema: dict[str, Any]) -> tuple[float, bool, float, bool]:
-    """(low, low is exclusive, high, high is exclusive), the tighter of each pair."""
-    low, low_open, high, high_open = -math.inf, False, math.inf, False
-    if "minimum" in schema:
-        low = schema["minimum"]
-    if "exclusiveMinimum" in schema and schema["exclusiveMinimum"] >= low:
-        low, low_open = schema["exclusiveMinimum"], True
-    if "maximum" in schema:
-        high = schema["maximum"]
-    if "exclusiveMaximum" in schema and schema["exclusiveMaximum"] <= high:
-        high, high_open = schema["exclusiveMaximum"], True
-    return low, low_open, high, high_open
-
-
-def _half_open_rule(kind: str, low: float, low_open: bool, high: float) -> str | None:
-    """The common ``minimum: 0`` (and ``1`` for integers) with no upper bound; else None."""
-    if high != math.inf or low_open or low not in (0, 1):
-        return None
-    if kind == "integer":
-        return '("0" | [1-9] [0-9]{0,15}) space' if low == 0 else "[1-9] [0-9]{0,15} space"
-    return '("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,15})? space' if low == 0 else None
-
-
-def _alternation(values: list[str]) -> str:
-    return " | ".join(f'"{v}"' for v in values)
+    return f"{ranges.range_rule(ranges.bounds_range(schema))} space"
 
 
 # -- validating an answer ---------------------------------------------------------
@@ -474,18 +478,25 @@ def _alternation(values: list[str]) -> str:
 
 def validate(value: Any, schema: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``value`` matches ``schema`` (jsonschema, with a registry that
-    retrieves nothing and ``pattern`` matched in linear time)."""
+    retrieves nothing, ``pattern`` matched in linear time and the formats of
+    :data:`gguf_mcv.output.formats.CHECKS` checked)."""
     import jsonschema  # lazy: only answers under a schema need it
     import referencing
 
     kind = jsonschema.validators.validator_for(schema)
     safe = jsonschema.validators.extend(kind, {"pattern": _pattern_keyword})
+    checker = safe(schema, registry=referencing.Registry(), format_checker=_format_checker())
     try:
-        error = jsonschema.exceptions.best_match(safe(schema, registry=referencing.Registry()).iter_errors(value))
+        error = jsonschema.exceptions.best_match(checker.iter_errors(value))
     except referencing.exceptions.Unresolvable as exc:  # never fetched: the registry retrieves nothing
         raise ValueError(f"The schema refers to {exc} outside itself") from None
     if error is not None:
         raise ValueError(error.message)
+
+
+@lru_cache(maxsize=1)
+def _format_checker() -> Any:
+    return formats.format_checker()
 
 
 def _pattern_keyword(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
