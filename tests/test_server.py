@@ -279,7 +279,8 @@ def test_eight_concurrent_clients_are_queued_and_all_answered(srv: Running, mode
             assert health.json() == {
                 "status": "ok", "model": name, "queue_length": 7, "in_flight": 1, "parallel": 1,
                 "native_fallbacks": list(native_check.notices()), "worker_restarts": 0,
-                "last_worker_restart": None, "last_worker_exit": None}  # in-process: no worker to restart
+                "last_worker_restart": None, "last_worker_exit": None, "last_load_error": None,
+                "next_load_retry": None}  # in-process: no worker to restart
         replies = [f.result(timeout=60) for f in futures]
     assert all(r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 64 for r in replies)
 
@@ -302,6 +303,46 @@ def test_a_full_queue_answers_503_with_retry_after(small: Running, model) -> Non
             assert int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["code"] == "server_busy"
     assert requests.get(small.url + "/health", timeout=5).json()["queue_length"] == 0
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_requests_queued_when_the_server_stops_get_a_503_in_their_api_shape(model) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv = uvicorn.Server(uvicorn.Config(server.build_app(model, api_key=""), log_level="info",
+                                       timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    try:
+        thread.start()
+        wait_for(lambda: uv.started, timeout=60)
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+        with ThreadPoolExecutor(3) as pool, holding(model):
+            posts = [pool.submit(requests.post, url + path, json={**body, "stream": False}, timeout=120)
+                     for path in ("/v1/chat/completions", "/api/chat", "/v1/chat/completions")]
+            wait_for(lambda: requests.get(url + "/health", timeout=30).json()["queue_length"] == 2, timeout=60)
+            uv.should_exit = True  # as SIGTERM does; the answers cannot finish: the model is held
+            responses = [f.result(timeout=120) for f in posts]
+        thread.join(60)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    assert [r.status_code for r in responses] == [503, 503, 503]
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in responses)
+    assert responses[0].json()["error"]["code"] == "server_stopping"  # OpenAI's shape
+    assert isinstance(responses[1].json()["error"], str)  # Ollama's
+    assert not [r for r in records.records if r.exc_info], [r.getMessage() for r in records.records]
 
 
 def start_upload(running: Running, path: str, headers: dict[str, str],
