@@ -96,10 +96,10 @@ class Served:
         return r.json()
 
     def metrics(self) -> dict:
-        return requests.get(self.url + "/metrics?format=json", timeout=10).json()
+        return requests.get(self.url + "/metrics?format=json", timeout=60).json()
 
     def prometheus(self) -> dict[str, float]:
-        text = requests.get(self.url + "/metrics", timeout=10).text
+        text = requests.get(self.url + "/metrics", timeout=60).text
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
     def stop(self) -> int:
@@ -149,7 +149,7 @@ def test_a_worker_killed_mid_stream_is_started_again_by_the_same_supervisor(tiny
             rest: list[bytes] = []
             with pytest.raises(requests.RequestException):  # the connection closes mid-stream
                 rest.extend(lines)
-        assert b"data: [DONE]" not in rest and time.monotonic() - began < 30  # an error, not a hang
+        assert b"data: [DONE]" not in rest and time.monotonic() - began < START_S  # an error, not a hang
         health = srv.health(lambda h: h["worker_restarts"] == 1)
         assert health["status"] == "ok" and health["last_worker_exit"].startswith(f"killed by {sig.name}")
         assert health["last_worker_restart"] <= time.time()
