@@ -23,6 +23,38 @@ STOPPING_RETRY_AFTER_S = 5
 CLIENT_CLOSED = 499
 
 
+_NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+_OPENAI_SHAPE = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STRING,
+                   "code": _NULLABLE_STRING}}}}
+_OLLAMA_SHAPE = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_STATUSES = {400: "Bad request", 401: "Missing or wrong API key", 403: "Origin not allowed", 404: "Not found",
+             408: "Body too slow", 413: "Body too large", 415: "Body not JSON", 421: "Host not allowed",
+             500: "A fault", 503: "Busy or stopping (Retry-After)"}
+
+
+def error_responses(ollama: bool) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route declares in its OpenAPI schema: Ollama's shape or OpenAI's."""
+    schema = _OLLAMA_SHAPE if ollama else _OPENAI_SHAPE
+    return {status: {"description": what, "content": {"application/json": {"schema": schema}}}
+            for status, what in _STATUSES.items()}
+
+
+def json_request_body(model: type) -> dict[str, Any]:
+    """``openapi_extra`` declaring a JSON request body (routes read theirs with ``bodies.json_body``,
+    which FastAPI does not see): an object, checked by ``model`` (a 400 when it does not fit)."""
+    return {"requestBody": {"required": True, "description": f"A {model.__name__} (a 400 otherwise).",
+                            "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+def streamed_responses(media_type: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is JSON, or ``media_type`` (SSE, NDJSON) when the request asked to stream."""
+    return {200: {"description": "The answer; streamed when asked",
+                  "content": {"application/json": {"schema": {"type": "object"}},
+                              media_type: {"schema": {"type": "string"}}}}}
+
+
 class HTTPError(Exception):
     """An error answer, rendered in the shape of the API the request was for."""
 
@@ -127,9 +159,9 @@ class AnswerWhenStopping:
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None:  # the cancel is answered here; the task ends normally
-                task.uncancel()
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
+            if uncancel is not None:  # the cancel is answered here; the task ends normally
+                uncancel()
             if started:
                 log.warning("The server is stopping: a response to %s was cut off.", scope.get("path"))
                 return
