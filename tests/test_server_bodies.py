@@ -41,7 +41,7 @@ def slow_body(running: Running, path: str = "/v1/chat/completions", length: int 
               first: bytes = b"{") -> Iterator[socket.socket]:
     """A POST whose headers and ``first`` body bytes were sent; the rest comes as the test sends it."""
     host, port = running.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock = socket.create_connection((host, int(port)), timeout=60)
     try:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {length}\r\n\r\n".encode() + first)
@@ -90,7 +90,7 @@ def test_slow_bodies_do_not_lock_others_out(srv: Running) -> None:
                 sock.sendall(b" ")
             r = hello(srv)
             assert r.status_code == 200, r.text
-            health = requests.get(srv.url + "/health", timeout=5).json()
+            health = requests.get(srv.url + "/health", timeout=30).json()
             assert health["queue_length"] == 0 and health["in_flight"] == 0
 
 
@@ -107,7 +107,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(model) -> None:
                     break
             status, error = response_of(sock)
         assert status == 408 and "did not arrive within 1.5 s" in error["error"]
-        assert time.monotonic() - began < 10
+        assert time.monotonic() - began < 60  # refused, not left waiting (generous: a loaded machine)
         assert hello(running).status_code == 200
     finally:
         running.stop()

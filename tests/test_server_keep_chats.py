@@ -39,7 +39,7 @@ class Running(_Running):
         return reply.json()
 
     def kept(self) -> dict[str, float]:
-        text = requests.get(self.url + "/metrics", timeout=10).text
+        text = requests.get(self.url + "/metrics", timeout=60).text
         family = {f.name: f for f in text_string_to_metric_families(text)}["gguf_mcv_kept_chats"]
         return {s.labels["event"]: s.value for s in family.samples if s.name.endswith("_total")}
 
@@ -72,7 +72,7 @@ def test_kept_conversations_survive_eviction_and_a_restart(tiny, tmp_path: Path)
             idle_first = srv.chat(idle)  # held by a slot when the server stops
             kept = srv.kept()
             assert kept["restored"] == 1 and kept["saved"] >= 1 and kept["damaged"] == 0
-            json_view = requests.get(srv.url + "/metrics?format=json", timeout=10).json()
+            json_view = requests.get(srv.url + "/metrics?format=json", timeout=60).json()
             assert json_view["kept_chats"]["restored"] == 1
         finally:
             srv.stop()  # the lifespan's shutdown keeps the idle slots' conversations

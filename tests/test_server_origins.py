@@ -61,10 +61,10 @@ def test_a_loopback_server_refuses_other_host_names(local: Running) -> None:
     r = post(local, Host="attacker.example")
     assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed"
     assert "--allowed-host attacker.example" in r.json()["error"]["message"]
-    r = requests.get(local.url + "/api/tags", headers={"Host": f"attacker.example:{port_of(local)}"}, timeout=10)
+    r = requests.get(local.url + "/api/tags", headers={"Host": f"attacker.example:{port_of(local)}"}, timeout=60)
     assert r.status_code == 421 and "--allowed-host" in r.json()["error"]
     assert requests.get(local.url + "/health", headers={"Host": "localhost.attacker.example"},
-                        timeout=10).status_code == 421
+                        timeout=60).status_code == 421
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "LocalHost", "[::1]", "app.localhost",
@@ -82,7 +82,7 @@ def test_allowed_hosts_are_answered_too(configured: Running) -> None:
 
 def test_pages_of_other_sites_are_refused(local: Running) -> None:
     # a browser's "simple request": no preflight, so the content type alone would not stop it
-    r = requests.post(local.url + "/api/generate", data=json.dumps({"prompt": "Hi"}), timeout=10,
+    r = requests.post(local.url + "/api/generate", data=json.dumps({"prompt": "Hi"}), timeout=60,
                       headers={"Origin": "https://evil.example", "Content-Type": "text/plain"})
     assert r.status_code == 403 and "--allowed-origin https://evil.example" in r.json()["error"]
     r = post(local, Origin="null")  # a sandboxed frame, a file:// page
@@ -96,7 +96,7 @@ def test_the_servers_own_page_and_clients_without_origin_are_answered(local: Run
     assert post(local, "/api/chat", Origin=f"http://localhost:{port_of(local)}",
                 Host=f"localhost:{port_of(local)}").status_code == 200
     client = openai.OpenAI(base_url=local.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    name = requests.get(local.url + "/health", timeout=10).json()["model"]
+    name = requests.get(local.url + "/health", timeout=60).json()["model"]
     assert client.chat.completions.create(model=name, **CHAT).usage.completion_tokens >= 1
     reply = ollama.Client(host=local.url, timeout=60).chat(messages=CHAT["messages"], model=name,
                                                           options={"num_predict": 2})
@@ -104,21 +104,21 @@ def test_the_servers_own_page_and_clients_without_origin_are_answered(local: Run
 
 
 def test_allowed_origins_get_cors_others_do_not(configured: Running) -> None:
-    preflight = requests.options(configured.url + "/v1/chat/completions", timeout=10, headers={
+    preflight = requests.options(configured.url + "/v1/chat/completions", timeout=60, headers={
         "Origin": APP, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})
     assert preflight.status_code == 200
     assert preflight.headers["Access-Control-Allow-Origin"] == APP
     r = post(configured, Origin=APP)
     assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == APP
-    refused = requests.options(configured.url + "/v1/chat/completions", timeout=10, headers={
+    refused = requests.options(configured.url + "/v1/chat/completions", timeout=60, headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert refused.status_code == 403 and "Access-Control-Allow-Origin" not in refused.headers
 
 
 def test_refusals_are_counted(local: Running) -> None:
     def refused() -> int:
-        counted = requests.get(local.url + "/metrics?format=json", timeout=10).json()["requests"]
+        counted = requests.get(local.url + "/metrics?format=json", timeout=60).json()["requests"]
         return counted.get("POST (unmatched)", {}).get("421", 0)
 
     before = refused()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,32 +44,44 @@ class Served:
     """A ``gguf-mcv serve`` child process (the supervisor) on a free port."""
 
     def __init__(self, model: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
-                 session: bool = False) -> None:
+                 session: bool = False, supervisor: dict[str, Any] | None = None) -> None:
+        """``supervisor``: constants of gguf_mcv.server.supervisor to set in the child (shorter waits)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        setting = "".join(f"s.{name} = {value!r}; " for name, value in (supervisor or {}).items())
+        command = ["-c", "import sys; import gguf_mcv.server.supervisor as s; " + setting +
+                   "from gguf_mcv.cli import main; sys.exit(main(sys.argv[1:]))"] if setting else ["-m", "gguf_mcv"]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gguf_mcv", "serve", str(model), "--port", str(self.port), "--api-key", "",
+                [sys.executable, *command, "serve", str(model), "--port", str(self.port), "--api-key", "",
                  "--threads", "2", *extra], env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                 preexec_fn=_no_core_files, start_new_session=session)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
-    def health(self, until: Callable[[dict[str, Any]], bool] = lambda h: True, timeout: float = START_S) -> dict:
-        """``/health`` once it answers and ``until`` holds; fails if the supervisor exits first."""
+    def health(self, until: Callable[[dict[str, Any]], bool] = lambda h: True, timeout: float = START_S,
+               status: int = 200) -> dict:
+        """``/health`` once it answers ``status`` and ``until`` holds; fails if the supervisor exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}):\n{self.output()}"
             try:
-                r = requests.get(self.url + "/health", timeout=5)
-                if r.ok and until(r.json()):
+                r = requests.get(self.url + "/health", timeout=30)
+                if r.status_code == status and until(r.json()):
                     return r.json()
             except requests.RequestException:
                 pass
             time.sleep(0.3)
         raise AssertionError(f"/health did not say so within {timeout} s:\n{self.output()}")
+
+    def supervising(self) -> None:
+        """Wait until the supervisor has seen its worker start (its hang check runs from then on)."""
+        deadline = time.monotonic() + START_S
+        while "Serving on" not in self.output():
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.output()
+            time.sleep(0.3)
 
     def worker(self) -> Any:
         """The worker process (the supervisor's child that is not multiprocessing's resource tracker)."""
@@ -83,10 +96,10 @@ class Served:
         return r.json()
 
     def metrics(self) -> dict:
-        return requests.get(self.url + "/metrics?format=json", timeout=10).json()
+        return requests.get(self.url + "/metrics?format=json", timeout=60).json()
 
     def prometheus(self) -> dict[str, float]:
-        text = requests.get(self.url + "/metrics", timeout=10).text
+        text = requests.get(self.url + "/metrics", timeout=60).text
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
     def stop(self) -> int:
@@ -108,8 +121,9 @@ class Served:
 
 
 @contextmanager
-def serving(tiny, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Served]:
-    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", *extra, env=env)
+def serving(tiny, tmp_path: Path, *extra: str, env: dict[str, str] | None = None, model: Path | None = None,
+            supervisor: dict[str, Any] | None = None) -> Iterator[Served]:
+    srv = Served(model or tiny.quants["Q4_K_M"], tmp_path / "serve.log", *extra, env=env, supervisor=supervisor)
     try:
         yield srv
     finally:
@@ -135,7 +149,7 @@ def test_a_worker_killed_mid_stream_is_started_again_by_the_same_supervisor(tiny
             rest: list[bytes] = []
             with pytest.raises(requests.RequestException):  # the connection closes mid-stream
                 rest.extend(lines)
-        assert b"data: [DONE]" not in rest and time.monotonic() - began < 30  # an error, not a hang
+        assert b"data: [DONE]" not in rest and time.monotonic() - began < START_S  # an error, not a hang
         health = srv.health(lambda h: h["worker_restarts"] == 1)
         assert health["status"] == "ok" and health["last_worker_exit"].startswith(f"killed by {sig.name}")
         assert health["last_worker_restart"] <= time.time()
@@ -238,3 +252,93 @@ def test_serve_supervised_refuses_what_a_worker_could_not_use_before_binding() -
         busy.listen()
         with pytest.raises(ConfigError, match="already in use"):
             serve_supervised(partial(gguf_mcv.load, "x"), port=busy.getsockname()[1])
+
+
+#: Shorter waits between loads (the real schedule: supervisor.LOAD_RETRY_DELAYS_S); each try
+#: that fails leaves the stand-in up for that long, so /health can be seen saying why.
+QUICK_RETRIES = {"LOAD_RETRY_DELAYS_S": (2.0,) * 30}
+
+
+def retrying(health: dict[str, Any]) -> bool:
+    return health["status"] == "retrying" and bool(health["last_load_error"]) and health["next_load_retry"] > 0
+
+
+def test_a_worker_killed_while_its_model_file_is_replaced_loads_it_once_the_copy_completes(tiny, tmp_path) -> None:
+    served_file = tmp_path / "model.gguf"
+    whole = tiny.quants["Q4_K_M"].read_bytes()
+    served_file.write_bytes(whole)
+    with serving(tiny, tmp_path, "--no-disk-cache", "--mmproj", str(tiny.mmproj), model=served_file,
+                 supervisor=QUICK_RETRIES) as srv:
+        srv.health()
+        before = srv.chat(QUESTION)
+        worker = srv.worker()
+        with open(served_file, "r+b") as f:  # `cp` over it, half-way through
+            f.truncate(len(whole) // 2)
+        os.kill(worker.pid, signal.SIGBUS)  # what touching the truncated mapping does
+        health = srv.health(retrying, status=503)
+        assert health["worker_restarts"] >= 1 and health["last_worker_exit"]
+        assert health["next_load_retry"] > time.time() - 60
+        refused = requests.post(srv.url + "/v1/chat/completions", json={"messages": QUESTION}, timeout=30)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["code"] == "model_not_loaded"  # OpenAI's error shape
+        refused = requests.post(srv.url + "/api/chat", json={"messages": QUESTION}, timeout=30)
+        assert refused.status_code == 503 and isinstance(refused.json()["error"], str)  # Ollama's
+        served_file.write_bytes(whole)  # the copy completes
+        health = srv.health(lambda h: h["status"] == "ok")
+        assert health["last_load_error"] and health["next_load_retry"] is None
+        after = srv.chat(QUESTION)
+        assert after["choices"][0]["message"] == before["choices"][0]["message"]
+    assert srv.proc.returncode == 0, srv.output()
+    assert "Traceback" not in srv.output()
+
+
+def test_a_keep_chats_folder_replaced_by_a_file_is_waited_for_after_a_crash(tiny, tmp_path) -> None:
+    kept = tmp_path / "kept"
+    with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept), supervisor=QUICK_RETRIES) as srv:
+        srv.health()
+        srv.chat(QUESTION)
+        kept.rename(tmp_path / "moved")
+        kept.write_text("not a folder")
+        assert srv.chat(QUESTION)["usage"]["completion_tokens"] >= 1  # the running worker copes
+        srv.worker().kill()
+        health = srv.health(retrying, status=503)
+        assert str(kept) in health["last_load_error"]
+        kept.unlink()
+        (tmp_path / "moved").rename(kept)
+        health = srv.health(lambda h: h["status"] == "ok")
+        assert srv.chat(QUESTION)["usage"]["completion_tokens"] >= 1
+    assert srv.proc.returncode == 0, srv.output()
+
+
+def test_loads_that_keep_failing_after_serving_stop_the_server_when_the_schedule_ends(tiny, tmp_path) -> None:
+    kept = tmp_path / "kept"
+    srv = Served(tiny.quants["Q4_K_M"], tmp_path / "serve.log", "--no-disk-cache", "--keep-chats", str(kept),
+                 supervisor={"LOAD_RETRY_DELAYS_S": (0.5, 0.5)})
+    try:
+        srv.health()
+        shutil.rmtree(kept)
+        kept.write_text("not a folder")
+        srv.worker().kill()
+        srv.proc.wait(timeout=4 * START_S)
+    finally:
+        srv.stop()
+    out = srv.output()
+    assert srv.proc.returncode == 1, out
+    (error,) = [line for line in out.splitlines() if line.startswith("gguf-mcv: error: ")]
+    assert error.startswith("gguf-mcv: error: The model could not be loaded again: 3 tries in a row failed"), out
+    assert str(kept) in error and out.count("trying again in 0.5 s") == 2 and "Traceback" not in out
+
+
+def test_a_hung_worker_is_killed_and_health_says_the_supervisor_did_it(tiny, tmp_path) -> None:
+    with serving(tiny, tmp_path, "--no-disk-cache", supervisor={"HEALTHCHECK_TIMEOUT_S": 5}) as srv:
+        srv.health()
+        srv.supervising()
+        worker = srv.worker()
+        os.kill(worker.pid, signal.SIGSTOP)
+        health = srv.health(lambda h: h["worker_restarts"] == 1)
+        exit_ = health["last_worker_exit"]
+        assert exit_.startswith("killed by the supervisor: hung") and "out of memory" not in exit_, exit_
+        assert int(exit_.split("answered for ")[1].split(" s")[0]) >= 5  # how long it was unresponsive
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+        assert srv.chat(QUESTION)["usage"]["completion_tokens"] >= 1
+    assert srv.proc.returncode == 0, srv.output()

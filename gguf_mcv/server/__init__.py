@@ -52,7 +52,8 @@ routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JS
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
 ``http_errors`` (error shapes and handlers), ``origins`` (allowed hosts and origins),
 ``logs`` (the served app's logging), ``supervisor`` (``serve_supervised``: the model in a
-worker process started again when it dies, as ``gguf-mcv serve`` runs it), ``media_urls`` (which media URLs are
+worker process started again when it dies, as ``gguf-mcv serve`` runs it), ``standby`` (the
+stand-in holding the port while a failed load waits to be tried again), ``media_urls`` (which media URLs are
 accepted), ``remote_media`` (the SSRF-safe fetch), ``malloc`` (returning freed memory).
 """
 

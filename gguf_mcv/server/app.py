@@ -24,7 +24,7 @@ from ..runtime.kv_store import KVStore
 from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
-from .http_errors import add_error_handlers
+from .http_errors import AnswerWhenStopping, add_error_handlers
 from .logs import configure_logging
 from .malloc import return_large_buffers_to_os
 from .metrics import CountRequests, Metrics
@@ -109,6 +109,7 @@ def build_app(
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["Retry-After", DROPPED_TURNS_HEADER])
     app.add_middleware(CheckSite, allowed_hosts=hosts, allowed_origins=origins)
+    app.add_middleware(AnswerWhenStopping)
     app.add_middleware(CountRequests, metrics=state.metrics)  # the outermost: refusals are counted too
     return app
 

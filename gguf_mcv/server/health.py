@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..runtime import native_check
 from . import prometheus
 from .bodies import authorize
-from .http_errors import HTTPError
+from .http_errors import HTTPError, error_responses
 from .state import state_of
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(ollama=False))
 
 
 @router.get("/health")
@@ -24,8 +24,12 @@ async def health(request: Request) -> dict[str, Any]:
             "native_fallbacks": list(native_check.notices()), **state.worker.to_dict()}
 
 
-@router.get("/metrics", dependencies=[Depends(authorize)])
-async def metrics(request: Request, format: str | None = None) -> Response:
+@router.get("/metrics", dependencies=[Depends(authorize)], responses={200: {
+    "description": "Prometheus' text format, or the JSON view",
+    "content": {prometheus.CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}},
+                "application/json": {"schema": {"type": "object"}}}}})
+async def metrics(request: Request, format: Annotated[str | None, Query(
+        json_schema_extra={"enum": ["prometheus", "json", None]})] = None) -> Response:
     """Prometheus' text format; the JSON view with ``?format=json`` (or ``Accept: application/json``)."""
     state = state_of(request)
     accept = request.headers.get("accept", "")

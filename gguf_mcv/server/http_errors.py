@@ -2,19 +2,57 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError, ModelNotFoundError
 
 log = logging.getLogger("gguf_mcv.server")
 
+#: Seconds a request cut off by a stopping server is told to wait (a supervised server's new
+#: worker takes about that long to load the tiny model; a real one longer, and clients retry).
+STOPPING_RETRY_AFTER_S = 5
+
 #: Status for a request whose client hung up before it was answered (nginx's convention).
 CLIENT_CLOSED = 499
+
+
+_NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+_OPENAI_SHAPE = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STRING,
+                   "code": _NULLABLE_STRING}}}}
+_OLLAMA_SHAPE = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_STATUSES = {400: "Bad request", 401: "Missing or wrong API key", 403: "Origin not allowed", 404: "Not found",
+             408: "Body too slow", 413: "Body too large", 415: "Body not JSON", 421: "Host not allowed",
+             500: "A fault", 503: "Busy or stopping (Retry-After)"}
+
+
+def error_responses(ollama: bool) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route declares in its OpenAPI schema: Ollama's shape or OpenAI's."""
+    schema = _OLLAMA_SHAPE if ollama else _OPENAI_SHAPE
+    return {status: {"description": what, "content": {"application/json": {"schema": schema}}}
+            for status, what in _STATUSES.items()}
+
+
+def json_request_body(model: type) -> dict[str, Any]:
+    """``openapi_extra`` declaring a JSON request body (routes read theirs with ``bodies.json_body``,
+    which FastAPI does not see): an object, checked by ``model`` (a 400 when it does not fit)."""
+    return {"requestBody": {"required": True, "description": f"A {model.__name__} (a 400 otherwise).",
+                            "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+def streamed_responses(media_type: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is JSON, or ``media_type`` (SSE, NDJSON) when the request asked to stream."""
+    return {200: {"description": "The answer; streamed when asked",
+                  "content": {"application/json": {"schema": {"type": "object"}},
+                              media_type: {"schema": {"type": "string"}}}}}
 
 
 class HTTPError(Exception):
@@ -96,3 +134,38 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_starlette_error)
     app.add_exception_handler(ClientGone, _on_client_gone)
     app.add_exception_handler(Exception, _on_crash)
+
+
+class AnswerWhenStopping:
+    """ASGI middleware: a request the server cancels as it stops (uvicorn cancels those left at
+    the end of its graceful-shutdown time, queued ones included) gets a 503 with ``Retry-After``
+    in its API's error shape, not uvicorn's plain-text 500 and a ``CancelledError`` traceback.
+    A response already started (a stream) just ends there, with one line in the log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+
+            if uncancel is not None:  # the cancel is answered here; the task ends normally
+                uncancel()
+            if started:
+                log.warning("The server is stopping: a response to %s was cut off.", scope.get("path"))
+                return
+            refusal = HTTPError(503, f"The server is stopping: this request was not answered; try again in "
+                                     f"{STOPPING_RETRY_AFTER_S} s.", code="server_stopping",
+                                headers={"Retry-After": str(STOPPING_RETRY_AFTER_S)})
+            await error_response(Request(scope), refusal)(scope, receive, send)

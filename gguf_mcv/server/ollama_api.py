@@ -24,7 +24,7 @@ from ..runtime.generation import Stream
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
-from .http_errors import HTTPError
+from .http_errors import HTTPError, error_responses, json_request_body, streamed_responses
 from .state import State, check_output, dropped_turns_header, file_mtime, model_stream, state_of
 
 #: The Ollama API version reported by /api/version (tools gate features on it).
@@ -95,7 +95,7 @@ class ShowRequest(Body):
     name: str | None = None  # what older clients send
 
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(ollama=True))
 
 
 @router.get("/api/version")
@@ -114,7 +114,7 @@ async def running(request: Request) -> dict[str, Any]:
     return {"models": [{**_ollama_model(state), "size_vram": 0, "context_length": state.model.info.n_ctx}]}
 
 
-@router.post("/api/show")
+@router.post("/api/show", openapi_extra=json_request_body(ShowRequest))
 async def show(request: Request, body: Annotated[ShowRequest, Depends(json_body(ShowRequest))]) -> Any:
     state = state_of(request)
     state.check_model(body.model or body.name or state.name)
@@ -149,7 +149,8 @@ def _details(state: State) -> dict[str, Any]:
             "parameter_size": "", "quantization_level": quant}
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", responses=streamed_responses("application/x-ndjson"),
+              openapi_extra=json_request_body(GenerateRequest))
 async def generate(request: Request,
                    place: Annotated[Place, Depends(place_in_queue)],  # before the body (see openai_api)
                    body: Annotated[GenerateRequest, Depends(json_body(GenerateRequest))]) -> Any:
@@ -167,7 +168,8 @@ async def generate(request: Request,
     return await _ollama_answer(request, place, body, name, messages, chat=False)
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", responses=streamed_responses("application/x-ndjson"),
+              openapi_extra=json_request_body(OllamaChatRequest))
 async def chat(request: Request,
                place: Annotated[Place, Depends(place_in_queue)],  # before the body (see openai_api)
                body: Annotated[OllamaChatRequest, Depends(json_body(OllamaChatRequest))]) -> Any:

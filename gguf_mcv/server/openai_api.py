@@ -15,7 +15,7 @@ from ..options import check_sampling, stop_list
 from .admission import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
-from .http_errors import HTTPError
+from .http_errors import HTTPError, error_responses, json_request_body, streamed_responses
 from .media_urls import check_media_urls
 from .remote_media import fetch_remote_media
 from .state import State, check_output, dropped_turns_header, file_mtime, model_stream, state_of
@@ -93,7 +93,7 @@ class ChatCompletionRequest(Body):
                 for m in self.messages]
 
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(ollama=False))
 
 
 @router.get("/v1/models")
@@ -113,7 +113,8 @@ def _model_card(state: State) -> dict[str, Any]:
             "created": int(file_mtime(state.model.info.model_path))}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=streamed_responses("text/event-stream"),
+             openapi_extra=json_request_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
     place: Annotated[Place, Depends(place_in_queue)],  # before the body: a full queue refuses it unread

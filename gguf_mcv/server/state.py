@@ -30,10 +30,13 @@ class WorkerInfo:
     restarts: int = 0  #: workers started again after the first one died
     last_restart: float | None = None  #: when the last one was started (Unix time)
     last_exit: str | None = None  #: how the worker before this one ended, e.g. "killed by SIGSEGV"
+    last_load_error: str | None = None  #: why the last load that failed (after one had served) failed
+    next_load_retry: float | None = None  #: while the model cannot be loaded: when it is tried again (Unix time)
 
     def to_dict(self) -> dict[str, Any]:
         return {"worker_restarts": self.restarts, "last_worker_restart": self.last_restart,
-                "last_worker_exit": self.last_exit}
+                "last_worker_exit": self.last_exit, "last_load_error": self.last_load_error,
+                "next_load_retry": self.next_load_retry}
 
 
 @dataclass

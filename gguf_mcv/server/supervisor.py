@@ -12,11 +12,19 @@ conversations kept with ``keep_chats`` come back from disk. The new worker's ``/
 reports ``worker_restarts``, ``last_worker_restart`` (Unix time) and ``last_worker_exit``;
 ``/metrics`` counts ``gguf_mcv_worker_restarts``.
 
-A worker that dies :data:`MAX_LOAD_CRASHES` times in a row before serving stops the
-server with :class:`~gguf_mcv.errors.ServerWorkerError` rather than looping; so does a
-load that raises (its message, once: it would fail the same way again). A worker that
-stops cleanly (exit status 0: Ctrl-C reaches the whole process group) stops the server, and
-so does SIGHUP (a closed terminal; uvicorn would start a second model beside the first).
+Before any worker has served, a worker that dies :data:`MAX_LOAD_CRASHES` times in a row
+stops the server with :class:`~gguf_mcv.errors.ServerWorkerError` rather than looping; so
+does a load that raises (its message, once: it would fail the same way again). Once a
+worker has served, a load that fails or dies is tried again after the delays of
+:data:`LOAD_RETRY_DELAYS_S` (what it needs, a model file being copied or a folder moved
+back, may come back); meanwhile a stand-in process holds the port and answers ``/health``
+(503: ``last_load_error``, ``next_load_retry``) and every other route with a 503 in the
+API's error shape. The server stops when the last delay has passed and the load fails
+again. A worker that stops answering the supervisor's ping for
+:data:`HEALTHCHECK_TIMEOUT_S` is killed and replaced; ``last_worker_exit`` says so. A
+worker that stops cleanly (exit status 0: Ctrl-C reaches the whole process group) stops
+the server, and so does SIGHUP (a closed terminal; uvicorn would start a second model
+beside the first).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +56,7 @@ from ..runtime import native_check
 from .app import API_KEY_ENV, _bind_failure, _is_loopback, addresses_to_bind, build_app
 from .logs import log_config
 from .malloc import return_large_buffers_to_os
+from .standby import standby_app
 from .state import WorkerInfo
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's format and level, as its own lines
@@ -57,6 +66,9 @@ MAX_LOAD_CRASHES = 3
 #: Seconds a serving worker may leave the supervisor's ping unanswered before it counts as
 #: hung and is killed (the ping thread needs the GIL, which a busy worker holds at times).
 HEALTHCHECK_TIMEOUT_S = 30
+#: Seconds between tries to load the model again once a worker has served and a load failed
+#: (doubling to a minute, about 5 minutes in all); after the last the server stops.
+LOAD_RETRY_DELAYS_S: tuple[float, ...] = (1, 2, 4, 8, 16, 30, 60, 60, 60, 60)
 #: Seconds a stopping worker has (answers cut after 5, idle conversations saved) before it is killed.
 STOP_TIMEOUT_S = 60.0
 #: The fault name a worker injects at its start (``$GGUF_MCV_NATIVE_FAULT``, tests only).
@@ -148,7 +160,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 class Supervisor(Multiprocess):
-    """uvicorn's supervisor of one worker, counting restarts and stopping a crash loop."""
+    """uvicorn's supervisor of one worker: counting restarts, stopping a crash loop, retrying
+    the load of a server that has served (see the module doc)."""
 
     def __init__(self, config: Config, sockets: list[socket.socket], worker: _Worker, url: str) -> None:
         self._handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
@@ -156,7 +169,11 @@ class Supervisor(Multiprocess):
         self.worker, self.url = worker, url
         self.info = WorkerInfo()
         self.serving = False  #: the current worker finished its start-up
+        self.served = False  #: a worker has served since the server started
         self.load_crashes = 0  #: workers that died in a row before loading the model
+        self.load_failures = 0  #: loads that failed in a row after a worker had served
+        self.retry_at: float | None = None  #: while a stand-in holds the port: when to load again
+        self.answered_at = time.monotonic()  #: when the worker last answered a ping
         self.failure: str | None = None
         self.announced = False
 
@@ -176,46 +193,72 @@ class Supervisor(Multiprocess):
             raise ServerWorkerError(self.failure)
 
     def init_processes(self) -> None:
-        self.config.app = functools.partial(_worker_app, self.worker, self.info)  # pickled by start()
+        self._start(functools.partial(_worker_app, self.worker, self.info))
+        self.retry_at = None
+
+    def _start(self, app: Callable[[], FastAPI]) -> None:
+        self.config.app = app  # pickled by start()
         process = Process(self.config, self.sockets)
         process.start()
         self.processes, self.serving = [process], False
+        self.answered_at = time.monotonic()
 
     def keep_subprocess_alive(self) -> None:
         if self.should_exit.is_set() or not self.processes:
             return
         process = self.processes[0]
+        if self.retry_at is not None:  # a stand-in holds the port until the next load
+            if time.time() < self.retry_at and process.process.is_alive():
+                return
+            _stop(process)
+            self.info = replace(self.info, restarts=self.info.restarts + 1, last_restart=time.time(),
+                                next_load_retry=None)
+            self.init_processes()
+            return
+        how = None
         if process.process.is_alive():
             if not self.serving:  # starting: no hang check, a load takes what it takes
                 self.serving = process.is_ready(timeout=0.5)
+                self.answered_at = time.monotonic()
                 if self.serving and not self.announced:
                     self.announced = True
                     log.info("Serving on %s (Press CTRL+C to quit); the model runs in worker process [%s].",
                              self.url, process.pid)
                 return
             if process.ping(timeout=self.config.timeout_worker_healthcheck):
+                self.answered_at = time.monotonic()
                 return
-            log.error("The model worker [%s] did not answer for %d s: killing it.", process.pid,
-                      self.config.timeout_worker_healthcheck)
+            silent = time.monotonic() - self.answered_at
+            how = f"killed by the supervisor: hung, it had not answered for {silent:.0f} s"
+            log.error("The model worker [%s] did not answer for %.0f s: killing it.", process.pid, silent)
         process.kill()
         process.process.join()  # uvicorn's join() logs a line for it
-        self._after(process)
+        self._after(process, how)
 
-    def _after(self, process: Process) -> None:
-        """Start a worker again after ``process`` died, or stop the server."""
+    def _after(self, process: Process, how: str | None = None) -> None:
+        """Start a worker again after ``process`` died (``how``: killed by the supervisor), or stop the server."""
         code = process.exitcode if process.exitcode is not None else -signal.SIGKILL
-        how = death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
+        if how is None:
+            how = death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
         loaded = _marker(self.worker.run_dir, "loaded", process.pid).exists()
         if code == 0:
             log.info("The model worker [%s] stopped: stopping the server.", process.pid)
             self.should_exit.set()
             return
-        if code == STARTUP_FAILURE and not loaded:  # the load raised: it would again
+        if loaded:
+            self.served, self.load_crashes, self.load_failures = True, 0, 0
+        elif self.served:  # it loaded before: what it needs may come back (a file being copied)
+            error = (_read_error(self.worker.run_dir, process.pid) if code == STARTUP_FAILURE else None) or (
+                f"the worker was {how} while loading the model")
+            self._retry_later(how, error)
+            return
+        elif code == STARTUP_FAILURE:  # the first load raised: it would again
             self.failure = _read_error(self.worker.run_dir, process.pid) or (
                 f"The model worker could not start ({how}): see the log above.")
             self.should_exit.set()
             return
-        self.load_crashes = 0 if loaded else self.load_crashes + 1
+        else:
+            self.load_crashes += 1
         if self.load_crashes >= MAX_LOAD_CRASHES:
             self.failure = (
                 f"The model worker died {self.load_crashes} times in a row while loading the model "
@@ -224,11 +267,27 @@ class Supervisor(Multiprocess):
                 "(try a smaller --quant or --ctx) are the usual causes.")
             self.should_exit.set()
             return
-        self.info = WorkerInfo(self.info.restarts + 1, time.time(), how)
+        self.info = replace(self.info, restarts=self.info.restarts + 1, last_restart=time.time(), last_exit=how)
         log.warning("The model worker [%s] was %s while %s; starting it again (restart %d).", process.pid,
                     how, "serving: answers in progress were cut off" if loaded else "loading the model",
                     self.info.restarts)
         self.init_processes()
+
+    def _retry_later(self, how: str, error: str) -> None:
+        """After a failed load of a server that has served: a stand-in until the next try, or the end."""
+        self.load_failures += 1
+        if self.load_failures > len(LOAD_RETRY_DELAYS_S):
+            self.failure = (f"The model could not be loaded again: {self.load_failures} tries in a row failed "
+                            f"over {sum(LOAD_RETRY_DELAYS_S):.0f} s (last: {error}); the server stops.")
+            self.should_exit.set()
+            return
+        delay = LOAD_RETRY_DELAYS_S[self.load_failures - 1]
+        retry_at = time.time() + delay
+        self.info = replace(self.info, last_exit=how, last_load_error=error, next_load_retry=retry_at)
+        log.warning("Loading the model again failed (%s); trying again in %g s (try %d of %d).", error, delay,
+                    self.load_failures + 1, len(LOAD_RETRY_DELAYS_S) + 1)
+        self._start(functools.partial(standby_app, self.info, self.worker.options))
+        self.retry_at = retry_at
 
     def handle_hup(self) -> None:
         # a closed terminal, as before the split (uvicorn would start a second model beside the first)
@@ -249,6 +308,15 @@ class Supervisor(Multiprocess):
                             STOP_TIMEOUT_S)
                 process.kill()
                 process.process.join()  # uvicorn's join() logs a line for it
+
+
+def _stop(process: Process) -> None:
+    """Stop a stand-in (SIGTERM, then SIGKILL if it has not stopped within :data:`STOP_TIMEOUT_S`)."""
+    process.terminate()
+    process.process.join(STOP_TIMEOUT_S)
+    if process.process.is_alive():
+        process.kill()
+        process.process.join()
 
 
 def _worker_app(worker: _Worker, info: WorkerInfo) -> FastAPI:
