@@ -292,6 +292,30 @@ def test_a_worker_killed_while_its_model_file_is_replaced_loads_it_once_the_copy
     assert "Traceback" not in srv.output()
 
 
+def test_a_model_file_replaced_under_a_serving_worker_is_refused_then_loaded_again(tiny, tmp_path) -> None:
+    served_file = tmp_path / "model.gguf"
+    served_file.write_bytes(tiny.quants["Q4_K_M"].read_bytes())
+    with serving(tiny, tmp_path, "--no-disk-cache", "--mmproj", str(tiny.mmproj), model=served_file,
+                 supervisor=QUICK_RETRIES) as srv:
+        srv.health()
+        before = srv.chat(QUESTION)
+        worker = srv.worker()
+        fresh = tmp_path / "model.gguf.new"
+        fresh.write_bytes(tiny.quants["Q4_K_M"].read_bytes())
+        os.replace(fresh, served_file)  # the safe way to replace it: the old inode stays mapped
+        refused = requests.post(srv.url + "/v1/chat/completions", json={"messages": QUESTION}, timeout=60)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "model_file_changed"
+        assert str(served_file) in refused.json()["error"]["message"]
+        health = srv.health(lambda h: h["status"] == "ok" and h.get("worker_restarts", 0) >= 1)
+        assert "weights file changed" in health["last_worker_exit"]
+        assert srv.worker().pid != worker.pid
+        after = srv.chat(QUESTION)
+        assert after["choices"][0]["message"] == before["choices"][0]["message"]
+    assert srv.proc.returncode == 0, srv.output()
+    assert "Traceback" not in srv.output()
+
+
 def test_a_keep_chats_folder_replaced_by_a_file_is_waited_for_after_a_crash(tiny, tmp_path) -> None:
     kept = tmp_path / "kept"
     with serving(tiny, tmp_path, "--no-disk-cache", "--keep-chats", str(kept), supervisor=QUICK_RETRIES) as srv:

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ConfigError, ContextOverflowError, GgufMcvError, MediaError, ModelNotFoundError
+from ..errors import (
+    ConfigError,
+    ContextOverflowError,
+    GgufMcvError,
+    MediaError,
+    ModelFileChangedError,
+    ModelNotFoundError,
+)
 
 log = logging.getLogger("gguf_mcv.server")
 
 #: Seconds a request cut off by a stopping server is told to wait (a supervised server's new
 #: worker takes about that long to load the tiny model; a real one longer, and clients retry).
 STOPPING_RETRY_AFTER_S = 5
+
+#: Called when a weights file changed under the loaded model: a supervised worker sets it to end
+#: itself, so that its supervisor loads the model again from the files as they are now.
+on_model_file_changed: Callable[[ModelFileChangedError], None] | None = None
 
 #: Status for a request whose client hung up before it was answered (nginx's convention).
 CLIENT_CLOSED = 499
@@ -123,6 +134,11 @@ def as_http_error(exc: BaseException) -> HTTPError:
         return HTTPError(400, str(exc), code=code)
     if isinstance(exc, ModelNotFoundError):
         return HTTPError(404, str(exc), code="not_found")
+    if isinstance(exc, ModelFileChangedError):
+        if on_model_file_changed is None:
+            return HTTPError(503, str(exc), code="model_file_changed")
+        on_model_file_changed(exc)
+        return HTTPError(503, f"{exc} The server is loading it again: retry shortly.", code="model_file_changed")
     log.error("Answering failed", exc_info=exc)
     return HTTPError(500, f"Internal error: {type(exc).__name__}: {exc}", code="internal_error")
 

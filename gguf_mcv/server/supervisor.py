@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +54,7 @@ from ..children import death
 from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
 from ..runtime import native_check
+from . import http_errors
 from .app import API_KEY_ENV, _bind_failure, _is_loopback, addresses_to_bind, build_app
 from .logs import log_config
 from .malloc import return_large_buffers_to_os
@@ -238,6 +240,8 @@ class Supervisor(Multiprocess):
     def _after(self, process: Process, how: str | None = None) -> None:
         """Start a worker again after ``process`` died (``how``: killed by the supervisor), or stop the server."""
         code = process.exitcode if process.exitcode is not None else -signal.SIGKILL
+        if how is None and code == FILES_CHANGED_EXIT:
+            how = "ended by itself: a weights file changed under its model"
         if how is None:
             how = death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
         loaded = _marker(self.worker.run_dir, "loaded", process.pid).exists()
@@ -338,9 +342,26 @@ def _worker_app(worker: _Worker, info: WorkerInfo) -> FastAPI:
         _write(_marker(worker.run_dir, "error", os.getpid()), " ".join(str(exc).split()) or type(exc).__name__)
         sys.exit(STARTUP_FAILURE)
     app.state.gguf.worker = info
+    http_errors.on_model_file_changed = _end_for_reload
     return_large_buffers_to_os()
     _write(_marker(worker.run_dir, "loaded", os.getpid()), "")
     return app
+
+
+#: A worker's exit status when a weights file changed under its model: the supervisor starts a
+#: new worker, which loads the files as they are now (or waits for them, on the retry schedule).
+FILES_CHANGED_EXIT = 3
+#: Seconds a worker whose files changed keeps running, so its 503 answers reach their clients.
+FILES_CHANGED_GRACE_S = 1.0
+
+
+def _end_for_reload(exc: BaseException) -> None:
+    """In a worker whose model's files changed: end it soon, with :data:`FILES_CHANGED_EXIT`. Every
+    answer it could still give would be refused the same way, and the mapped weights may be gone."""
+    log.warning("%s The model worker [%s] ends so that the model is loaded again.", exc, os.getpid())
+    timer = threading.Timer(FILES_CHANGED_GRACE_S, os._exit, args=(FILES_CHANGED_EXIT,))
+    timer.daemon = True
+    timer.start()
 
 
 def _die_with(supervisor: int) -> None:
