@@ -27,6 +27,19 @@ def test_standin_keeps_metadata_names_and_output_width(tiny, tmp_path: Path) -> 
     assert not list(tmp_path.glob("*.part"))
 
 
+def test_an_identical_standin_keeps_its_inode_and_a_damaged_one_is_replaced(tiny, tmp_path: Path) -> None:
+    # a model loaded from the stand-in watches its inode (runtime/file_watch): the next load must
+    # not replace it with the same bytes, or every model loaded before would refuse to answer
+    out = write_standin(tiny.mmproj, tmp_path / "standin.gguf")
+    first, whole = out.stat(), out.read_bytes()
+    write_standin(tiny.mmproj, out)
+    assert (out.stat().st_ino, out.stat().st_ctime_ns) == (first.st_ino, first.st_ctime_ns)
+    out.write_bytes(whole[: len(whole) // 2])
+    write_standin(tiny.mmproj, out)
+    assert out.read_bytes() == whole
+    assert not list(tmp_path.glob("*.part"))
+
+
 def test_a_damaged_mmproj_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "mmproj.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)

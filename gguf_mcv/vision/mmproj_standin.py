@@ -28,7 +28,8 @@ KEEP = {"resampler.proj.weight": 0, "mm.down.weight": 1}
 
 def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the stand-in of ``mmproj`` to ``out`` (atomically: a temp file, then renamed over
-    whatever is there; a folder in the way is set aside)."""
+    whatever is there, unless that is a regular file with the same bytes; a folder in the way is
+    set aside)."""
     import gguf  # lazy: only when a stand-in is made
 
     try:
@@ -57,10 +58,20 @@ def write_standin(mmproj: str | os.PathLike, out: str | os.PathLike) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
+        if not _same_bytes(tmp, out):  # an identical one stays: models loaded from it watch its inode
+            os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _same_bytes(new: Path, old: Path) -> bool:
+    """Whether ``old`` is a regular file (not a symlink) holding exactly ``new``'s bytes."""
+    try:
+        return (not old.is_symlink() and old.is_file() and old.stat().st_size == new.stat().st_size
+                and old.read_bytes() == new.read_bytes())
+    except OSError:
+        return False
 
 
 def copy_metadata(reader: Any, writer: Any) -> None:
