@@ -189,10 +189,13 @@ def test_the_command_refuses_a_fifo_or_a_jpeg_before_loading(tmp_path: Path) -> 
     photo = tmp_path / "photo.jpg"
     content = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + np.arange(200, dtype=np.uint8).tobytes()
     photo.write_bytes(content)
+    # files that exist but are no model: loading them would fail, so the refusal must come first
+    model, mmproj = tmp_path / "junk-model.gguf", tmp_path / "junk-mmproj.gguf"
+    model.write_bytes(b"not a model")
+    mmproj.write_bytes(b"not a projector")
     for target, match in ((fifo, "not a regular file"), (photo, "not a line gguf-mcv watch wrote|not a JSON")):
-        # a model that does not exist: the refusal comes first, before any loading
-        done = _cli("watch", str(tmp_path / "no-model.gguf"), "0", "--prompt", "?", "--jsonl", str(target),
+        done = _cli("watch", str(model), "0", "--mmproj", str(mmproj), "--prompt", "?", "--jsonl", str(target),
                     timeout=120)
         assert done.returncode == 1 and str(target) in done.stderr, done.stderr
-        assert any(m in done.stderr for m in match.split("|")) and "no-model" not in done.stderr
+        assert any(m in done.stderr for m in match.split("|")) and "junk-" not in done.stderr
     assert photo.read_bytes() == content
