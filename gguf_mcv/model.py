@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
 
+from . import llama_log
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
 from .options import (
     DEFAULT_MAX_TOKENS,
@@ -33,7 +34,7 @@ from .prompt.messages import MediaPolicy, convert
 from .prompt.templates import ChatTemplate
 from .prompt.turns import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .reply import Reply, VideoStats
-from .runtime import kv_store, native, saved_chat
+from .runtime import kv_store, saved_chat
 from .runtime.engine import Engine, file_identity
 from .runtime.generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
 from .runtime.slots import Scheduler
@@ -529,7 +530,7 @@ class Model:
         engine.close()
         llama.close()
         if self._verbose:
-            native.verbose_release()
+            llama_log.verbose_release()
 
     def __enter__(self) -> "Model":
         return self
