@@ -29,7 +29,7 @@ from .options import (
 )
 from .output import structured
 from .output.structured import Constraint
-from .prompt import tools as tooling
+from .prompt import tool_calls as tooling
 from .prompt.messages import MediaPolicy, convert
 from .prompt.templates import ChatTemplate
 from .prompt.turns import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
@@ -336,7 +336,7 @@ class Model:
         ``schema``/``format`` as in :meth:`ask`;
         ``grammar`` is an already-made :class:`~gguf_mcv.output.structured.Constraint`. ``tools``
         (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
-        a function) let the model call a function (:mod:`gguf_mcv.prompt.tools`): ``reply.tool_calls``;
+        a function) let the model call a function (:mod:`gguf_mcv.prompt.tool_calls`): ``reply.tool_calls``;
         ``role: "tool"`` messages carry the results back. Sampling keywords as in :meth:`ask`.
         """
         settings = self.sampling.with_overrides(**sampling)
