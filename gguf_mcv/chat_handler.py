@@ -12,7 +12,7 @@ optionally with a ``"schema"``, as llama-cpp-python takes it, or ``{"type": "jso
 "json_schema": {"schema": ...}}``) and ``grammar`` (a ``LlamaGrammar``) constrain the answer.
 ``tools`` and ``tool_choice`` work as in llama-cpp-python's function-calling handlers: the
 answer's ``message.tool_calls`` holds the calls, and ``role: "tool"`` messages carry results
-back (see :mod:`gguf_mcv.prompt.tools` for how tools are shown to the model).
+back (see :mod:`gguf_mcv.prompt.tool_calls` for how tools are shown to the model).
 ``vision_backend`` and ``mmproj_precision`` are :func:`gguf_mcv.load`'s; the default backend
 is libmtmd (``"llama.cpp"``), as in the handler this one replaces; ``"auto"`` takes ONNX
 Runtime int8 on a CPU.
@@ -30,7 +30,7 @@ from .models.headers import read_projector_header
 from .openai_compat import completion, completion_chunks, tool_call_chunks
 from .options import LoadOptions, Sampling, stop_list
 from .output.structured import Constraint, constraint, grammar_constraint
-from .prompt import tools as tooling
+from .prompt import tool_calls as tooling
 from .prompt.messages import MediaPolicy, convert
 from .prompt.templates import choose_template
 from .prompt.turns import TurnBuilder

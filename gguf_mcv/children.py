@@ -28,8 +28,8 @@ def child_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main())", *args]
 
 
-def death(returncode: int, stderr_tail: Iterable[str] = ()) -> str:
-    """How a child ended, in words: "killed by SIGILL (its last line)", "exited with status 3"."""
+def describe_exit(returncode: int, stderr_tail: Iterable[str] = ()) -> str:
+    """How a child process ended, in words: "killed by SIGILL (its last line)", "exited with status 3"."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

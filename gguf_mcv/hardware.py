@@ -41,7 +41,7 @@ from gguf_mcv.cgroups import read_int as _int
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.units import format_size, parse_size
 
-__all__ = ["Gpu", "Hardware", "format_size", "parse_size", "probe"]
+__all__ = ["Gpu", "Hardware", "available_ram", "format_size", "parse_size", "probe"]
 
 #: Files a fake hardware tree uses in place of running ``nvidia-smi`` / asking :mod:`platform`.
 FAKE_NVIDIA_SMI = "_fake/nvidia-smi.csv"
@@ -172,14 +172,7 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
     root = Path(root) if root is not None else constants.hardware_root()
     real = root.resolve() == Path("/").resolve()
     system, machine = _platform(root, real)
-    total, available = _host_memory(root, real)
-    limit_source, host_available = None, None
-    # psutil reports the host's RAM even inside a container, where the kernel kills the
-    # process at the cgroup limit long before host RAM runs out.
-    limit = memory_limit(root, total)
-    if limit is not None:
-        limit_source, host_available = limit.source, available
-        total, available = min(total, limit.limit), min(available, limit.headroom)
+    total, available, limit_source, host_available = _memory(root, real)
     speeds = _core_speeds(root)
     physical = _physical_cores(root, real, speeds)
     performance = _performance_cores(speeds)
@@ -209,6 +202,13 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
     )
 
 
+def available_ram(root: str | Path | None = None) -> int:
+    """RAM free for a model now, as :func:`probe` counts it (``Hardware.available_ram``: the
+    host's, or less where a cgroup limit leaves less), without probing the rest of the machine."""
+    root = Path(root) if root is not None else constants.hardware_root()
+    return max(0, _memory(root, root.resolve() == Path("/").resolve())[1])
+
+
 # --- reading files ------------------------------------------------------------------
 
 
@@ -230,6 +230,18 @@ def _platform(root: Path, real: bool) -> tuple[str, str]:
 
 
 # --- memory -------------------------------------------------------------------------
+
+
+def _memory(root: Path, real: bool) -> tuple[int, int, str | None, int | None]:
+    """Total and available RAM after container limits, the limit's source and the host's
+    available RAM (both None without a limit)."""
+    total, available = _host_memory(root, real)
+    # psutil reports the host's RAM even inside a container, where the kernel kills the
+    # process at the cgroup limit long before host RAM runs out.
+    limit = memory_limit(root, total)
+    if limit is None:
+        return total, available, None, None
+    return min(total, limit.limit), min(available, limit.headroom), limit.source, available
 
 
 def _host_memory(root: Path, real: bool) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import constants
+from . import constants, llama_log
 from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError, NoQuantFitsError
 from .hardware import probe
 from .model import Model, ModelInfo
@@ -28,7 +28,7 @@ from .planning.planner import Plan, check_request, resolve_budget
 from .planning.speed import slice_budget
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
 from .resolver import check_plan, check_revision, plan_local, pull
-from .runtime import native, native_check
+from .runtime import native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
 from .units import format_size
@@ -382,7 +382,7 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
         parallel=slots,
     )
     if verbose:
-        native.verbose_acquire()
+        llama_log.verbose_acquire()
     return Model(engine, info=info, template=template, sampling=_sampling(entry),
                  allow_remote_media=allow_remote_media, verbose=verbose, scheduler=scheduler)
 
@@ -415,12 +415,12 @@ def _with_sequences(llama, n_seq: int) -> None:
     params.n_seq_max = n_seq
     params.kv_unified = True
     llama._ctx.close()  # first, so the two KV caches are never allocated together
-    native.clear_recent()
+    llama_log.clear_recent()
     try:
         llama._ctx = _internals.LlamaContext(model=llama._model, params=params, verbose=llama.verbose)
     except ValueError as exc:
         raise EngineError(f"llama.cpp could not make a context of {n_seq} sequences: "
-                          f"{native.recent_errors() or exc}. Try a smaller parallel or n_ctx.") from exc
+                          f"{llama_log.recent_errors() or exc}. Try a smaller parallel or n_ctx.") from exc
 
 
 def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_precision: str, vision_gpu: bool,
@@ -511,12 +511,12 @@ def _open_llama(model_path: str | os.PathLike, options: LoadOptions, *, verbose:
 
     kwargs = llama_kwargs(options)
     n_gpu_layers = kwargs["n_gpu_layers"]
-    native.install_logging()
-    native.clear_recent()
+    llama_log.install()
+    llama_log.clear_recent()
     try:
         return open_llama(model_path, extra_bufts=extra_bufts, verbose=verbose, **kwargs)
     except ValueError as exc:
-        details = native.recent_errors() or str(exc)
+        details = llama_log.recent_errors() or str(exc)
         if n_gpu_layers != 0:  # offloading can fail for reasons that have nothing to do with the file
             raise EngineError(
                 f"llama.cpp could not load {model_path} with {n_gpu_layers} GPU layers: {details}. "

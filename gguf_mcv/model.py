@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
 
+from . import llama_log
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
 from .options import (
     DEFAULT_MAX_TOKENS,
@@ -28,12 +29,12 @@ from .options import (
 )
 from .output import structured
 from .output.structured import Constraint
-from .prompt import tools as tooling
+from .prompt import tool_calls as tooling
 from .prompt.messages import MediaPolicy, convert
 from .prompt.templates import ChatTemplate
 from .prompt.turns import FrameCounts, Images, Turn, TurnBuilder, Video, VideoOptions, as_image_list
 from .reply import Reply, VideoStats
-from .runtime import kv_store, native, saved_chat
+from .runtime import kv_store, saved_chat
 from .runtime.engine import Engine, file_identity
 from .runtime.generation import AnswerLock, ProgressCallback, SharedAnswerLock, Stream, respond
 from .runtime.slots import Scheduler
@@ -335,7 +336,7 @@ class Model:
         ``schema``/``format`` as in :meth:`ask`;
         ``grammar`` is an already-made :class:`~gguf_mcv.output.structured.Constraint`. ``tools``
         (OpenAI-style function dicts) and ``tool_choice`` (``auto``, ``none``, ``required`` or
-        a function) let the model call a function (:mod:`gguf_mcv.prompt.tools`): ``reply.tool_calls``;
+        a function) let the model call a function (:mod:`gguf_mcv.prompt.tool_calls`): ``reply.tool_calls``;
         ``role: "tool"`` messages carry the results back. Sampling keywords as in :meth:`ask`.
         """
         settings = self.sampling.with_overrides(**sampling)
@@ -529,7 +530,7 @@ class Model:
         engine.close()
         llama.close()
         if self._verbose:
-            native.verbose_release()
+            llama_log.verbose_release()
 
     def __enter__(self) -> "Model":
         return self

@@ -94,7 +94,7 @@ class Reply(str):
     dropped_turns: int = 0  #: older questions (with their answers) a Chat dropped to make room
     parsed: Any = None
     parse_error: str | None = None
-    tool_calls: Sequence[Any] = ()  #: :class:`~gguf_mcv.prompt.tools.ToolCall` values, when tools were given
+    tool_calls: Sequence[Any] = ()  #: :class:`~gguf_mcv.prompt.tool_calls.ToolCall` values, when tools were given
 
     def __new__(
         cls, text: str, *, usage: Usage, timings: Timings, reasoning: str = "", finish_reason: str

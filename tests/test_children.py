@@ -1,15 +1,15 @@
-"""Children of this package (gguf_mcv/children.py): the command, its environment, a death in words."""
+"""Children of this package (gguf_mcv/children.py): the command, its environment, how it ended in words."""
 
 import signal
 import subprocess
 import sys
 
-from gguf_mcv.children import child_command, child_env, death
+from gguf_mcv.children import child_command, child_env, describe_exit
 
 
-def test_signal_names_in_the_words_of_a_death() -> None:
-    assert death(-signal.SIGILL, ["", "Illegal instruction"]) == "killed by SIGILL (Illegal instruction)"
-    assert death(3) == "exited with status 3"
+def test_signal_names_in_the_words_of_an_exit() -> None:
+    assert describe_exit(-signal.SIGILL, ["", "Illegal instruction"]) == "killed by SIGILL (Illegal instruction)"
+    assert describe_exit(3) == "exited with status 3"
 
 
 def test_a_child_runs_this_copy_of_the_package() -> None:

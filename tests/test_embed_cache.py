@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from damage import fifo
 
+from gguf_mcv import bytes_cache
 from gguf_mcv.vision import embed_cache
 from gguf_mcv.vision.embed_cache import EmbeddingCache, cache_key
 from gguf_mcv.errors import ConfigError
@@ -440,9 +441,9 @@ def test_a_planted_pickle_key_or_value_is_never_unpickled(tmp_path: Path) -> Non
     marker = tmp_path / "ran"
     _plant_row(tmp_path / "c", pickle.dumps(_Marker(str(marker))), 0, diskcache.core.MODE_RAW, None, b"x")
     _plant_row(tmp_path / "c", "k", 1, diskcache.core.MODE_PICKLE, None, pickle.dumps(_Marker(str(marker))))
-    disk = embed_cache.open_bytes_cache(tmp_path / "c", 2**24, cull_limit=1)
+    disk = bytes_cache.open_bytes_cache(tmp_path / "c", 2**24, cull_limit=1)
     keys = list(disk.iterkeys())
-    assert embed_cache.UNREADABLE_KEY in keys and "first" in keys
+    assert bytes_cache.UNREADABLE_KEY in keys and "first" in keys
     assert disk.get("k") == b""
     assert EmbeddingCache(disk_dir=tmp_path / "c").get("k") is None
     assert not marker.exists()

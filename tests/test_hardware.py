@@ -180,6 +180,16 @@ def test_cgroup_v2_memory_limit(tmp_path: Path) -> None:
     assert hw.available_ram == 3 * GB - GB // 2
 
 
+def test_available_ram_alone_is_the_probes_figure(tmp_path: Path) -> None:
+    root = make_tree(tmp_path, {
+        **meminfo(64 * GB, 60 * GB),
+        "proc/self/cgroup": "0::/\n",
+        "sys/fs/cgroup/memory.max": f"{3 * GB}\n",
+        "sys/fs/cgroup/memory.current": f"{GB // 2}\n",
+    })  # fmt: skip
+    assert hardware.available_ram(root) == probe(root, cache_dir=tmp_path).available_ram == 3 * GB - GB // 2
+
+
 def test_cgroup_v2_limit_of_a_parent_cgroup(tmp_path: Path) -> None:
     # A Kubernetes pod: the pod folder holds the limit, the container's own says "max".
     root = make_tree(tmp_path, {

@@ -122,7 +122,8 @@ def test_import_gguf_mcv_stays_light() -> None:
 #: (so no path, however indirect, leads back up: the planner never reaches llama.cpp's runtime).
 LAYERS: list[tuple[str, set[str]]] = [
     ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "cgroups", "hardware",
-                "native_verdict", "children"}),
+                "native_verdict", "children", "llama_log",
+                "bytes_cache"}),
     ("models", {"models"}),
     ("vision", {"vision"}),
     ("planning", {"planning"}),

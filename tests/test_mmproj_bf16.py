@@ -176,7 +176,7 @@ def test_libmtmd_encodes_with_the_copy_close_to_f16(tiny) -> None:
             assert (engine.mmproj_path != str(tiny.mmproj)) == (precision == "bf16")
             with engine.tokenize(engine.marker, [image]) as prompt:
                 embeddings[precision] = [engine._encode(c, prompt.units[i]).reshape(-1, engine.n_embd)
-                                         for i, c in sorted(prompt._image_chunks.items())]
+                                         for i, c in prompt.image_chunks()]
             reply = model.ask("Describe.", rgb, max_tokens=2, temperature=0)
             assert reply.timings.slices_from_cache == len(embeddings[precision]) == 5
     for a, b in zip(embeddings["as-is"], embeddings["bf16"], strict=True):

@@ -64,7 +64,7 @@ def test_fp32_graph_matches_libmtmd_on_every_slice(pair: tuple) -> None:
     for width, height in SIZES:
         image = Image(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "random")
         with engine.tokenize(engine.marker, [image]) as prompt:
-            for index, (unit_index, chunk) in enumerate(sorted(prompt._image_chunks.items())):
+            for index, (unit_index, chunk) in enumerate(prompt.image_chunks()):
                 ref = engine._encode(chunk, prompt.units[unit_index]).reshape(-1, engine.n_embd)
                 for ggml, encoder in encoders.items():
                     got = encoder.encode_rgb(image.rgb, index, image.digest)

@@ -391,6 +391,21 @@ def test_images_past_the_pixel_budget_are_refused_before_any_is_decoded(tmp_path
         saved_chat.read(path, n_vocab=100, n_ctx=100)
 
 
+def test_the_pixel_budget_follows_what_a_container_limit_leaves(tmp_path, monkeypatch) -> None:
+    """The budget reads the hardware probe's free RAM, which counts cgroup limits (not the host's)."""
+    gb = 2**30
+    files = {"proc/meminfo": f"MemTotal: {64 * gb // 1024} kB\nMemAvailable: {60 * gb // 1024} kB\n",
+             "proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": f"{gb}\n",
+             "sys/fs/cgroup/memory.current": f"{gb // 4}\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setenv("GGUF_MCV_HW_ROOT", str(tmp_path))
+    assert saved_chat.pixel_budget() == (gb - gb // 4) // 8 < saved_chat.MAX_CHAT_PIXELS
+    (tmp_path / "sys/fs/cgroup/memory.max").write_text("max\n")  # no limit: the host's 60 GB
+    assert saved_chat.pixel_budget() == saved_chat.MAX_CHAT_PIXELS
+
+
 def test_chat_json_is_capped_by_the_context(tmp_path) -> None:
     limit = saved_chat.json_limit(2048)
     assert limit < saved_chat.MAX_JSON_BYTES

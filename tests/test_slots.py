@@ -12,7 +12,7 @@ import pytest
 
 import gguf_mcv
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.engine import Prompt
+from gguf_mcv.runtime.tokenizer import Prompt
 from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from gguf_mcv.options import GenerationOptions, Sampling
 from gguf_mcv.runtime.slots import Job

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from gguf_mcv import bytes_cache
 from gguf_mcv.vision import embed_cache
 
 SETTINGS = {
-    "before (WAL, mmap, fsync)": dict(embed_cache.SQLITE_SETTINGS, sqlite_journal_mode="wal",
+    "before (WAL, mmap, fsync)": dict(bytes_cache.SQLITE_SETTINGS, sqlite_journal_mode="wal",
                                        sqlite_mmap_size=2**26, sqlite_synchronous=1),
-    "rollback journal, fsync": dict(embed_cache.SQLITE_SETTINGS, sqlite_synchronous=1),
-    "now (rollback journal, no mmap, no fsync)": embed_cache.SQLITE_SETTINGS,
+    "rollback journal, fsync": dict(bytes_cache.SQLITE_SETTINGS, sqlite_synchronous=1),
+    "now (rollback journal, no mmap, no fsync)": bytes_cache.SQLITE_SETTINGS,
 }
 
 
@@ -33,7 +34,7 @@ def per_entry(settings: dict, n: int, floats: int, repeats: int = 3) -> tuple[fl
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
             cache = diskcache.Cache(folder, timeout=5, size_limit=2**31, eviction_policy="least-recently-used",
-                                    cull_limit=16, disk=embed_cache.bytes_only_disk(), **settings)
+                                    cull_limit=16, disk=bytes_cache.bytes_only_disk(), **settings)
             values = [embed_cache._encode(f"k{i}", np.random.rand(floats).astype(np.float32)) for i in range(n)]
             start = time.perf_counter()
             for i, v in enumerate(values):
@@ -58,13 +59,13 @@ def main() -> None:
             wrote, read = per_entry(settings, n, floats)
             print(f"{floats * 4:>7} B entries, {name:42}: set {wrote * 1e3:6.3f} ms, get {read * 1e3:6.3f} ms")
     with tempfile.TemporaryDirectory() as folder:
-        cache = embed_cache.open_bytes_cache(folder, 2**31, cull_limit=16)
+        cache = bytes_cache.open_bytes_cache(folder, 2**31, cull_limit=16)
         with cache.transact():
             for i in range(args.rows):
                 cache.set(f"k{i}", b"x" * 100)
         cache.close()
         start = time.perf_counter()
-        embed_cache.check_index(Path(folder))
+        bytes_cache.check_index(Path(folder))
         size = (Path(folder) / "cache.db").stat().st_size
         print(f"check before opening, {args.rows} entries ({size / 2**20:.1f} MiB index): "
               f"{(time.perf_counter() - start) * 1e3:.1f} ms")

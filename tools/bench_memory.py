@@ -76,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             log_lines.append(record.getMessage())
 
-    native_log = logging.getLogger("gguf_mcv.runtime.native")
+    native_log = logging.getLogger("gguf_mcv.llama_log")
     native_log.setLevel(logging.DEBUG)
     native_log.addHandler(Keep())
     native_log.propagate = False

@@ -63,7 +63,7 @@ def libmtmd_slices(gen: str, files, images: list[Image], **kw) -> list[np.ndarra
         for image in images:
             with engine.tokenize(engine.marker, [image]) as prompt:
                 out += [engine._encode(c, prompt.units[i]).reshape(-1, engine.n_embd)
-                        for i, c in sorted(prompt._image_chunks.items())]
+                        for i, c in prompt.image_chunks()]
         return out
 
 

@@ -92,7 +92,7 @@ class Constraint:
     target: Any = None
     json: bool = True  #: the answer is JSON (False for a caller's own grammar)
     after: str | None = None  #: the grammar starts once this text was generated (a tool call's tag)
-    tools: Any = None  #: the :class:`~gguf_mcv.prompt.tools.Toolbox` whose calls the answer may hold
+    tools: Any = None  #: the :class:`~gguf_mcv.prompt.tool_calls.Toolbox` whose calls the answer may hold
     #: what the grammar does not enforce ("multipleOf at $.properties.n"), checked only after
     unenforced: tuple[str, ...] = ()
 
@@ -103,7 +103,7 @@ class Constraint:
         cut = ("The answer was cut off by max_tokens (or the context) before its JSON was complete: "
                "raise max_tokens.")
         try:
-            value = json.loads(text, parse_constant=_not_finite, parse_float=_finite_float)
+            value = parse_json(text)
         except ValueError as exc:
             if finish_reason == "length":
                 return None, cut
@@ -127,6 +127,12 @@ class Constraint:
         elif not isinstance(value, dict):
             raise ValueError("format='json' asks for a JSON object")
         return value
+
+
+def parse_json(text: str) -> Any:
+    """``text`` as JSON, as answers are read: ValueError for invalid JSON and for numbers that
+    are not finite (``NaN``, ``Infinity``, ``1e999``)."""
+    return json.loads(text, parse_constant=_not_finite, parse_float=_finite_float)
 
 
 def _not_finite(name: str) -> Any:
@@ -155,11 +161,11 @@ def constraint(schema: Any = None, format: str | dict[str, Any] | None = None) -
             return None
         if format != "json":
             raise ConfigError(f"format must be 'json' or a JSON schema, not {format!r}.")
-        return Constraint(_gbnf({"type": "object"}))
+        return Constraint(schema_grammar({"type": "object"}))
     target = schema if isinstance(schema, type) else None
     as_dict = schema_of(schema)
     check_schema(as_dict)
-    return Constraint(_gbnf(as_dict), schema=as_dict, target=target, unenforced=unenforced(as_dict))
+    return Constraint(schema_grammar(as_dict), schema=as_dict, target=target, unenforced=unenforced(as_dict))
 
 
 def grammar_constraint(grammar: Any) -> Constraint:
@@ -374,7 +380,7 @@ def _resolve(ref: Any, root: dict[str, Any], path: str) -> Any:
 # -- schema → grammar -------------------------------------------------------------
 
 
-def _gbnf(schema: dict[str, Any]) -> str:
+def schema_grammar(schema: dict[str, Any]) -> str:
     """GBNF for ``schema`` from llama-cpp-python's converter (with numeric bounds enforced);
     the same schema again (the server converts before a request waits) is not converted again."""
     return _gbnf_of(json.dumps(schema))

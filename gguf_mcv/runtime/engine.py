@@ -6,14 +6,15 @@ token, one per image chunk (an overview or a slice) — and each prefill evaluat
 only what follows the longest common prefix with that list. Image chunks are
 encoded by the vision tower once; their embeddings go to an
 :class:`~gguf_mcv.vision.embed_cache.EmbeddingCache` and are fed from there whenever the
-same pixels come back, in this conversation or another one.
+same pixels come back, in this conversation or another one. Prompts are made by its
+:class:`~gguf_mcv.runtime.tokenizer.Tokenizer` and tokens sampled by the token loop
+(:mod:`gguf_mcv.runtime.token_loop`).
 
 The engine is not thread-safe; :class:`~gguf_mcv.model.Model` serialises access.
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
 import time
@@ -23,15 +24,13 @@ from typing import Any, Callable, Generator, Protocol, Sequence, cast
 
 import numpy as np
 
-from ..errors import ConfigError, ContextOverflowError, EngineError, MediaError, ModelClosedError
+from .. import llama_log
+from ..errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from ..models.headers import read_projector_header
 from ..models.identity import file_identity
 from ..options import GenerationOptions
-from ..output import utf8mask
-from ..prompt import plaintext
 from ..vision.embed_cache import DEFAULT_BACKEND, EmbeddingCache, cache_key
 from ..vision.media import Image
-from . import native
 from .file_watch import MappedFiles
 from .sampling import TokenSampler
 from .sequence import (
@@ -46,6 +45,8 @@ from .sequence import (
     shift_match,
     width,
 )
+from .token_loop import SequenceView, generate_tokens
+from .tokenizer import Prompt, Tokenizer, check_room
 
 #: input_ids value marking positions filled from image embeddings
 IMAGE_SENTINEL = -1
@@ -80,59 +81,6 @@ class PrefillStats:
     encoded_keys: list[str] = field(default_factory=list)
 
 
-@dataclass
-class Prompt:
-    """A tokenized prompt. Holds native chunks until :meth:`close`."""
-
-    units: list[Unit]
-    image_tokens: int
-    _chunks: list[object] = field(default_factory=list)  # native chunk lists, freed by close()
-    _image_chunks: dict[int, object] = field(default_factory=dict)
-    _image_sources: dict[int, tuple[Image, int]] = field(default_factory=dict)  # unit -> (image, slice)
-
-    @property
-    def n_pos(self) -> int:
-        return n_positions(self.units)
-
-    def replace_units(self, start: int, end: int, replacement: Sequence[Unit]) -> None:
-        """Put ``replacement`` (text tokens) in place of ``units[start:end]``."""
-        shift = len(replacement) - (end - start)
-        self.units[start:end] = list(replacement)
-        self._image_chunks = {(k + shift if k >= end else k): chunk
-                              for k, chunk in self._image_chunks.items()}
-        self._image_sources = {(k + shift if k >= end else k): source
-                               for k, source in self._image_sources.items()}
-
-    def close(self) -> None:
-        if self._chunks:
-            from llama_cpp import mtmd_cpp  # already loaded by the engine that made the chunks
-
-            for chunks in self._chunks:
-                mtmd_cpp.mtmd_input_chunks_free(chunks)
-            self._chunks.clear()
-            self._image_chunks.clear()
-            self._image_sources.clear()
-
-    def __enter__(self) -> "Prompt":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def check_room(prompt: Prompt, reserve: int, n_ctx: int, *, n_slots: int = 1) -> None:
-    """:class:`ContextOverflowError` unless ``prompt`` and ``reserve`` more positions (for the
-    answer) fit in a context of ``n_ctx`` (each of ``n_slots`` parallel slots' context)."""
-    if prompt.n_pos + reserve <= n_ctx:
-        return
-    where = f"each of the {n_slots} parallel slots has n_ctx {n_ctx}" if n_slots > 1 else f"n_ctx is {n_ctx}"
-    raise ContextOverflowError(
-        f"The prompt needs {prompt.n_pos} positions ({prompt.image_tokens} of them image "
-        f"tokens){f' plus {reserve} for the answer' if reserve else ''}, but {where}. Load the "
-        "model with a larger n_ctx, use fewer or lower-detail images, or start a new conversation."
-    )
-
-
 class Engine:
     """Evaluate text+image prompts with KV-cache reuse and generate tokens."""
 
@@ -152,7 +100,7 @@ class Engine:
         import llama_cpp  # lazy: loads llama.cpp's native library (~0.3 s)
         from llama_cpp import mtmd_cpp
 
-        native.install_logging()
+        llama_log.install()
         self.llama = llama
         self._lc = llama_cpp
         self._mt = mtmd_cpp
@@ -167,7 +115,6 @@ class Engine:
             slice_size = read_projector_header(self.mmproj_path).shape.image_size
         self.slice_size = slice_size or 448  #: side of one vision-encoder slice, in pixels
         self.embed_cache = embed_cache if embed_cache is not None else EmbeddingCache()
-        self._pieces: dict[int, bytes] = {}  # token -> its text, for realigning re-tokenized text
         self.sampler = TokenSampler(llama)  #: picks each generated token
         self.encoder_calls = 0
         self.finish_reason = "length"  #: why the last generate() on sequence 0 ended
@@ -179,9 +126,6 @@ class Engine:
         #: what sequence 0 holds (the parallel scheduler has one such cache per slot)
         self.sequence = _LlamaSequence(llama, recurrent=self.recurrent)
         self.n_embd = int(llama_cpp.llama_model_n_embd_inp(llama.model))
-        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        # SentencePiece puts "▁" before the text that starts a tokenization (add_space_prefix)
-        self._spm = llama_cpp.llama_vocab_type(self._vocab) == llama_cpp.LLAMA_VOCAB_TYPE_SPM
 
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu = vision_on_gpu
@@ -193,17 +137,19 @@ class Engine:
             True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[vision_flash_attn]
-        native.clear_recent()
+        llama_log.clear_recent()
         self._ctx = mtmd_cpp.mtmd_init_from_file(self.mmproj_path.encode(), llama.model, params)
         if not self._ctx:
             raise EngineError(
                 f"llama.cpp could not load the vision projector {self.mmproj_path} "
-                f"with this text model ({native.recent_errors() or 'no details logged'})."
+                f"with this text model ({llama_log.recent_errors() or 'no details logged'})."
             )
         if not mtmd_cpp.mtmd_support_vision(self._ctx):
             self.close()
             raise EngineError(f"{self.mmproj_path} has no vision encoder.")
-        self.marker = mtmd_cpp.mtmd_default_marker().decode()
+        #: turns text and images into prompts; knows which tokens spell which text
+        self.tokenizer = Tokenizer(llama, self._ctx, self.image_key)
+        self.marker = self.tokenizer.marker  #: the text standing for one image in a prompt
         #: every file whose weights are mapped: a change is refused before the next answer
         self.files = MappedFiles([llama.model_path, self.mmproj_path, *(encoder.mapped_files if encoder else ())])
 
@@ -267,7 +213,8 @@ class Engine:
 
     def close(self) -> None:
         """Free the vision context (the ``Llama`` belongs to the caller)."""
-        self._pieces.clear()
+        if getattr(self, "tokenizer", None) is not None:
+            self.tokenizer.close()
         if getattr(self, "_ctx", None):
             self._mt.mtmd_free(self._ctx)
             self._ctx = None
@@ -275,130 +222,24 @@ class Engine:
     # -- tokenize --------------------------------------------------------------
 
     def tokenize(self, text: str, images: Sequence[Image] = ()) -> Prompt:
-        """Split ``text`` (with one marker per image) and ``images`` into units.
+        """Split ``text`` (with one marker per image) and ``images`` into units
+        (:meth:`Tokenizer.tokenize <gguf_mcv.runtime.tokenizer.Tokenizer.tokenize>`).
 
-        Text marked plain (:mod:`gguf_mcv.prompt.plaintext`: what people wrote) is tokenized
-        without special tokens, and a marker inside it is text, not an image; the rest
-        (the template's markup) may hold special tokens and the images' markers. Every answer
-        starts here, so here a weights file changed since the load is refused
+        Every answer starts here, so here a weights file changed since the load is refused
         (:class:`~gguf_mcv.errors.ModelFileChangedError`), before anything reads it.
         """
         self._check_open()
         self.files.check()
-        segments = plaintext.split(text)
-        n_markers = sum(seg.count(self.marker) for seg, is_plain in segments if not is_plain)
-        if n_markers != len(images):
-            raise ConfigError(f"The prompt has {n_markers} image markers but {len(images)} images were given.")
-        prompt = Prompt(units=[], image_tokens=0)
-        add_bos = not self._starts_with_bos(plaintext.unmark(text))
-        ordinal = 0
-        try:
-            for segment, is_plain in segments:
-                if is_plain:
-                    prompt.units.extend(self._plain_tokens(segment, add_bos))
-                else:
-                    n = segment.count(self.marker)
-                    self._tokenize_markup(prompt, segment, images[ordinal:ordinal + n], ordinal, add_bos)
-                    ordinal += n
-                add_bos = False
-        except BaseException:
-            prompt.close()
-            raise
-        return prompt
-
-    def _plain_tokens(self, text: str, add_bos: bool) -> list[int]:
-        """Tokens of user-written ``text`` inside a prompt: no special tokens, and no
-        SentencePiece "▁" that only the start of a tokenization gets (libmtmd's tokenization
-        of the whole prompt has none there)."""
-        data = text.encode("utf-8")
-        bos = [self.llama.token_bos()] if add_bos and self.llama.token_bos() >= 0 else []
-        if not self._spm:
-            return bos + self.llama.tokenize(data, add_bos=False, special=False)
-        lead = self.llama.tokenize(b"\n", add_bos=False, special=False)  # "▁", "\n"
-        tokens = self.llama.tokenize(b"\n" + data, add_bos=False, special=False)
-        if tokens[:len(lead)] == lead:
-            return bos + tokens[len(lead):]
-        return bos + self.llama.tokenize(data, add_bos=False, special=False)
-
-    def _tokenize_markup(self, prompt: Prompt, text: str, images: Sequence[Image], first: int,
-                         add_bos: bool) -> None:
-        """Tokenize template markup and its images with libmtmd; append to ``prompt``."""
-        mt = self._mt
-        bitmaps = []
-        chunks = None
-        try:
-            for ordinal, image in enumerate(images, start=first):
-                bitmaps.append(self._bitmap(image, f"{ordinal}|{image.digest}"))
-            chunks = mt.mtmd_input_chunks_init()
-            raw = text.encode("utf-8")
-            inp = mt.mtmd_input_text()
-            inp.text, inp.text_len = raw, len(raw)
-            inp.add_special = add_bos
-            inp.parse_special = True
-            array = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
-            native.clear_recent()
-            rc = mt.mtmd_tokenize(self._ctx, chunks, ctypes.byref(inp), array, len(bitmaps))
-            if rc != 0:
-                details = native.recent_errors() or f"error code {rc}"
-                raise MediaError(f"libmtmd could not prepare the images for this model: {details}.")
-            prompt._chunks.append(chunks)
-            chunks = None  # owned by the prompt now
-            by_id = {f"{o}|{image.digest}".encode(): image for o, image in enumerate(images, start=first)}
-            self._read_chunks(prompt._chunks[-1], prompt, by_id)
-        finally:
-            if chunks is not None:
-                mt.mtmd_input_chunks_free(chunks)
-            for bitmap in bitmaps:
-                mt.mtmd_bitmap_free(bitmap)
+        return self.tokenizer.tokenize(text, images)
 
     def count_image_tokens(self, image: Image) -> int:
         """How many positions ``image`` fills once tokenized (markers excluded)."""
         with self.tokenize(self.marker, [image]) as prompt:
             return prompt.image_tokens
 
-    def _bitmap(self, image: Image, bitmap_id: str):
-        rgb = np.ascontiguousarray(image.rgb, dtype=np.uint8)
-        data = rgb.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        bitmap = self._mt.mtmd_bitmap_init(image.width, image.height, data)
-        if not bitmap:
-            raise MediaError(f"libmtmd refused image {image.source} ({image.width}×{image.height}).")
-        self._mt.mtmd_bitmap_set_id(bitmap, bitmap_id.encode())
-        return bitmap
-
-    def _read_chunks(self, chunks, prompt: Prompt, images: dict[bytes, Image]) -> None:
-        mt = self._mt
-        slice_index: dict[bytes, int] = {}
-        for i in range(mt.mtmd_input_chunks_size(chunks)):
-            chunk = mt.mtmd_input_chunks_get(chunks, i)
-            kind = mt.mtmd_input_chunk_get_type(chunk)
-            if kind == mt.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                n = ctypes.c_size_t()
-                ptr = mt.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                prompt.units.extend(int(ptr[j]) for j in range(n.value))
-                continue
-            if kind != mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                raise MediaError("Only images are supported by this engine.")
-            bitmap_id = mt.mtmd_input_chunk_get_id(chunk) or b""
-            index = slice_index.get(bitmap_id, 0)
-            slice_index[bitmap_id] = index + 1
-            digest = bitmap_id.decode().partition("|")[2]
-            n_pos = int(mt.mtmd_input_chunk_get_n_pos(chunk))
-            prompt._image_chunks[len(prompt.units)] = chunk
-            if bitmap_id in images:
-                prompt._image_sources[len(prompt.units)] = (images[bitmap_id], index)
-            prompt.units.append(ImageUnit(self.image_key(digest, index), n_pos))
-            prompt.image_tokens += n_pos
-
     def image_key(self, digest: str, index: int = 0) -> str:
         """The cache key of slice ``index`` of an image with this content digest."""
         return cache_key(self.vision_backend, self.mmproj_id, digest, index)
-
-    def _starts_with_bos(self, text: str) -> bool:
-        bos = self.llama.token_bos()
-        if bos < 0:
-            return False
-        piece = self.llama.detokenize([bos], special=True).decode("utf-8", errors="ignore")
-        return bool(piece) and text.startswith(piece)
 
     # -- prefill ---------------------------------------------------------------
 
@@ -475,7 +316,7 @@ class Engine:
         """
         kv, new = self.sequence.units, prompt.units
         while common < min(len(kv), len(new)):
-            span = self._same_text(kv, new, common)
+            span = self.tokenizer.same_text(kv, new, common)
             if span is None:
                 break
             i, j = span
@@ -514,42 +355,6 @@ class Engine:
             return common
         return common + match[1]
 
-    def _same_text(self, kv: Sequence[Unit], new: Sequence[Unit], start: int,
-                   limit: int = 4096) -> tuple[int, int] | None:
-        """The first (i, j) past ``start`` where ``kv[start:i]`` and ``new[start:j]`` spell the same text.
-
-        Text, not bytes: a generated token may end inside a UTF-8 character, and the answer
-        then comes back in the next prompt with U+FFFD in its place.
-        """
-        a = b = start
-        bytes_a = bytes_b = b""
-        while a - start < limit:
-            text_a, whole_a = _decoded(bytes_a)
-            text_b, whole_b = _decoded(bytes_b)
-            if a > start and b > start and whole_a and whole_b and text_a == text_b:
-                return a, b
-            if not (text_a.startswith(text_b) or text_b.startswith(text_a)):
-                return None
-            if not whole_a or (whole_b and len(text_a) <= len(text_b)):  # advance the shorter text
-                unit = kv[a] if a < len(kv) else None
-                if not isinstance(unit, int):
-                    return None
-                bytes_a += self._piece(unit)
-                a += 1
-            else:
-                unit = new[b] if b < len(new) else None
-                if not isinstance(unit, int):
-                    return None
-                bytes_b += self._piece(unit)
-                b += 1
-        return None
-
-    def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self._pieces[token] = self.llama.detokenize([token], special=True)
-        return piece
-
     def _eval_tokens(self, tokens: Sequence[int]) -> None:
         if self.n_past + len(tokens) > self.n_ctx:
             raise ContextOverflowError(f"The context window of {self.n_ctx} positions is full.")
@@ -564,24 +369,18 @@ class Engine:
         """The embeddings of image chunk ``index`` of ``prompt``: from the embedding cache, or from
         the vision encoder (counted in ``stats``)."""
         self._check_open()
-        unit, chunk = self._image_chunk(prompt, index)
+        unit, chunk = prompt.image_chunk(index)
         n_values = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk)) * self.n_embd
         embd = self.embed_cache.get(unit.key, n_values=n_values)  # a wrong-sized entry is a miss
         if embd is None:
             start = time.perf_counter()
-            embd = self._encode(chunk, unit, prompt._image_sources.get(index))
+            embd = self._encode(chunk, unit, prompt.image_source(index))
             stats.encode_ms += (time.perf_counter() - start) * 1000.0
             stats.slices_encoded += 1
             stats.encoded_keys.append(unit.key)
         else:
             stats.slices_from_cache += 1
         return embd
-
-    def _image_chunk(self, prompt: Prompt, index: int) -> tuple[ImageUnit, object]:
-        unit = prompt.units[index]
-        if not isinstance(unit, ImageUnit) or index not in prompt._image_chunks:
-            raise EngineError(f"Unit {index} of the prompt is not an image chunk (a prompt built elsewhere?).")
-        return unit, prompt._image_chunks[index]
 
     def eval_image(self, seq: SequenceCache, prompt: Prompt, index: int, stats: PrefillStats, n_ctx: int,
                    embd: np.ndarray | None = None) -> None:
@@ -591,7 +390,7 @@ class Engine:
         the chunk does not fit in ``n_ctx``; :class:`EngineError` when llama.cpp fails (the
         sequence then holds what it held)."""
         self._check_open()
-        unit, chunk = self._image_chunk(prompt, index)
+        unit, chunk = prompt.image_chunk(index)
         if embd is None:
             embd = self.embeddings(prompt, index, stats)
         if seq.n_past + unit.n_pos > n_ctx:
@@ -611,10 +410,10 @@ class Engine:
     def _encode(self, chunk, unit: ImageUnit, source: tuple[Image, int] | None = None) -> np.ndarray:
         if self.encoder is not None:
             return self._encode_with(self.encoder, chunk, unit, source)
-        native.clear_recent()
+        llama_log.clear_recent()
         rc = self._mt.mtmd_encode_chunk(self._ctx, chunk)
         if rc != 0:
-            raise EngineError(f"The vision encoder failed ({native.recent_errors() or rc}).")
+            raise EngineError(f"The vision encoder failed ({llama_log.recent_errors() or rc}).")
         self.encoder_calls += 1
         n_tokens = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk))
         ptr = self._mt.mtmd_get_output_embd(self._ctx)
@@ -649,58 +448,9 @@ class Engine:
         ``seq`` generates into another sequence of the context (see :class:`SequenceView`; the
         parallel scheduler's slots); by default, this engine's own sequence 0.
         """
-        sampling, max_tokens, grammar = options.sampling, options.max_tokens, options.grammar
-        grammar_after, may_open, must_answer = options.grammar_after, options.may_open, options.must_answer
-        lc = self._lc
         view = seq if seq is not None else _OwnSequence(self)
-        opener = may_open.encode() if grammar and grammar_after and may_open else None
-        waiting = grammar_after.encode() if grammar and grammar_after and not opener else None
-        sampler = self.sampler.chain(sampling)
-        constrain = None
-        utf8 = self.sampler.utf8_table() if grammar is not None else None
-        state = utf8mask.ACCEPT  # where the constrained text stands in UTF-8 (see utf8mask)
-        if grammar is not None and opener is not None:
-            either = f'{grammar}\n{_GRAMMAR_OR_OPENER} ::= "{may_open}" | root'
-            constrain = self.sampler.grammar(either, root=_GRAMMAR_OR_OPENER)
-        elif grammar is not None and waiting is None:
-            constrain = self.sampler.grammar(grammar)
-        recent = b""  # the end of the text so far, to spot `may_open` and `grammar_after`
-        view.finish_reason = "length"
-        try:
-            for _ in range(max_tokens):
-                token = self.sampler.sample(sampler, constrain, view.logits_index, state)
-                if lc.llama_vocab_is_eog(self._vocab, token):
-                    if waiting is None or not must_answer or view.n_past + len(waiting) >= view.n_ctx:
-                        view.finish_reason = "stop"
-                        return
-                    # the reasoning ended without its closing tag: close it, then the answer
-                    for closing in self.llama.tokenize(waiting, add_bos=False, special=True):
-                        yield closing
-                        view.eval_token(closing)
-                    waiting, recent, state = None, b"", utf8mask.ACCEPT
-                    constrain = self.sampler.grammar(cast(str, grammar))
-                    continue
-                if constrain is not None:
-                    state = int(cast(np.ndarray, utf8)[token, state])
-                yield token
-                if view.n_past >= view.n_ctx:
-                    return
-                view.eval_token(token)
-                if opener is None and waiting is None:
-                    continue
-                recent = (recent + self._piece(token))[-2 * len(opener or waiting or b"") - 64:]
-                if opener is not None and opener in recent:  # a free block opened: the grammar waits
-                    lc.llama_sampler_free(constrain)
-                    constrain, opener, waiting, recent = None, None, grammar_after.encode(), b""  # type: ignore[union-attr]
-                elif opener is not None and not opener.startswith(recent.lstrip()):
-                    opener = None  # the answer itself began
-                elif waiting is not None and waiting in recent:  # the free block ended
-                    waiting, state = None, utf8mask.ACCEPT
-                    constrain = self.sampler.grammar(cast(str, grammar))
-        finally:
-            lc.llama_sampler_free(sampler)
-            if constrain is not None:
-                lc.llama_sampler_free(constrain)
+        return generate_tokens(self.sampler, view, options, piece=self.tokenizer.piece,
+                               markup=lambda text: self.llama.tokenize(text, add_bos=False, special=True))
 
     def check_grammar(self, grammar: str) -> None:
         """Raise :class:`ConfigError` unless llama.cpp parses ``grammar`` (GBNF, root rule ``root``);
@@ -714,7 +464,7 @@ class Engine:
 
     def token_markup(self, token: int) -> bytes:
         """The text of a token, control tokens included (``<think>`` in some vocabularies)."""
-        return self._piece(token)
+        return self.tokenizer.piece(token)
 
 
 class _LlamaSequence(SequenceCache):
@@ -752,27 +502,6 @@ class _LlamaSequence(SequenceCache):
             self.n_past = llama_pos
 
 
-class SequenceView(Protocol):
-    """Where :meth:`Engine.generate` generates: one sequence of the llama.cpp context.
-
-    ``eval_token`` is called once after each token is yielded, before the next is sampled;
-    sampling reads the logits in output row ``logits_index`` of the last evaluation.
-    """
-
-    finish_reason: str
-
-    @property
-    def n_past(self) -> int: ...
-
-    @property
-    def n_ctx(self) -> int: ...
-
-    @property
-    def logits_index(self) -> int: ...
-
-    def eval_token(self, token: int) -> None: ...
-
-
 class _OwnSequence:
     """The engine's own sequence 0, evaluated through the ``Llama`` object."""
 
@@ -798,13 +527,3 @@ class _OwnSequence:
 
     def eval_token(self, token: int) -> None:
         self._engine._eval_tokens([token])
-
-
-#: the root rule of "the grammar's answer, or the opening of a free block" (a name no converter makes)
-_GRAMMAR_OR_OPENER = "gguf-mcv-answer-or-opener"
-def _decoded(data: bytes) -> tuple[str, bool]:
-    """``data`` as text (invalid bytes as U+FFFD, as answers are), and whether no character
-    is left incomplete at its end."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    text = decoder.decode(data, final=False)
-    return text, not decoder.getstate()[0]

@@ -8,10 +8,10 @@ checkpoints — before it is overwritten (and, through the server, when the serv
 gives it back when a later prompt starts with more of it than any slot holds.
 
 Each entry is a saved-chat archive (:mod:`gguf_mcv.runtime.saved_chat`'s format and checks: the
-model's identity, the units, the state with its SHA-256; no turns) in a
-`diskcache <https://grantjenks.com/docs/diskcache/>`_ store, as the embedding cache's disk
-tier: bounded in bytes with least-recently-used eviction, safe for several processes and
-threads sharing one folder. The key is a hash of the model's identity and the units.
+model's identity, the units, the state with its SHA-256; no turns) in a folder of bytes values
+(:mod:`gguf_mcv.bytes_cache`), as the embedding cache's disk tier: bounded in bytes with
+least-recently-used eviction, safe for several processes and threads sharing one folder. The
+key is a hash of the model's identity and the units.
 
 What is read is checked before llama.cpp sees it: an entry made by another text model,
 quant, projector, vision backend or ``n_ctx`` is ignored (logged once, counted as
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..bytes_cache import UNREADABLE_KEY, UnsafeEntry, open_bytes_cache
 from ..errors import ConfigError, SavedChatError
-from ..vision.embed_cache import UNREADABLE_KEY, UnsafeEntry, open_bytes_cache
 from . import saved_chat
 from .sequence import KVState, Unit, n_positions, usable_prefix
 

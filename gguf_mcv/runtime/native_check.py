@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import constants, native_verdict
-from ..children import child_command, child_env, death
+from ..children import child_command, child_env, describe_exit
 from ..errors import NativeKernelError
 from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
     CHECK_VERSION,
@@ -244,9 +244,9 @@ def _one_child(paths: list[str], workdir: Path, timeout: float, results: dict[st
         for t in threads:
             t.join(timeout=5)
     if current is not None and current not in results:
-        results[current] = Outcome("crashed", death(code, stderr_tail))
+        results[current] = Outcome("crashed", describe_exit(code, stderr_tail))
     elif not any(p in results for p in paths):
-        _unchecked(paths, results, f"its process {death(code, stderr_tail)} before it ran anything")
+        _unchecked(paths, results, f"its process {describe_exit(code, stderr_tail)} before it ran anything")
 
 
 def _read_protocol(stream: Any, lines: queue.Queue[str | None]) -> None:

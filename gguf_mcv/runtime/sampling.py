@@ -1,7 +1,7 @@
 """Picking the next token from a llama.cpp context's logits: sampling chains, GBNF grammars,
 and, under a grammar, the mask of tokens that would break UTF-8 (:mod:`gguf_mcv.output.utf8mask`).
 
-The generation loop (:meth:`gguf_mcv.runtime.engine.Engine.generate`) asks a
+The token loop (:func:`gguf_mcv.runtime.token_loop.generate_tokens`) asks a
 :class:`TokenSampler` for each token; the sampler holds what is made once per vocabulary.
 """
 
@@ -14,10 +14,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from .. import llama_log
 from ..errors import ConfigError, EngineError
 from ..options import Sampling
 from ..output import utf8mask
-from . import native
 
 #: how many recent tokens the repeat penalty looks at
 PENALTY_LAST_N = 64
@@ -42,16 +42,21 @@ class TokenSampler:
         self._lc.llama_sampler_free(self.grammar(grammar))
         self.utf8_table()
 
+    def is_end(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (an end-of-generation token of this vocabulary)."""
+        return bool(self._lc.llama_vocab_is_eog(self._vocab, token))
+
     def free(self, sampler: Any) -> None:
         """Free a chain or grammar sampler made here."""
         self._lc.llama_sampler_free(sampler)
 
     def grammar(self, grammar: str, root: str = "root") -> Any:
         """A llama.cpp grammar sampler for ``grammar`` (GBNF); :class:`ConfigError` if llama.cpp refuses it."""
-        native.clear_recent()
+        llama_log.clear_recent()
         sampler = self._lc.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), root.encode())
         if not sampler:  # llama.cpp logs why and returns NULL
-            raise ConfigError(f"llama.cpp could not use the grammar: {native.recent_errors() or 'no details logged'}."
+            details = llama_log.recent_errors() or "no details logged"
+            raise ConfigError(f"llama.cpp could not use the grammar: {details}."
                               " Check the schema (or GBNF) for rules that refer to themselves first.")
         return sampler
 

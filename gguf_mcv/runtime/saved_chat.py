@@ -41,6 +41,7 @@ import PIL.Image
 
 from ..cache_files import NotRegularFile, open_regular
 from ..errors import MediaError, SavedChatError
+from ..hardware import available_ram
 from ..prompt import plaintext
 from ..vision.media import Image, load_image, open_pil
 from .sequence import ImageUnit, KVState, Unit
@@ -180,7 +181,7 @@ def json_limit(n_ctx: int) -> int:
 def pixel_budget() -> int:
     """The most pixels one saved chat's images may hold in all, on this machine now."""
     # decoding one image briefly takes about twice its RGB bytes
-    return min(MAX_CHAT_PIXELS, _available_memory() // 8)
+    return min(MAX_CHAT_PIXELS, available_ram() // 8)
 
 
 def _as_path(path: Any) -> Path:
@@ -262,7 +263,7 @@ def _contents(zf: zipfile.ZipFile, header: dict[str, Any], source: Path, *, n_vo
             raise _damaged(source, "it has a KV state but no units")
         units = _units(header["units"], source, n_vocab, n_ctx)
         meta = _typed(header["state"], dict, "state", source)
-        limit = min(max_state_bytes, _available_memory() // 2)
+        limit = min(max_state_bytes, available_ram() // 2)
         kv = KVState(units, _blob(zf, "state.bin", meta, source, limit) if state else b"")
         checkpoints = _typed(meta.get("checkpoints", []), list, "the checkpoints", source)
         if len(checkpoints) > MAX_CHECKPOINTS:
@@ -338,12 +339,6 @@ def _png(image: Image) -> bytes:
     out = io.BytesIO()
     PIL.Image.fromarray(np.ascontiguousarray(image.rgb)).save(out, format="PNG", compress_level=1)
     return out.getvalue()
-
-
-def _available_memory() -> int:
-    import psutil  # a core dependency; imported here as the one place this module needs it
-
-    return int(psutil.virtual_memory().available)
 
 
 #: how gguf_mcv identified model files before whole-file SHA-256 digests (issue 25)

@@ -19,8 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, Union
 
+from .. import llama_log
 from ..errors import ContextOverflowError, EngineError
-from . import native
 
 log = logging.getLogger(__name__)
 
@@ -337,12 +337,12 @@ class SequenceCache:
         checkpoints = checkpoints_of(state)
         self.clear()
         lc = self._lc
-        native.clear_recent()
+        llama_log.clear_recent()
         if (not set_seq_state(lc, self._ctx, self.seq, state.data)
                 or int(lc.llama_memory_seq_pos_max(self._mem, self.seq)) != n_pos - 1):
             lc.llama_memory_seq_rm(self._mem, self.seq, 0, -1)
             raise EngineError("llama.cpp did not accept the saved KV state "
-                              f"({native.recent_errors() or 'it holds other positions than the conversation'}).")
+                              f"({llama_log.recent_errors() or 'it holds other positions than the conversation'}).")
         self.units, self.n_past, self.checkpoints, self.dirty = units, n_pos, checkpoints, False
         self._changed(0, 0)
 

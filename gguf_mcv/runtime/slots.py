@@ -37,7 +37,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence, cast
 
 from ..errors import AnswerCancelled, ConfigError, EngineError, ModelClosedError
 from ..options import GenerationOptions
-from .engine import Engine, PrefillStats, Prompt, check_room
+from .engine import Engine, PrefillStats
 from .sequence import (
     ImageUnit,
     KVState,
@@ -49,6 +49,7 @@ from .sequence import (
     n_positions,
     usable_prefix,
 )
+from .tokenizer import Prompt, check_room
 
 log = logging.getLogger(__name__)
 

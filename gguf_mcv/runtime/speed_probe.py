@@ -164,7 +164,7 @@ PROBE_TIMEOUT_S = 600.0
 def measure_in_child(threads: int, timeout: float = PROBE_TIMEOUT_S) -> Rates:
     """:func:`measure` in a child process: a native kernel that crashes or hangs while it is
     timed kills the child, never the caller (an :class:`EngineError` says how it ended)."""
-    from ..children import child_command, child_env, death
+    from ..children import child_command, child_env, describe_exit
 
     command = child_command("gguf_mcv.runtime.speed_probe", str(threads))
     try:
@@ -175,7 +175,7 @@ def measure_in_child(threads: int, timeout: float = PROBE_TIMEOUT_S) -> Rates:
     lines = done.stdout.decode("utf-8", errors="replace").strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = done.stderr.decode("utf-8", errors="replace").splitlines()[-3:]
-        raise EngineError(f"the speed probe's process {death(done.returncode, tail)}")
+        raise EngineError(f"the speed probe's process {describe_exit(done.returncode, tail)}")
     try:
         return Rates(**json.loads(lines[-1]))
     except (ValueError, TypeError) as exc:

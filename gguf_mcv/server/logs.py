@@ -33,7 +33,7 @@ def log_config(level: str = "info") -> dict[str, Any]:
     else:
         config["loggers"]["gguf_mcv"] = {"handlers": ["gguf_mcv"], "level": LOG_LEVELS[level.lower()]}
     # llama.cpp's own chatter (tens of lines per load) stays for --verbose; its warnings still show
-    config["loggers"]["gguf_mcv.runtime.native"] = {"level": max(logging.WARNING, LOG_LEVELS[level.lower()])}
+    config["loggers"]["gguf_mcv.llama_log"] = {"level": max(logging.WARNING, LOG_LEVELS[level.lower()])}
     return config
 
 

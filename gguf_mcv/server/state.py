@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from ..model import Model
 from ..prompt.messages import MediaPolicy
-from ..prompt.tools import toolbox
+from ..prompt.tool_calls import toolbox
 from ..reply import Reply
 from ..runtime.generation import Stream
 from ..runtime.kv_store import KVStore

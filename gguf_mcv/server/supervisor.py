@@ -50,7 +50,7 @@ from uvicorn import Config
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process
 
-from ..children import death
+from ..children import describe_exit
 from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
 from ..runtime import native_check
@@ -243,7 +243,7 @@ class Supervisor(Multiprocess):
         if how is None and code == FILES_CHANGED_EXIT:
             how = "ended by itself: a weights file changed under its model"
         if how is None:
-            how = death(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
+            how = describe_exit(code) + (" (out of memory?)" if code == -signal.SIGKILL else "")
         loaded = _marker(self.worker.run_dir, "loaded", process.pid).exists()
         if code == 0:
             log.info("The model worker [%s] stopped: stopping the server.", process.pid)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import llama_log
 from ..errors import ConfigError, EngineError
 
 #: Bump when the files written for the same spec change, so cached builds are redone.
@@ -749,29 +750,6 @@ def write_mmproj(path: str | os.PathLike[str], spec: SyntheticSpec = TINY) -> Pa
 
 # --- quantizing --------------------------------------------------------------
 
-_silent_log: Any = None  # the no-op C callback; kept referenced while llama.cpp may call it
-
-
-@contextlib.contextmanager
-def llama_logs(verbose: bool) -> Iterator[None]:
-    """Silence llama.cpp/ggml logging for the block unless ``verbose``, then restore it."""
-    import llama_cpp  # lazy: ~0.2 s to import, only to build models
-
-    global _silent_log
-    if verbose:
-        yield
-        return
-    if _silent_log is None:
-        _silent_log = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-    old_cb, old_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
-    llama_cpp.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
-    llama_cpp.llama_log_set(_silent_log, ctypes.c_void_p(0))
-    try:
-        yield
-    finally:
-        llama_cpp.llama_log_set(old_cb, old_data)
-
-
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: str, *, verbose: bool = False) -> Path:
     """Quantize a GGUF text model with llama.cpp's own quantizer (``llama_model_quantize``)."""
     name = quant.upper()
@@ -781,7 +759,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: st
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
-    with _atomic(Path(dst)) as tmp, llama_logs(verbose):
+    with _atomic(Path(dst)) as tmp, llama_log.shown(verbose):
         rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
         if rc != 0:
             raise EngineError(f"llama.cpp failed to quantize {src} to {name} (code {rc}); rerun with verbose=True")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from .. import errors
-from ..children import child_command, child_env, death
+from ..children import child_command, child_env, describe_exit
 from ..errors import EngineError, GgufMcvError
 
 PROTOCOL = "gguf-mcv-onnx-child:"
@@ -70,7 +70,7 @@ def run(task: dict[str, Any], progress: Callable[[str, int, int], None] | None =
             raise _exception(result["type"], result["message"], what)
         if result is None or code != 0:
             stderr.seek(0)
-            raise EngineError(f"{what} failed: its process {_death(code, _tail(stderr))}; nothing was cached. "
+            raise EngineError(f"{what} failed: its process {_describe_exit(code, _tail(stderr))}; nothing was cached. "
                               "If it ran out of memory, free some (or convert once on a larger machine and "
                               "copy the cache folder), or use vision_backend='llama.cpp'.")
     return dict(result["value"])
@@ -92,11 +92,11 @@ def _tail(stream: IO[bytes]) -> list[str]:
     return [line.strip() for line in lines if line.strip()]
 
 
-def _death(code: int, tail: list[str]) -> str:
+def _describe_exit(code: int, tail: list[str]) -> str:
     if code == 0:
         return "ended without a result" + (f" ({tail[-1][:200]})" if tail else "")
     oom = " (the out-of-memory killer's signal)" if code == -signal.SIGKILL else ""
-    return death(code) + oom + (f" ({tail[-1][:200]})" if tail else "")
+    return describe_exit(code) + oom + (f" ({tail[-1][:200]})" if tail else "")
 
 
 def _exception(name: str, message: str, what: str) -> BaseException:

@@ -1,20 +1,23 @@
 """llama.cpp's native logging, routed through Python.
 
-llama.cpp, ggml, libmtmd and clip each print to stderr by default. Once
-:func:`install_logging` has run, their messages go to the ``gguf_mcv.runtime.native``
-logger, reach stderr only while a verbose model is open (:func:`verbose_acquire`), and the most recent
-warnings and errors are kept so a failure can quote what llama.cpp said.
+llama.cpp, ggml, libmtmd and clip each print to stderr by default. Once :func:`install` has
+run (the one place the package sets llama.cpp's log hooks), their messages go to the
+``gguf_mcv.llama_log`` logger, reach stderr only while something verbose is open
+(:func:`verbose_acquire`, :func:`shown`), and the most recent warnings and errors are kept so a
+failure can quote what llama.cpp said.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import sys
 import threading
+from typing import Iterator
 
-logger = logging.getLogger("gguf_mcv.runtime.native")
+logger = logging.getLogger(__name__)
 logger.addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 # ggml.h: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (llama-cpp-python's own
@@ -40,8 +43,8 @@ def _on_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         logger.log(py_level, message.rstrip())
 
 
-def install_logging() -> None:
-    """Route llama.cpp and libmtmd logs through :func:`_on_log` (idempotent)."""
+def install() -> None:
+    """Route llama.cpp's and libmtmd's logs through this module (idempotent)."""
     global _callback
     with _lock:
         if _state["installed"]:
@@ -67,6 +70,20 @@ def verbose_release() -> None:
     """Undo one :func:`verbose_acquire`."""
     with _lock:
         _state["verbose"] = max(0, _state["verbose"] - 1)
+
+
+@contextlib.contextmanager
+def shown(verbose: bool) -> Iterator[None]:
+    """For the block: llama.cpp's logs routed here (:func:`install`), printed to stderr if ``verbose``."""
+    install()
+    if not verbose:
+        yield
+        return
+    verbose_acquire()
+    try:
+        yield
+    finally:
+        verbose_release()
 
 
 def clear_recent() -> None:

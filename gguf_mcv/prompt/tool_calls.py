@@ -69,7 +69,7 @@ class Toolbox:
     def constraint(self) -> structured.Constraint:
         """The grammar of one call: the tag, a declared name with its arguments, the closing tag."""
         required = self.choice != "auto"
-        json_rules = structured._gbnf(self.call_schema()).replace("root ::= ", "tool-call-json ::= ", 1)
+        json_rules = structured.schema_grammar(self.call_schema()).replace("root ::= ", "tool-call-json ::= ", 1)
         opening = f'"{CALL_OPEN}" ' if required else ""
         root = f'root ::= {opening}"\\n"? tool-call-json "\\n"? "{CALL_CLOSE}"'
         return structured.Constraint(f"{json_rules}\n{root}", json=False,
@@ -114,7 +114,7 @@ class Toolbox:
 
     def _call(self, block: str) -> tuple[ToolCall | None, str]:
         try:
-            value = json.loads(block, parse_constant=structured._not_finite, parse_float=structured._finite_float)
+            value = structured.parse_json(block)
         except ValueError as exc:
             return None, f"A tool call is not valid JSON ({exc})."
         if not isinstance(value, dict) or value.get("name") not in self.names:

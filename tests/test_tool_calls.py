@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gguf_mcv.prompt import tools
+from gguf_mcv.prompt import tool_calls
 from gguf_mcv.errors import ConfigError
 
 WEATHER = {"type": "function", "function": {
@@ -72,7 +72,7 @@ def test_bad_tools_are_config_errors(tiny_model, given, choice, message) -> None
 
 
 def test_calls_are_read_back_only_for_declared_names() -> None:
-    box = tools.toolbox(TOOLS)
+    box = tool_calls.toolbox(TOOLS)
     assert box is not None
     text, calls = box.calls('Sure. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     assert text == "Sure." and [c.name for c in calls] == ["now"]
@@ -91,7 +91,7 @@ COUNT = {"type": "function", "function": {"name": "count", "parameters": {"type"
 @pytest.mark.parametrize("arguments", ['{"n": 9, "xs": []}', '{"n": 1, "xs": [2, 2]}', '{"xs": []}', "[1]",
                                        '{"n": 1, "xs": [], "x": Infinity}', '{"n": 1, "xs": [], "x": 1e999}'])
 def test_calls_whose_arguments_break_the_parameters_are_not_calls(arguments) -> None:
-    box = tools.toolbox([COUNT])
+    box = tool_calls.toolbox([COUNT])
     assert box is not None
     text = f'<tool_call>{{"name": "count", "arguments": {arguments}}}</tool_call>'
     rest, calls, problem = box.read(text)
