@@ -167,26 +167,25 @@ def test_root_comes_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyP
 # --- container memory limits ----------------------------------------------------------
 
 
-def test_cgroup_v2_memory_limit(tmp_path: Path) -> None:
-    root = make_tree(tmp_path, {
+def _v2_limited(tmp_path: Path) -> Path:
+    """A cgroup v2 root with a 3 GB limit and half a GB in use, on a 64 GB host."""
+    return make_tree(tmp_path, {
         **meminfo(64 * GB, 60 * GB),
         "proc/self/cgroup": "0::/\n",
         "sys/fs/cgroup/memory.max": f"{3 * GB}\n",
         "sys/fs/cgroup/memory.current": f"{GB // 2}\n",
     })  # fmt: skip
-    hw = probe(root, cache_dir=tmp_path)
+
+
+def test_cgroup_v2_memory_limit(tmp_path: Path) -> None:
+    hw = probe(_v2_limited(tmp_path), cache_dir=tmp_path)
     assert hw.memory_limit_source == "cgroup v2"
     assert hw.total_ram == 3 * GB
     assert hw.available_ram == 3 * GB - GB // 2
 
 
 def test_available_ram_alone_is_the_probes_figure(tmp_path: Path) -> None:
-    root = make_tree(tmp_path, {
-        **meminfo(64 * GB, 60 * GB),
-        "proc/self/cgroup": "0::/\n",
-        "sys/fs/cgroup/memory.max": f"{3 * GB}\n",
-        "sys/fs/cgroup/memory.current": f"{GB // 2}\n",
-    })  # fmt: skip
+    root = _v2_limited(tmp_path)
     assert hardware.available_ram(root) == probe(root, cache_dir=tmp_path).available_ram == 3 * GB - GB // 2
 
 
