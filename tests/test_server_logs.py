@@ -56,7 +56,7 @@ def test_serve_logs_the_warnings_of_a_served_request(tiny, tmp_path) -> None:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     # the damaged index is set aside (gguf_mcv.cache_files) when the worker first opens the cache
-    assert "WARNING:  gguf_mcv.vision.embed_cache: the cache index in" in err and "is damaged" in err, err
+    assert "WARNING:  gguf_mcv.bytes_cache: the cache index in" in err and "is damaged" in err, err
     assert "Application startup complete" in err  # uvicorn's own log is still there
 
 
