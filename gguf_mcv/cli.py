@@ -500,9 +500,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_predictions(info: Any, first: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The speed model's predictions for what ``_bench`` just measured, keyed ``predicted_*``."""
     from .hardware import probe as hardware_probe  # lazy: per command
-    from .models.headers import read_projector_header, read_tensors, read_text_header  # lazy: per command
+    from .models.headers import read_projector_header, read_tensors, read_text_header, tensor_list  # lazy
     from .planning import speed  # lazy: per command
-    from .planning.memory import tensor_list  # lazy: per command
     from .resolver import machine_rates  # lazy: per command
 
     text, projector = read_text_header(info.model_path), read_projector_header(info.mmproj_path)

@@ -468,6 +468,27 @@ def cpu_flags(root: str | Path | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_family(machine: str) -> str:
+    """Repack family for an architecture name: x86 assumes AVX2, 64-bit ARM dot products."""
+    m = machine.lower()
+    if m in ("x86_64", "amd64", "x64"):
+        return "x86-avx2"
+    if m in ("aarch64", "arm64"):
+        return "arm-dotprod"
+    return "none"
+
+def local_repack_family(root: str | Path | None = None) -> str:
+    """This CPU's repack family, a key of :data:`gguf_mcv.planning.calibration.REPACKED_TYPES`: from the
+    machine's architecture (:func:`cpu_family`) refined by its feature flags."""
+    family = cpu_family(platform.machine())
+    flags = cpu_flags(root)
+    if family == "x86-avx2" and flags:
+        return "x86-avx512" if "avx512f" in flags else "x86-avx2" if "avx2" in flags else "none"
+    if family == "arm-dotprod" and flags and "asimddp" not in flags:
+        return "none"
+    return family
+
+
 def cpu_identity() -> str:
     """The CPU's model name and feature flags (``/proc/cpuinfo``), else what platform says: what a
     verdict measured on this CPU (the speed probe's, the native check's) is kept under."""

@@ -23,11 +23,11 @@ from .model import Model, ModelInfo
 from .models.catalog import CatalogEntry, lookup
 from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .options import LoadOptions, Sampling
-from .planning.memory import estimate_files, parallel_for_budget, slot_bytes
+from .planning.memory import parallel_for_budget, slot_bytes
 from .planning.planner import Plan, check_request, resolve_budget
 from .planning.speed import slice_budget
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
-from .resolver import check_plan, check_revision, plan_local, pull
+from .resolver import check_plan, check_revision, estimate_files, plan_local, pull
 from .runtime import native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import constants
 from .cache_files import DamagedManifest, read_manifest, write_manifest
-from .hardware import cpu_identity, dist_version
+from .hardware import cpu_identity, dist_version, local_repack_family
 
 #: Bumped when what a path runs changes: older verdicts are then checked again.
 CHECK_VERSION = 1
@@ -126,6 +126,13 @@ def extra_bufts_known_to_crash() -> bool:
         known = dict(kept(fingerprint()))
     return any(p.startswith("text:") and p.endswith(":extra") and not o.safe for p, o in known.items())
 
+
+
+def loads_repack_family() -> str:
+    """The repack family loads on this machine get: its CPU's (:func:`gguf_mcv.hardware.local_repack_family`),
+    or ``"none"`` where a kept verdict found the extra buffer types crashing, so that loads leave them
+    off (:func:`extra_bufts_known_to_crash`). Runs no check."""
+    return "none" if extra_bufts_known_to_crash() else local_repack_family()
 
 def fingerprint() -> str:
     """A digest of what a verdict depends on: CPU, kernel, Python, builds, native libraries

@@ -21,10 +21,11 @@ from . import constants
 from .errors import ConfigError, NativeKernelError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
 from .models.catalog import CatalogEntry, load_catalog
-from .models.headers import ProjectorHeader, read_projector_header, read_tensors, read_text_header
+from .models.headers import ProjectorHeader, read_projector_header, read_tensors, read_text_header, tensor_list
 from .models.hub import RepoFiles, fetch, list_files, remote_text_header
 from .models.quants import classify_gguf, normalize_quant
-from .planning.memory import tensor_list
+from .native_verdict import loads_repack_family
+from .planning import memory
 from .planning.planner import Plan, QuantCandidate, candidates_from, check_request, choose
 from .planning.speed import Rates, weight_profile
 
@@ -224,6 +225,17 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
                        "quant": quant})
     return replace(result, model=os.fspath(model_path))
 
+
+
+def estimate_files(model_path: str | os.PathLike, mmproj_path: str | os.PathLike,
+                   **kwargs: Any) -> memory.MemoryEstimate:
+    """:func:`~gguf_mcv.planning.memory.estimate` for local files: sizes, shapes and the tensor list
+    from their headers, and (unless ``cpu`` is given) the repack family loads get on this machine."""
+    text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
+    kwargs.setdefault("tensors", tensor_list(read_tensors(model_path)))
+    kwargs.setdefault("cpu", loads_repack_family())
+    return memory.estimate(model_size=text.size, text=text.shape, mmproj_size=projector.size,
+                           vision=projector.shape, **kwargs)
 
 def _generation(projector: ProjectorHeader) -> str:
     """The catalog name of the generation a local projector belongs to ("" when the catalog has

@@ -389,6 +389,7 @@ PEAK_CASES = [(g, "llama.cpp") for g in sorted(CATALOG_NAMES)] + [
 _PEAK_CHILD = """
 import json, sys
 import gguf_mcv
+from gguf_mcv.resolver import estimate_files
 model = gguf_mcv.load(sys.argv[1], model_path=sys.argv[2], mmproj_path=sys.argv[3], n_ctx=4096,
                       vision_backend=sys.argv[5])
 assert model.info.vision_backend == sys.argv[5], model.info.vision_backend_reason
@@ -425,7 +426,7 @@ def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tm
                           str(files.mmproj), str(image), backend], capture_output=True, text=True, timeout=300,
                          check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    predicted = memory.estimate_files(files.quants["Q4_K_M"], files.mmproj, n_ctx=4096, vision_backend=backend,
+    predicted = estimate_files(files.quants["Q4_K_M"], files.mmproj, n_ctx=4096, vision_backend=backend,
                                       image_tokens=measured["image_tokens"], image_pixels=896 * 672).total
     under, over = PEAK_BOUNDS.get((generation, backend), ONNX_PEAK_BOUNDS if backend != "llama.cpp" else (0.05, 0.05))
     error = predicted / measured["peak"] - 1

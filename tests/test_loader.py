@@ -170,7 +170,7 @@ def test_plan_announces_the_int8_fallback_and_load_takes_it(tiny, own_onnx_cache
 
 def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx_cache, monkeypatch) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv.planning.memory import estimate_files
+    from gguf_mcv.resolver import estimate_files
     from gguf_mcv.planning.speed import slice_budget
     from gguf_mcv.vision import vision_backends
 

@@ -14,6 +14,9 @@ import pytest
 from gguf_mcv.planning import memory
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.planning.memory import TextShape, VisionShape
+from gguf_mcv.hardware import cpu_family, local_repack_family
+from gguf_mcv.planning.gpu_fit import fit_gpu_layers
+from gguf_mcv.resolver import estimate_files
 
 GB = 10**9
 MiB = 2**20
@@ -154,11 +157,11 @@ def test_layer_bytes_excludes_embeddings() -> None:
 
 def test_fit_gpu_layers_fills_free_vram() -> None:
     kw = dict(model_size=Q4_K_M_SIZE, text=QWEN2_7B, quant="Q4_K_M", n_ctx=4096)
-    assert memory.fit_gpu_layers(24 * GB, **kw) == 29  # everything, output included
-    partial = memory.fit_gpu_layers(4 * GB, **kw)
+    assert fit_gpu_layers(24 * GB, **kw) == 29  # everything, output included
+    partial = fit_gpu_layers(4 * GB, **kw)
     assert 10 < partial < 29
-    assert memory.fit_gpu_layers(200 * MiB, **kw) == 0
-    with_vision = memory.fit_gpu_layers(4 * GB, **kw, mmproj_size=MMPROJ_SIZE, vision_on_gpu=True)
+    assert fit_gpu_layers(200 * MiB, **kw) == 0
+    with_vision = fit_gpu_layers(4 * GB, **kw, mmproj_size=MMPROJ_SIZE, vision_on_gpu=True)
     assert with_vision < partial
 
 
@@ -171,7 +174,7 @@ def test_long_prompt_headroom_is_part_of_need() -> None:
 
 
 def test_estimate_files_reads_shapes_from_headers(tiny) -> None:
-    e = memory.estimate_files(tiny.quants["Q4_0"], tiny.mmproj, n_ctx=4096, cpu="x86-avx2")
+    e = estimate_files(tiny.quants["Q4_0"], tiny.mmproj, n_ctx=4096, cpu="x86-avx2")
     spec = tiny.spec
     assert e.kv_cache == memory.kv_cache_bytes(
         TextShape(spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv,
@@ -190,9 +193,9 @@ def test_to_dict_has_totals() -> None:
 
 
 def test_local_cpu_family_is_known() -> None:
-    assert memory.local_cpu_family() in memory.REPACKED_TYPES
-    assert memory.cpu_family("aarch64") == "arm-dotprod"
-    assert memory.cpu_family("riscv64") == "none"
+    assert local_repack_family() in memory.REPACKED_TYPES
+    assert cpu_family("aarch64") == "arm-dotprod"
+    assert cpu_family("riscv64") == "none"
 
 
 # --- one real measurement ---------------------------------------------------------------
@@ -217,7 +220,7 @@ def test_prediction_matches_a_real_load_of_the_tiny_model(tiny, tmp_path) -> Non
     out = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(tiny.mmproj), str(image)],
                          capture_output=True, text=True, timeout=300, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
-    predicted = memory.estimate_files(model, tiny.mmproj, n_ctx=4096, image_tokens=640,
+    predicted = estimate_files(model, tiny.mmproj, n_ctx=4096, image_tokens=640,
                                       image_pixels=1344 * 1344).total
     assert predicted == pytest.approx(measured, rel=0.15), (predicted / MiB, measured / MiB)
 

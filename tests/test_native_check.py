@@ -343,14 +343,16 @@ def test_plan_and_selftest_lines_name_the_fallback(fresh: Path, monkeypatch: pyt
 
 def test_the_plan_counts_no_repacked_copy_where_loads_leave_the_extra_buffer_types_off(
         fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gguf_mcv.hardware import local_repack_family
+    from gguf_mcv.native_verdict import loads_repack_family
     from gguf_mcv.planning import memory
 
     _fault(monkeypatch, "text:Q4_K:extra=SIGILL")
-    assert memory.this_machines_repacking() == memory.local_cpu_family()  # nothing known yet: no check run
+    assert loads_repack_family() == local_repack_family()  # nothing known yet: no check run
     assert not list(fresh.glob("*.json"))
     native_check.decide({"Q4_K"})
-    assert memory.this_machines_repacking() == "none"
+    assert loads_repack_family() == "none"
     tensors = [("blk.0.ffn_up.weight", "Q4_K", 1000)]
-    assert memory.repacked_bytes(0, None, None, tensors=tensors) == 0  # type: ignore[arg-type]
+    assert memory.repacked_bytes(0, None, None, cpu=loads_repack_family(), tensors=tensors) == 0  # type: ignore[arg-type]
     native_check.forget()  # a new process: the kept verdict says the same
-    assert memory.this_machines_repacking() == "none"
+    assert loads_repack_family() == "none"

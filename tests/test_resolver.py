@@ -250,7 +250,7 @@ def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
 
     from gguf_mcv.models.headers import read_tensors, read_text_header
     from gguf_mcv.planning import speed
-    from gguf_mcv.planning.memory import tensor_list
+    from gguf_mcv.models.headers import tensor_list
     from gguf_mcv.resolver import plan_local
 
     path = tiny.quants["Q4_K_M"]

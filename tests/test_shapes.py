@@ -10,6 +10,7 @@ from gguf_mcv.testing import synthetic
 from gguf_mcv.models.catalog import load_catalog
 from gguf_mcv.models.headers import read_projector_header, read_text_header
 from gguf_mcv.models.shapes import FF_RATIO, TextShape, VisionShape
+from gguf_mcv.resolver import estimate_files
 
 
 def test_text_shape_from_a_gguf_header(tiny) -> None:
@@ -70,7 +71,7 @@ def test_memory_estimate_for_files_uses_the_header_shapes(tiny) -> None:
     proj = read_projector_header(tiny.mmproj)
     direct = memory.estimate(model_size=text.size, text=text.shape, mmproj_size=proj.size,
                              vision=proj.shape, quant="Q8_0", cpu="none")
-    from_files = memory.estimate_files(tiny.quants["Q8_0"], tiny.mmproj, quant="Q8_0", cpu="none",
+    from_files = estimate_files(tiny.quants["Q8_0"], tiny.mmproj, quant="Q8_0", cpu="none",
                                        tensors=None)
     assert direct.kv_cache == from_files.kv_cache and direct.vision_compute == from_files.vision_compute
 

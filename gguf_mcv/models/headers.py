@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
 from ..errors import CorruptModelError, IncompatibleProjectorError, ModelNotFoundError
 from .shapes import TextShape, VisionShape
@@ -381,3 +381,10 @@ def _projector_release(projector: ProjectorHeader) -> str:
         return "MiniCPM-V 4.6"
     return _release(projector.minicpmv_version)
 
+
+def tensor_list(tensors: Iterable[Any]) -> list[tuple[str, str, int]]:
+    """(name, ggml type name, bytes) per tensor of a parsed header, as the memory and speed models
+    take them (:func:`gguf_mcv.planning.memory.repacked_bytes`)."""
+    from gguf import GGMLQuantizationType  # lazy: gguf takes ~0.2 s to import
+
+    return [(t.name, GGMLQuantizationType(t.ggml_type).name, t.n_bytes) for t in tensors]

@@ -23,7 +23,7 @@ Rules, in order:
 * **GPU** (discrete, llama.cpp built with offload): the vision tower goes to the GPU
   first when it fits -- on a CPU it takes ~9 s per 448-pixel slice, ~90 s for one
   full-detail image -- then as many text layers as fit with 5 % headroom
-  (:func:`gguf_mcv.planning.memory.fit_gpu_layers`). When some quants fit the GPU entirely,
+  (:func:`gguf_mcv.planning.gpu_fit.fit_gpu_layers`). When some quants fit the GPU entirely,
   the pick is made among those only: layers left on the CPU cost far more speed than
   one quant step costs quality. **Unified memory** (Jetson, Apple): everything is
   offloaded and the GPU's allocations count against the one RAM budget; if no quant
@@ -68,13 +68,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .. import constants
 from ..errors import ConfigError, NoQuantFitsError
-from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware
+from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware, cpu_family
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
 from ..options import DETAILS, MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
 from ..units import format_size, parse_size
 from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
-from . import memory, speed
+from . import gpu_fit, memory, speed
 from .speed import Rates, SpeedPrediction
 
 PREFERENCES = ("quality", "speed", "size")
@@ -475,7 +475,7 @@ def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None
         quant=c.quant, n_ctx=n_ctx or ctx.n_ctx, kv_cache_type=kv_cache_type or ctx.kv_cache_type,
         image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
         vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
-        unified_memory=setup.unified, cpu=memory.cpu_family(ctx.hardware.machine),
+        unified_memory=setup.unified, cpu=cpu_family(ctx.hardware.machine),
         vision_backend=setup.vision_backend,
         # the photo decoded as ``detail`` cuts it on this encoder (auto: 4 slices on a CPU)
         image_slices=speed.slice_budget(ctx.detail, vision_on_gpu=setup.vision_on_gpu),
@@ -613,7 +613,7 @@ def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
                              kv_cache_type=ctx.kv_cache_type, vision_on_gpu=True,
                              gpu_backend=ctx.backend, cpu="none")
     vision_on_gpu = tower_may_offload and vision.gpu is not None and vision.gpu.total <= usable
-    n = memory.fit_gpu_layers(ctx.gpu_free, model_size=c.size, text=ctx.arch, quant=c.quant,
+    n = gpu_fit.fit_gpu_layers(ctx.gpu_free, model_size=c.size, text=ctx.arch, quant=c.quant,
                               n_ctx=ctx.n_ctx, kv_cache_type=ctx.kv_cache_type,
                               mmproj_size=ctx.mmproj_size, vision=ctx.vision,
                               vision_on_gpu=vision_on_gpu, gpu_backend=ctx.backend,

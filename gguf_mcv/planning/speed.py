@@ -265,7 +265,7 @@ class WeightProfile:
 def weight_profile(model_size: int, text: TextShape, quant: str | None,
                    tensors: Iterable[tuple[str, str, int]] | None = None) -> WeightProfile:
     """The :class:`WeightProfile` of a text model file: exact from ``tensors`` -- (name,
-    ggml type name, bytes) as :func:`gguf_mcv.planning.memory.tensor_list` reads them from a header
+    ggml type name, bytes) as :func:`gguf_mcv.models.headers.tensor_list` reads them from a header
     -- else from ``model_size`` and llama.cpp's type mix for ``quant``
     (:data:`gguf_mcv.planning.memory.QUANT_TYPE_MIX`)."""
     if tensors is not None:

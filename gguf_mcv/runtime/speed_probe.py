@@ -275,7 +275,7 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
     ``onnx_slice_s`` (:func:`time_onnx`), ``overhead`` (``{n_layers: seconds per token}`` of
     the overhead models) and ``types``: per ggml type, a ~140-token prompt's ``prefill_s``, the median ``token_s`` of
     :data:`TIMED_TOKENS` greedy tokens, ``prefill_tokens``, ``n_past`` and the model's
-    ``tensors`` (:func:`gguf_mcv.planning.memory.tensor_list`). Every model is written in
+    ``tensors`` (:func:`gguf_mcv.models.headers.tensor_list`). Every model is written in
     milliseconds (:func:`gguf_mcv.testing.synthetic.write_text_model` with ``weight_type``) into
     ``folder`` (default: a temporary folder, deleted after).
     """
@@ -376,8 +376,7 @@ def _engine(path: Path, mmproj: Path, threads: int) -> Iterator[Any]:
 
 
 def _tensors(path: Path) -> list[tuple[str, str, int]]:
-    from ..models.headers import read_tensors
-    from ..planning.memory import tensor_list
+    from ..models.headers import read_tensors, tensor_list
 
     return tensor_list(read_tensors(path))
 
