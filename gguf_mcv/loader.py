@@ -11,27 +11,23 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from . import constants, llama_log
-from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError, NoQuantFitsError
+from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError
 from .hardware import probe
 from .model import Model, ModelInfo
 from .models.catalog import CatalogEntry, lookup
 from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .options import LoadOptions, Sampling
-from .planning.memory import parallel_for_budget, slot_bytes
-from .planning.planner import Plan, check_request, resolve_budget
-from .planning.speed import slice_budget
+from .planning.planner import LoadChoices, Plan, check_request
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
-from .resolver import check_plan, check_revision, estimate_files, plan_local, pull
+from .resolver import check_plan, check_revision, plan_local, pull, vision_inputs
 from .runtime import native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
-from .units import format_size
 from .vision.embed_cache import EmbeddingCache
 from .vision.vision_backends import VisionSetup, choose_setup
 
@@ -107,18 +103,22 @@ def load(
     options = _checked(dict(locals()))  # the arguments, as given: nothing else is defined yet
     if kv_cache_type is None and flash_attn is False:
         kv_cache_type = "f16"  # a quantized KV cache needs flash attention: not the planner's to pick
+    given = LoadChoices(n_threads=options.n_threads, n_threads_batch=options.n_threads_batch,
+                        n_gpu_layers=options.n_gpu_layers, vision_gpu=options.vision_gpu, parallel=options.parallel)
+    settings: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, kv_cache_type=kv_cache_type,
+                                    vision_backend=vision_backend, vision_weights=vision_weights,
+                                    hardware=probe(), given=given)  # the one probe of this load
     local = model_path is not None
+    planned: Plan | None = None
     if local:
         assert model_path is not None and mmproj_path is not None  # _checked: both or neither
-        entry, repo, planned = lookup(model), None, None
+        entry, repo = lookup(model), None
         name = entry.display_name if entry is not None else (model or Path(model_path).stem)
         quant_name = quant
     else:
         assert model is not None  # _checked: a name when no files are given
-        files = pull(model, quant=quant, ram_budget=ram_budget, n_ctx=n_ctx,
-                     kv_cache_type=kv_cache_type, revision=revision,
-                     min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
-                     vision_backend=vision_backend, vision_weights=vision_weights)
+        files = pull(model, quant=quant, revision=revision, min_tokens_per_s=min_tokens_per_s,
+                     max_first_answer_s=max_first_answer_s, **settings)
         model_path, mmproj_path, quant_name, repo = files.model, files.mmproj, files.quant, files.repo
         entry, planned = files.entry, files.plan
         name = entry.display_name if entry is not None else (files.repo or str(model))
@@ -126,20 +126,31 @@ def load(
     projector = read_projector_header(mmproj_path)
     check_pair(text, projector, minicpmv_version=entry.minicpmv_version if entry is not None else None,
                projector_type=entry.projector_type if entry is not None else None)
-    if local:
-        planned = _plan_local_load(model_path, mmproj_path, options, ram_budget, n_ctx, kv_cache_type)
-    if options.n_gpu_layers == "auto" and planned is None:
-        planned = plan_local(model_path, mmproj_path, ram_budget=ram_budget, n_ctx=n_ctx,
-                             kv_cache_type=kv_cache_type, vision_backend=vision_backend, vision_weights=vision_weights)
-    if planned is not None:
-        options = _planned_options(options, planned)
-    options = _resolved(options, planned)
-    vision, kernels = _vision_and_kernels(model_path, mmproj_path, projector, options, planned, ram_budget)
-    if options.parallel == "auto":
-        options = replace(options, parallel=auto_parallel(model_path, mmproj_path, options, ram_budget, vision))
-    return _open(model_path, mmproj_path, text, projector, options, vision, kernels, entry,
+    if planned is None:  # local files, or a quant named: planned from the files' own headers
+        # local files that cannot fit are refused (a named quant from the Hub is honoured with a
+        # warning, as plan() does); layers offloaded by hand are the caller's to fit
+        planned = plan_local(model_path, mmproj_path, must_fit=local and not given.by_hand, **settings)
+    for note in ((planned.shrunk_note(),) if planned.shrunk else ()) + planned.warnings:
+        log.warning("%s", note)
+    options = carried_out(options, planned)
+    assert planned.vision is not None  # choose() decides the vision setup of every plan
+    # the verdicts are known by now (kept): this asks no child process again, and refuses a backend
+    # asked for by name whose kernels crash here (NativeKernelError)
+    kernels = native_check.decide(native_check.weight_types(model_path),
+                                  None if options.vision_gpu else planned.vision.backend,
+                                  vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
+    return _open(model_path, mmproj_path, text, projector, options, planned, kernels, entry,
                  name=name, quant=quant_name, repo=repo, chat_template=chat_template,
                  embed_cache=embed_cache, allow_remote_media=allow_remote_media, verbose=verbose)
+
+
+def carried_out(options: LoadOptions, planned: Plan) -> LoadOptions:
+    """``options`` as the plan says to load them: its context, KV cache, threads, GPU layers, vision
+    placement, parallel slots and batch size (values the caller gave were kept by the plan)."""
+    return replace(options, n_ctx=planned.n_ctx, kv_cache_type=planned.kv_cache_type,
+                   n_threads=planned.n_threads, n_threads_batch=planned.n_threads_batch,
+                   n_gpu_layers=planned.n_gpu_layers, vision_gpu=planned.vision_on_gpu,
+                   parallel=planned.parallel, n_batch=planned.n_batch)
 
 
 def check_load(**arguments: Any) -> LoadOptions:
@@ -210,146 +221,18 @@ def _check_local(a: dict[str, Any]) -> None:
         raise ConfigError(f"model (the name shown for local files) must be a string, not {type(a['model']).__name__}.")
 
 
-def _plan_local_load(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
-                     ram_budget: int | str | None, n_ctx: int | None, kv_cache_type: str | None) -> Plan | None:
-    """The plan for local files, refused (:class:`NoQuantFitsError`) when they cannot fit the
-    budget even with the defaults shrunk; None when layers are offloaded by hand (the plan
-    cannot describe that split)."""
-    auto = options.n_gpu_layers == "auto"
-    if not auto and (options.n_gpu_layers or options.vision_gpu):
-        return None
-    hardware = probe()
-    if not auto:  # everything stays on the CPU: plan for that, whatever GPU the machine has
-        hardware = replace(hardware, gpu_offload=False)
-    return plan_local(model_path, mmproj_path, hardware=hardware, ram_budget=ram_budget, n_ctx=n_ctx,
-                      kv_cache_type=kv_cache_type, vision_backend=options.vision_backend, must_fit=True,
-                      vision_weights=options.vision_weights)
-
-
-def _planned_options(options: LoadOptions, planned: Plan) -> LoadOptions:
-    """``options`` with the context and KV cache the plan chose; refused when ``parallel``
-    slots beyond the first do not fit beside it."""
-    if planned.shrunk:
-        log.warning("%s", planned.shrunk_note())
-    options = replace(options, n_ctx=planned.n_ctx, kv_cache_type=planned.kv_cache_type)
-    slots = options.parallel if isinstance(options.parallel, int) else 1
-    need = planned.predicted_bytes + (slots - 1) * planned.slot_bytes
-    if planned.fits and slots > 1 and need > planned.budget:
-        raise NoQuantFitsError(
-            f"parallel={slots} needs about {format_size(need)} of RAM ({format_size(planned.slot_bytes)} per "
-            f"slot beyond the first), but the budget is {format_size(planned.budget)}.\nWays out:\n"
-            f"- parallel={planned.slots} (or 'auto', which takes what the budget holds).\n"
-            "- a smaller n_ctx or kv_cache_type='q8_0' (each slot holds n_ctx positions).\n"
-            "- free memory (close other programs) or pass a larger ram_budget if you know better.")
-    return options
-
-
-def auto_parallel(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
-                  ram_budget: int | str | None, vision: VisionSetup | None = None) -> int:
-    """How many parallel slots the memory budget holds for these files (see
-    :func:`memory.parallel_for_budget`): the plan's need for one -- with the encoder of ``vision``,
-    or of its fallback where that needs more (default: the setup :func:`load` decides) -- then a
-    KV cache per slot."""
-    budget, _ = resolve_budget(probe(), ram_budget)
-    projector = read_projector_header(mmproj_path)
-    if vision is None:
-        vision = _decide_vision(options, mmproj_path, projector,
-                                fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
-    if not vision.packed:
-        return 1  # mapped encoder weights are counted on one sequence encoding, then answering
-    backends = [vision.backend] + ([vision.fallback] if vision.fallback else [])
-    needed = max(estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                                vision_backend=b, image_slices=_auto_slices(options)).needed for b in backends)
-    text = read_text_header(model_path).shape
-    per_slot = slot_bytes(text, options.n_ctx, options.kv_cache_type, vision=projector.shape,
-                          vision_backend=vision.backend)
-    return parallel_for_budget(needed, per_slot, budget)
-
-
-def _resolved(options: LoadOptions, planned: Plan | None) -> LoadOptions:
-    """``options`` with what is left to the plan or the machine filled in: threads, GPU layers
-    (``"auto"``: the plan's) and where the vision encoder runs."""
-    auto = options.n_gpu_layers == "auto"
-    n_threads = options.n_threads or probe().recommended_threads
-    vision_gpu = options.vision_gpu
-    if vision_gpu is None:
-        vision_gpu = bool(planned is not None and auto and planned.vision_on_gpu)
-    n_gpu = (planned.n_gpu_layers if planned is not None else 0) if auto else options.n_gpu_layers
-    return replace(options, n_threads=n_threads, n_threads_batch=options.n_threads_batch or n_threads,
-                   n_gpu_layers=n_gpu, vision_gpu=vision_gpu)
-
-
-def _vision_and_kernels(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, projector: ProjectorHeader,
-                        options: LoadOptions, planned: Plan | None,
-                        ram_budget: int | str | None) -> tuple[VisionSetup, native_check.Decision]:
-    """The vision setup this load carries out -- the plan's, when one was made for where the encoder
-    runs, else decided now by the same function -- and the native check's decision for the text
-    model's kernels and that encoder's (the encoder is checked only when it runs on the CPU)."""
-    vision_gpu = bool(options.vision_gpu)
-    text_types = native_check.weight_types(model_path)
-    vision = planned.vision if planned is not None else None
-    if vision is None or vision.vision_gpu != vision_gpu:
-        vision = _decide_vision(options, mmproj_path, projector, text_types=text_types, what=os.fspath(model_path),
-                                fallback_fits=_fits_budget(model_path, mmproj_path, options, ram_budget))
-        if vision.onnx and options.vision_weights is not None:
-            vision = replace(vision, packed=options.vision_weights == "packed")
-    # the verdicts are known by now (kept): this asks no child process again
-    kernels = native_check.decide(text_types, None if vision_gpu else vision.backend,
-                                  vision_auto=options.vision_backend == "auto", what=os.fspath(model_path))
-    return vision, kernels
-
-
-def _decide_vision(options: LoadOptions, mmproj_path: str | os.PathLike, projector: ProjectorHeader, *,
-                   text_types: Iterable[str] = (), what: str | None = None,
-                   fallback_fits: Callable[[str], bool] | None = None) -> VisionSetup:
-    """:func:`choose_setup` with this machine's inputs, for a load no plan was made for: whether
-    onnxruntime imports (imported only when it may be used: ~25 MiB of RSS) and the native check's
-    verdict, which replaces a crashing backend under ``auto`` and refuses an explicit one
-    (:class:`~gguf_mcv.errors.NativeKernelError`); ``text_types`` are checked in the same child."""
-    from .vision.onnx_vision import onnxruntime_version
-
-    vision_gpu = bool(options.vision_gpu)
-    may_use = options.vision_backend != "llama.cpp" and not vision_gpu
-    auto, what = options.vision_backend == "auto", what or os.fspath(mmproj_path)
-
-    def runs_instead(backend: str) -> str:
-        return native_check.decide(text_types, backend, vision_auto=auto, what=what).vision_backend or backend
-
-    return choose_setup(options.vision_backend, vision_gpu=vision_gpu, projector_type=projector.projector_type,
-                        ort_version=onnxruntime_version() if may_use else None, runs_instead=runs_instead,
-                        fallback_fits=fallback_fits)
-
-
-def _fits_budget(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, options: LoadOptions,
-                 ram_budget: int | str | None) -> Callable[[str], bool]:
-    """Whether the memory budget (as the plan takes it) holds these files with a given vision backend."""
-    def fits(backend: str) -> bool:
-        budget, _ = resolve_budget(probe(), ram_budget)
-        mapped = options.vision_weights == "mapped" and backend.startswith("onnx-")
-        return estimate_files(model_path, mmproj_path, n_ctx=options.n_ctx, kv_cache_type=options.kv_cache_type,
-                              vision_backend=backend, image_slices=_auto_slices(options),
-                              vision_mapped=mapped).needed <= budget
-
-    return fits
-
-
-def _auto_slices(options: LoadOptions) -> int:
-    """The slices a photo at detail="auto" is cut into where this load runs the encoder: the
-    decoded image the plan counts (:attr:`Plan.image_detail`)."""
-    return slice_budget("auto", vision_on_gpu=bool(options.vision_gpu))
-
-
 def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: TextHeader,
-          projector: ProjectorHeader, options: LoadOptions, vision: VisionSetup, kernels: native_check.Decision,
+          projector: ProjectorHeader, options: LoadOptions, planned: Plan, kernels: native_check.Decision,
           entry: CatalogEntry | None, *, name: str, quant: str | None, repo: str | None,
           chat_template: str | None, embed_cache: EmbeddingCache | None,
           allow_remote_media: bool, verbose: bool) -> Model:
-    """Load the checked pair into llama.cpp, with ``options`` resolved (:func:`_resolved`) and the
-    vision setup decided, and wrap it in a :class:`Model`."""
+    """Load the checked pair into llama.cpp as ``planned`` says (``options`` carried out from it) and
+    wrap it in a :class:`Model`."""
+    assert planned.vision is not None and options.n_threads_batch is not None  # carried_out: resolved
     vision_gpu = bool(options.vision_gpu)
     slice_size = projector.shape.image_size
-    n_threads = options.n_threads_batch or options.n_threads or probe().recommended_threads
-    backend, reason, encoder, libmtmd_mmproj = _carry_out(vision, options, mmproj_path, n_threads)
+    backend, reason, encoder, libmtmd_mmproj = _carry_out(planned.vision, options, mmproj_path,
+                                                          options.n_threads_batch)
     slots = int(options.parallel)
     llama = _open_llama(model_path, options, verbose=verbose, extra_bufts=kernels.extra_bufts)
     scheduler = None
@@ -380,6 +263,7 @@ def _open(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, text: T
         vision_backend=backend,
         vision_backend_reason=reason,
         parallel=slots,
+        plan=planned,
     )
     if verbose:
         llama_log.verbose_acquire()
@@ -425,10 +309,18 @@ def _with_sequences(llama, n_seq: int) -> None:
 
 def vision_setup(mmproj_path: str | os.PathLike, *, vision_backend: str, mmproj_precision: str, vision_gpu: bool,
                  n_threads: int) -> tuple[str, str, VisionEncoder | None, str | os.PathLike]:
-    """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings, as
-    :func:`load` does it (also used by :class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`)."""
+    """(backend, reason, ONNX encoder or None, the mmproj libmtmd loads) for these settings where no
+    plan is made (:class:`gguf_mcv.chat_handler.MiniCPMVChatHandler`): the setup decided by the
+    function the planner uses, with the same native check, then carried out as :func:`load` does."""
     options = LoadOptions(vision_backend=vision_backend, mmproj_precision=mmproj_precision, vision_gpu=vision_gpu)
-    vision = _decide_vision(options, mmproj_path, read_projector_header(mmproj_path))
+    inputs = vision_inputs("llama.cpp" if vision_gpu else vision_backend, mmproj_path)
+    vision = choose_setup(vision_backend, vision_gpu=vision_gpu,
+                          projector_type=read_projector_header(mmproj_path).projector_type,
+                          ort_version=inputs["onnxruntime"], runs_instead=inputs["vision_moves"],
+                          int8_cosine=inputs["int8_cosine"])
+    # refuses a backend asked for by name whose kernels crash here, as load() does
+    native_check.decide((), None if vision_gpu else vision.backend, vision_auto=vision_backend == "auto",
+                        what=os.fspath(mmproj_path))
     return _carry_out(vision, options, mmproj_path, n_threads)
 
 

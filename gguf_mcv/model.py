@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Literal, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Sequence, cast, overload
 
 from . import llama_log
 from .errors import ConfigError, ContextOverflowError, EngineError, ModelClosedError, SavedChatError
@@ -40,6 +40,9 @@ from .runtime.generation import AnswerLock, ProgressCallback, SharedAnswerLock, 
 from .runtime.slots import Scheduler
 from .vision.media import Image, ImageInput
 from .vision.video import VideoInput
+
+if TYPE_CHECKING:
+    from .planning.planner import Plan
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -70,6 +73,7 @@ class ModelInfo:
     vision_backend: str = "llama.cpp"  #: "llama.cpp", "onnx-int8" or "onnx-fp32"
     vision_backend_reason: str = ""  #: why that backend (``vision_backend="auto"`` decides)
     parallel: int = 1  #: answers run at once (parallel slots; 1: one after another)
+    plan: Plan | None = None  #: the plan this load carried out (:func:`gguf_mcv.plan`'s kind)
 
 
 class Model:

@@ -249,6 +249,10 @@ def max_threads() -> int:
     return MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
 
 
+#: llama.cpp's batch sizes for every load (one ubatch of a prompt, the compute buffer's reserve)
+N_BATCH = 512
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How a model is loaded into llama.cpp; checked when made."""
@@ -264,6 +268,7 @@ class LoadOptions:
     mmproj_precision: str = "auto"
     parallel: int | str = 1  #: answers at once (slots, each with n_ctx positions); "auto" from memory
     vision_weights: str | None = None  #: see :data:`VISION_WEIGHTS`
+    n_batch: int = N_BATCH  #: llama.cpp's n_batch and n_ubatch (the plan's)
 
     def __post_init__(self) -> None:
         check_int("n_ctx", self.n_ctx, low=MIN_N_CTX, high=MAX_N_CTX)

@@ -26,7 +26,7 @@ from .models.hub import RepoFiles, fetch, list_files, remote_text_header
 from .models.quants import classify_gguf, normalize_quant
 from .native_verdict import loads_repack_family
 from .planning import memory
-from .planning.planner import Plan, QuantCandidate, candidates_from, check_request, choose
+from .planning.planner import LoadChoices, Plan, QuantCandidate, candidates_from, check_request, choose
 from .planning.speed import Rates, weight_profile
 
 #: The settings :func:`~gguf_mcv.planning.planner.check_request` checks.
@@ -102,6 +102,7 @@ def plan(
     speed_probe: bool | None = None,
     vision_backend: str = "auto",
     vision_weights: str | None = None,
+    given: LoadChoices | None = None,
 ) -> Plan:
     """Plan how to run ``model`` (a catalog name, a Hub repo id, or ``"auto"``) here.
 
@@ -123,12 +124,14 @@ def plan(
     and the memory figures count its encoder (``"auto"``: ONNX Runtime int8 on a CPU where
     onnxruntime imports). ``vision_weights`` is ``load()``'s too: ``"packed"`` or ``"mapped"``
     fixes where an ONNX encoder keeps its weights; None lets the plan map them from their file
-    as its last shrink when nothing fits otherwise (``Plan.vision.packed``).
+    as its last shrink when nothing fits otherwise (``Plan.vision.packed``). ``given`` holds what a
+    load fixes itself (threads, GPU layers, vision on the GPU, parallel slots), which the plan keeps
+    (:class:`~gguf_mcv.planning.planner.LoadChoices`; default: all left to the plan).
     """
     check_plan(model, revision=revision, ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                kv_cache_type=kv_cache_type, detail=detail, min_tokens_per_s=min_tokens_per_s,
                max_first_answer_s=max_first_answer_s, vision_backend=vision_backend, vision_weights=vision_weights)
-    _check_given(hardware=(hardware, Hardware), rates=(rates, Rates))
+    _check_given(hardware=(hardware, Hardware), rates=(rates, Rates), given=(given, LoadChoices))
     if speed_probe is not None and not isinstance(speed_probe, bool):
         raise ConfigError(f"speed_probe must be True, False or None, not {speed_probe!r}.")
     hw = hardware or probe()
@@ -136,7 +139,7 @@ def plan(
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
                                    rates=rates or machine_rates(hw, speed_probe), vision_weights=vision_weights,
-                                   **vision_inputs(vision_backend))
+                                   given=given, **vision_inputs(vision_backend))
     if model == "auto":
         return _plan_auto(**options)
     repo, entry = resolve(model)
@@ -211,9 +214,10 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
                hardware: Hardware | None = None, vision_backend: str = "auto", **options: Any) -> Plan:
     """:func:`~gguf_mcv.planning.planner.choose` for one local model file and its projector
     (shapes from their headers). ``rates``, the speed limits and ``vision_backend`` work as
-    in :func:`plan`."""
+    in :func:`plan`, and so does ``given``."""
     check_request(vision_backend=vision_backend, **{k: v for k, v in options.items() if k in _REQUEST_SETTINGS})
-    _check_given(hardware=(hardware, Hardware), rates=(options.get("rates"), Rates))
+    _check_given(hardware=(hardware, Hardware), rates=(options.get("rates"), Rates),
+                 given=(options.get("given"), LoadChoices))
     text, projector = read_text_header(model_path), read_projector_header(mmproj_path)
     info = classify_gguf(os.path.basename(os.fspath(model_path)))
     quant = info.quant if info is not None and info.quant else "Q4_K_M"  # only sizes the estimate
@@ -259,6 +263,8 @@ def pull(
     max_first_answer_s: float | None = None,
     vision_backend: str = "auto",
     vision_weights: str | None = None,
+    hardware: Hardware | None = None,
+    given: LoadChoices | None = None,
 ) -> ModelFiles:
     """Make sure a model file and its mmproj are in the HF cache; return their paths.
 
@@ -270,7 +276,8 @@ def pull(
     ``max_first_answer_s`` keep only quants (models, for ``"auto"``) predicted to meet
     them, as in :func:`plan` (this machine is then probed once, see
     :mod:`gguf_mcv.runtime.speed_probe`). ``vision_backend`` and ``vision_weights`` are ``load()``'s
-    (the plan counts their memory).
+    (the plan counts their memory). ``hardware`` (default: this machine, probed when a plan is
+    made) and ``given`` are :func:`plan`'s.
     ``n_ctx``/``kv_cache_type`` as in :func:`plan`: the returned ``plan`` holds what to load with.
     """
     check_plan(model, revision=revision, ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
@@ -278,22 +285,23 @@ def pull(
                max_first_answer_s=max_first_answer_s, vision_backend=vision_backend, vision_weights=vision_weights)
     if progress is not None and not isinstance(progress, bool):
         raise ConfigError(f"progress must be True, False or None, not {progress!r}.")
+    _check_given(hardware=(hardware, Hardware), given=(given, LoadChoices))
     planned = None
     limits: dict[str, Any] = dict(min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s)
     limited = min_tokens_per_s is not None or max_first_answer_s is not None
     if model == "auto":
         planned = plan("auto", ram_budget=ram_budget, n_ctx=n_ctx, quant=quant,
-                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False,
-                       vision_backend=vision_backend, vision_weights=vision_weights, **limits)
+                       kv_cache_type=kv_cache_type, speed_probe=None if limited else False, hardware=hardware,
+                       vision_backend=vision_backend, vision_weights=vision_weights, given=given, **limits)
         model, quant = planned.model, planned.quant
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
     if quant is None:
-        hw = probe()
+        hw = hardware or probe()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
                                 rates=machine_rates(hw) if limited else None, vision_weights=vision_weights,
-                                **vision_inputs(vision_backend), **limits)
+                                given=given, **vision_inputs(vision_backend), **limits)
         quant = planned.quant
     quant = normalize_quant(quant)
     preferred = entry.quants[quant].file if entry is not None and quant in entry.quants else None

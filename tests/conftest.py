@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,3 +200,21 @@ def retuned_mmproj(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     original = Path(tiny.mmproj).read_bytes()
     assert raw[:mib] == original[:mib] and raw[-mib:] == original[-mib:] and bytes(raw) != original
     return out
+
+
+@pytest.fixture
+def probe_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of :func:`gguf_mcv.hardware.probe` from now on, from every module that imported it."""
+    from gguf_mcv import hardware
+
+    calls: list[int] = []
+    real = hardware.probe
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if (name == "gguf_mcv" or name.startswith("gguf_mcv.")) and getattr(module, "probe", None) is real:
+            monkeypatch.setattr(module, "probe", counted)
+    return calls

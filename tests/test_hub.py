@@ -182,6 +182,18 @@ def test_remote_header_is_read_with_a_small_ranged_request(hub, tiny) -> None:
     assert gets[0].bytes_sent <= hubmod.HEADER_FIRST_BYTES < f.size
 
 
+@pytest.mark.parametrize("quant", ["Q4_K_M", None])
+def test_a_load_from_the_hub_probes_the_machine_once_and_carries_out_one_plan(hub, tiny, probe_calls, quant) -> None:
+    publish(hub, tiny)
+    calls = probe_calls
+    with gguf_mcv.load(REPO, quant=quant, n_ctx=1024, vision_backend="llama.cpp") as model:
+        assert len(calls) == 1
+        planned = model.info.plan
+        assert planned is not None and planned.quant == model.info.quant
+        assert Path(planned.files[0]).name == Path(model.info.model_path).name
+        assert (model.info.n_ctx, model.info.parallel) == (planned.n_ctx, planned.parallel)
+
+
 def test_a_download_is_identified_by_the_hubs_sha256_without_hashing_it_again(hub, hf_env, tiny,
                                                                               monkeypatch) -> None:
     from gguf_mcv.models import identity

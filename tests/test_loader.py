@@ -122,19 +122,57 @@ def test_a_plan_for_the_gpu_is_carried_out_as_planned(tiny) -> None:
 
     from gguf_mcv import loader
     from gguf_mcv.hardware import Gpu, probe
-    from gguf_mcv.models.headers import read_projector_header
     from gguf_mcv.options import LoadOptions
+    from gguf_mcv.planning.planner import LoadChoices
     from gguf_mcv.resolver import plan_local
 
     gpu = replace(probe(), gpus=(Gpu("test GPU", "cuda", 8 * 2**30, 7 * 2**30, False),), gpu_offload=True)
     planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, hardware=gpu, n_ctx=1024)
-    assert planned.vision_on_gpu and planned.vision is not None
-    options = loader._resolved(LoadOptions(n_ctx=1024, n_gpu_layers="auto"), planned)
-    projector = read_projector_header(tiny.mmproj)
-    vision, _ = loader._vision_and_kernels(tiny.quants["Q4_K_M"], tiny.mmproj, projector, options, planned, None)
-    assert vision is planned.vision and (vision.backend, vision.vision_gpu) == ("llama.cpp", True)
-    decided, _ = loader._vision_and_kernels(tiny.quants["Q4_K_M"], tiny.mmproj, projector, options, None, None)
-    assert decided == vision  # with no plan: the same decision, by the same function
+    assert planned.vision_on_gpu and planned.vision is not None and planned.vision.vision_gpu
+    assert planned.hardware == gpu  # the snapshot it was made from
+    options = loader.carried_out(LoadOptions(n_ctx=1024, n_gpu_layers="auto"), planned)
+    assert (options.n_gpu_layers, options.vision_gpu, options.parallel) == (planned.n_gpu_layers, True, planned.slots)
+    assert options.n_threads == options.n_threads_batch == gpu.recommended_threads
+    assert planned.vision.backend == "llama.cpp"  # the tower on the GPU: libmtmd's
+
+
+@pytest.mark.parametrize("given, kept", [
+    (dict(n_gpu_layers=3, vision_gpu=False, n_threads=1, parallel=2), (3, False, 1, 1, 2)),
+    (dict(n_gpu_layers=0, n_threads=2, n_threads_batch=1, parallel=1), (0, False, 2, 1, 1)),
+    (dict(n_gpu_layers="auto", vision_gpu=False), (None, False, None, None, None)),
+])
+def test_the_plan_keeps_what_the_load_fixed(tiny, given, kept) -> None:
+    from dataclasses import replace
+
+    from gguf_mcv.hardware import Gpu, probe
+    from gguf_mcv.planning.planner import LoadChoices
+    from gguf_mcv.resolver import plan_local
+
+    gpu = replace(probe(), gpus=(Gpu("test GPU", "cuda", 8 * 2**30, 7 * 2**30, False),), gpu_offload=True)
+    planned = plan_local(tiny.quants["Q4_K_M"], tiny.mmproj, hardware=gpu, n_ctx=1024, ram_budget=10**12,
+                         given=LoadChoices(**given))
+    got = (planned.n_gpu_layers, planned.vision_on_gpu, planned.n_threads, planned.n_threads_batch, planned.parallel)
+    assert all(k is None or g == k for g, k in zip(got, kept, strict=True)), got
+    assert planned.vision is not None and planned.vision.vision_gpu == planned.vision_on_gpu
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"parallel": "auto"}, {"n_gpu_layers": "auto"}, {"n_threads": 1}])
+def test_a_local_load_probes_the_machine_once_and_opens_what_its_plan_says(tiny, probe_calls, kwargs) -> None:
+    calls = probe_calls
+    with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=1024,
+                       vision_backend="llama.cpp", **kwargs) as model:
+        assert len(calls) == 1
+        planned = model.info.plan
+        assert planned is not None and planned.given is not None
+        llama = model.engine.llama
+        assert (model.info.n_ctx, model.info.parallel, model.info.vision_gpu) == \
+            (planned.n_ctx, planned.parallel, planned.vision_on_gpu)
+        assert model.info.vision_backend == planned.vision_backend
+        assert llama.context_params.n_threads == planned.n_threads
+        assert llama.context_params.n_threads_batch == planned.n_threads_batch
+        assert llama.context_params.n_batch == llama.context_params.n_ubatch == planned.n_batch
+        assert llama.context_params.n_ctx == planned.n_ctx * planned.parallel
+        assert planned.n_threads == kwargs.get("n_threads", planned.hardware.recommended_threads)
 
 
 @pytest.fixture

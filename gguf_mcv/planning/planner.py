@@ -71,7 +71,16 @@ from ..errors import ConfigError, NoQuantFitsError
 from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware, cpu_family
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
-from ..options import DETAILS, MAX_N_CTX, MIN_N_CTX, check_int, check_vision_backend, check_vision_weights
+from ..options import (
+    DETAILS,
+    MAX_N_CTX,
+    MIN_N_CTX,
+    N_BATCH,
+    check_int,
+    check_parallel,
+    check_vision_backend,
+    check_vision_weights,
+)
 from ..units import format_size, parse_size
 from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
 from . import gpu_fit, memory, speed
@@ -148,6 +157,32 @@ MAPPED_VISION = Shrink("vision_weights", "packed", "mapped")
 
 
 @dataclass(frozen=True)
+class LoadChoices:
+    """What a load fixed itself, kept by the plan as given (None or ``"auto"``: the plan decides)."""
+
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    n_gpu_layers: int | str = "auto"  #: llama.cpp's count, -1 all, or "auto"
+    vision_gpu: bool | None = None
+    parallel: int | str = "auto"  #: slots, or "auto": what the budget holds
+
+    def __post_init__(self) -> None:
+        for name in ("n_threads", "n_threads_batch"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1)
+        if self.n_gpu_layers != "auto":
+            check_int("n_gpu_layers", self.n_gpu_layers, low=-1)
+        if self.vision_gpu not in (None, True, False):
+            raise ConfigError(f"vision_gpu must be True, False or None, not {self.vision_gpu!r}.")
+        check_parallel(self.parallel)
+
+    @property
+    def by_hand(self) -> bool:
+        """Layers or the vision tower offloaded by hand: kept as given, not fitted to the GPU."""
+        return self.n_gpu_layers != "auto" and bool(self.n_gpu_layers or self.vision_gpu)
+
+
+@dataclass(frozen=True)
 class Plan:
     """The chosen quant and how to load it, with the reasoning for every quant."""
 
@@ -184,6 +219,14 @@ class Plan:
     image_detail: str = "auto"
     #: what a photo at detail="high" decodes beyond that (0 when the plan assumed it already)
     high_detail_extra: int = 0
+    n_threads_batch: int = 0  #: threads for prompts and the vision encoder
+    #: the slots a load opens: ``parallel`` as given, or (``"auto"``) :attr:`slots`
+    parallel: int = 1
+    n_batch: int = N_BATCH  #: llama.cpp's n_batch and n_ubatch (the compute buffer's reserve)
+    #: the machine the plan was made for (the probe's snapshot; no GPU when the load keeps to the CPU)
+    hardware: Hardware | None = None
+    #: the load's own choices the plan kept (:class:`LoadChoices`)
+    given: LoadChoices | None = None
 
     def shrunk_note(self) -> str:
         """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
@@ -315,6 +358,7 @@ class _Context:
     #: ONNX weights read from their mapped file, not packed (the last shrink: see ``memory.estimate``)
     vision_mapped: bool = False
     model: str = ""  #: the catalog name planned for ("" if unknown): not suggested as a smaller model
+    given: LoadChoices = LoadChoices()  #: what the load fixed itself
 
     @property
     def limited(self) -> bool:
@@ -346,8 +390,15 @@ def choose(
     must_fit: bool = False,
     model: str = "",
     vision_weights: str | None = None,
+    given: LoadChoices | None = None,
 ) -> Plan:
     """Pick the quant and settings for ``hardware``; see the module docstring for the rules.
+
+    ``given`` holds what a load fixed itself (threads, GPU layers, where the vision tower runs,
+    parallel slots): the plan keeps those values, fits the rest around them and carries the lot,
+    so that ``load()`` opens what the plan says (default: everything left to the plan). Layers or
+    a tower offloaded by hand are not fitted to the GPU; ``parallel=N`` beyond what the budget
+    holds is refused (:class:`~gguf_mcv.errors.NoQuantFitsError`).
 
     ``n_ctx`` and ``kv_cache_type`` left at None mean the defaults (4096, ``"f16"``), which the
     planner may shrink when nothing fits with them; given values are kept as they are.
@@ -379,6 +430,9 @@ def choose(
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     ctx.vision_moves, ctx.int8_cosine, ctx.model = vision_moves, int8_cosine, model
     ctx.vision_mapped = vision_weights == "mapped"
+    ctx.given = given if given is not None else LoadChoices()
+    if not isinstance(ctx.given, LoadChoices):
+        raise ConfigError(f"given must be a LoadChoices or None, not {type(given).__name__}.")
     _speed_context(ctx, rates, detail, min_tokens_per_s, max_first_answer_s)
     want = _wanted(quant, cands)
     evaluated = _evaluate_all(cands, ctx)
@@ -395,8 +449,22 @@ def choose(
         rows = _rows(evaluated, best[0], ctx, passed_over)
         plan = _plan(best, rows, ctx, mmproj_file, budget_note)
     high = memory.image_bytes(memory.DEFAULT_IMAGE_PIXELS, ctx.image_tokens, ctx.vision)  # all the slices
-    return replace(plan, shrunk=shrunk, image_detail=ctx.detail,
+    plan = replace(plan, shrunk=shrunk, image_detail=ctx.detail,
                    high_detail_extra=max(0, high - plan.estimate.images) if ctx.detail != "high" else 0)
+    _check_slots(plan)
+    return plan
+
+
+def _check_slots(plan: Plan) -> None:
+    """Refuse ``parallel`` slots beyond the first that do not fit beside the chosen quant."""
+    need = plan.predicted_bytes + (plan.parallel - 1) * plan.slot_bytes
+    if plan.fits and plan.parallel > 1 and need > plan.budget:
+        raise NoQuantFitsError(
+            f"parallel={plan.parallel} needs about {format_size(need)} of RAM ({format_size(plan.slot_bytes)} per "
+            f"slot beyond the first), but the budget is {format_size(plan.budget)}.\nWays out:\n"
+            f"- parallel={plan.slots} (or 'auto', which takes what the budget holds).\n"
+            "- a smaller n_ctx or kv_cache_type='q8_0' (each slot holds n_ctx positions).\n"
+            "- free memory (close other programs) or pass a larger ram_budget if you know better.")
 
 
 def check_request(*, ram_budget: Any = None, n_ctx: Any = None, kv_cache_type: Any = None, quant: Any = None,
@@ -599,9 +667,14 @@ def _with_vision_backend(s: _Setup, c: QuantCandidate, ctx: _Context) -> _Setup:
 
 
 def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
+    g = ctx.given
+    if g.by_hand:  # offloaded by hand: kept as given
+        gpu = ctx.hardware.gpu
+        backend = ctx.backend or (gpu.backend if gpu is not None else None) or "cuda"
+        return _Setup(int(g.n_gpu_layers), bool(g.vision_gpu), backend, bool(gpu is not None and gpu.unified))
     # an ONNX backend asked for runs the encoder on the CPU (load() refuses it on the GPU)
-    tower_may_offload = not ctx.vision_request.startswith("onnx")
-    if ctx.backend is None:
+    tower_may_offload = not ctx.vision_request.startswith("onnx") and g.vision_gpu is not False
+    if ctx.backend is None or g.n_gpu_layers == 0:
         return _Setup()
     if ctx.unified:  # one pool for both: offload everything, it is what makes these fast
         return _Setup(-1, tower_may_offload, ctx.backend, True)
@@ -628,7 +701,7 @@ def _on_gpu_whole(s: _Setup) -> bool:
 def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
     if e.needed > ctx.budget:
         return False
-    if e.gpu is not None and not s.unified and ctx.gpu_free is not None:
+    if e.gpu is not None and not s.unified and ctx.gpu_free is not None and not ctx.given.by_hand:
         return e.gpu.total <= ctx.gpu_free * (1 - GPU_HEADROOM)
     return True
 
@@ -762,11 +835,17 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     # would encode and answer at once and need both sets of weights together
     slots = 1 if ctx.vision_mapped else memory.parallel_for_budget(max(e.needed, fallback_bytes or 0), per_slot,
                                                                    ctx.budget)
+    g = ctx.given
+    threads = g.n_threads or ctx.hardware.recommended_threads
     return Plan(
+        n_threads_batch=g.n_threads_batch or threads,
+        parallel=slots if g.parallel == "auto" else int(g.parallel),
+        hardware=ctx.hardware,
+        given=g,
         slots=slots,
         slot_bytes=per_slot,
         quant=c.quant, files=(c.file, mmproj_file), predicted_bytes=e.needed, budget=ctx.budget,
-        n_ctx=ctx.n_ctx, n_threads=ctx.hardware.recommended_threads, n_gpu_layers=s.n_gpu_layers,
+        n_ctx=ctx.n_ctx, n_threads=threads, n_gpu_layers=s.n_gpu_layers,
         vision_on_gpu=s.vision_on_gpu, kv_cache_type=ctx.kv_cache_type, rows=rows, estimate=e,
         gpu_budget=ctx.gpu_free, fits=fits, warnings=tuple(warnings), budget_note=budget_note,
         speed=(ctx.speeds or {}).get(c.quant), rates=ctx.rates,

@@ -18,9 +18,6 @@ from typing import Any
 
 from ..options import LoadOptions
 
-#: llama.cpp's batch sizes for every load (one ubatch of a prompt, the compute buffer's reserve)
-N_BATCH = 512
-
 _lock = threading.Lock()
 
 
@@ -65,7 +62,7 @@ def llama_kwargs(options: LoadOptions) -> dict[str, Any]:
         raise TypeError(f"load options not resolved (threads, GPU layers, parallel): {options}")
     kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
                "q4_0": llama_cpp.GGML_TYPE_Q4_0}[options.kv_cache_type]
-    return dict(n_ctx=options.n_ctx * options.parallel, n_batch=N_BATCH, n_ubatch=N_BATCH,
+    return dict(n_ctx=options.n_ctx * options.parallel, n_batch=options.n_batch, n_ubatch=options.n_batch,
                 n_threads=options.n_threads, n_threads_batch=options.n_threads_batch or options.n_threads,
                 n_gpu_layers=options.n_gpu_layers,
                 flash_attn=bool(options.flash_attn) or options.kv_cache_type != "f16",
