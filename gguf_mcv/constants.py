@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from .errors import ConfigError
+from .options import DEFAULT_N_CTX  # noqa: F401  (a default, not a setting: read here by name too)
 
 #: Folder for gguf_mcv's own caches (image embeddings, the self-test model).
 ENV_CACHE = "GGUF_MCV_CACHE"
@@ -19,7 +20,6 @@ ENV_CATALOG = "GGUF_MCV_CATALOG"
 #: Root of the file system the hardware probe reads (``/`` unless testing).
 ENV_HW_ROOT = "GGUF_MCV_HW_ROOT"
 
-DEFAULT_N_CTX = 4096
 DEFAULT_QUANT = "Q4_K_M"
 
 

@@ -249,6 +249,8 @@ def max_threads() -> int:
     return MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
 
 
+#: The context a load gets unless told otherwise (the planner may shrink it when nothing fits).
+DEFAULT_N_CTX = 4096
 #: llama.cpp's batch sizes for every load (one ubatch of a prompt, the compute buffer's reserve)
 N_BATCH = 512
 

@@ -169,3 +169,37 @@ def test_each_question_has_one_folder() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert {"vision", "planning", "server", "prompt"} <= folders
     assert (PACKAGE / "vision" / "onnx_vision.py").is_file() and (PACKAGE / "planning" / "planner.py").is_file()
+
+
+#: Modules that read or write the world; the planner takes the machine's facts as values instead.
+IO_MODULES = {"os", "io", "platform", "subprocess", "pathlib", "psutil", "shutil", "socket", "urllib",
+              "requests", "httpx", "huggingface_hub", "llama_cpp", "gguf", "ctypes"}
+#: Package modules that do I/O (probe the machine, read files, run checks): planning must not import them.
+IO_PACKAGE_MODULES = {"gguf_mcv.native_verdict", "gguf_mcv.resolver", "gguf_mcv.runtime",
+                      "gguf_mcv.models.headers", "gguf_mcv.models.hub", "gguf_mcv.constants", "gguf_mcv.cgroups"}
+
+
+#: What planning/ may take from gguf_mcv.hardware: the snapshot's types, constants and pure functions.
+PURE_HARDWARE_NAMES = {"Hardware", "Gpu", "cpu_family", "OS_RESERVE_FRACTION", "OS_RESERVE_MIN"}
+
+
+def test_planning_does_no_io() -> None:
+    """planning/ is pure: no I/O library, no I/O module of ours (function-level imports count), no open()."""
+    graph = _graph()
+    for path in sorted((PACKAGE / "planning").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        stdlib = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                  for alias in node.names}
+        stdlib |= {node.module.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        assert not stdlib & IO_MODULES, f"{path.name} imports {sorted(stdlib & IO_MODULES)}"
+        ours = {m for m in graph[_module_name(path)]
+                if any(m == io or m.startswith(io + ".") for io in IO_PACKAGE_MODULES)}
+        assert not ours, f"{path.name} imports {sorted(ours)}"
+        from_hardware = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "hardware"
+                         and n.level == 2 for a in n.names}
+        # the machine's facts come in as a Hardware value; hardware's probes are not the planner's to call
+        assert from_hardware <= PURE_HARDWARE_NAMES, f"{path.name} imports {sorted(from_hardware - PURE_HARDWARE_NAMES)}"
+        opens = [n.lineno for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "open"]
+        assert not opens, f"{path.name} calls open() at lines {opens}"

@@ -63,306 +63,52 @@ Rules, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .. import constants
 from ..errors import ConfigError, NoQuantFitsError
-from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware, cpu_family
+from ..hardware import OS_RESERVE_FRACTION, OS_RESERVE_MIN, Hardware
 from ..models.quants import normalize_quant, quality_rank
 from ..models.shapes import TextShape, VisionShape
 from ..options import (
+    DEFAULT_N_CTX,
     DETAILS,
     MAX_N_CTX,
     MIN_N_CTX,
-    N_BATCH,
     check_int,
-    check_parallel,
     check_vision_backend,
     check_vision_weights,
 )
 from ..units import format_size, parse_size
-from ..vision.vision_backends import VisionSetup, choose_backend, choose_setup
+from ..vision.vision_backends import choose_setup
 from . import gpu_fit, memory, speed
-from .speed import Rates, SpeedPrediction
+from .evaluation import (  # noqa: F401  (GPU_HEADROOM, default_image_tokens: the planner's, by name)
+    GPU_HEADROOM,
+    Context,
+    Evaluated,
+    Setup,
+    default_image_tokens,
+    estimate_setup,
+    make_context,
+    on_gpu_whole,
+    setup_fits,
+)
+from .plan import MAPPED_VISION, LoadChoices, Plan, PlanRow, QuantCandidate, Shrink  # noqa: F401
+from .refusals import largest_fitting_ctx, nothing_fits_message, too_slow, too_slow_message
 
 PREFERENCES = ("quality", "speed", "size")
 #: Share of the host's free RAM kept free when no budget is given, and its floor in bytes
 #: (inside a container's memory limit, :attr:`Hardware.ram_reserve` keeps less).
 RESERVE_FRACTION = OS_RESERVE_FRACTION
 RESERVE_MIN = OS_RESERVE_MIN
-#: Share of free VRAM left unused (fragmentation, the display, other processes).
-GPU_HEADROOM = 0.05
-#: The smallest context worth suggesting: one full-detail image plus a short exchange.
-MIN_SUGGESTED_CTX = 1024
 #: The smallest context the planner shrinks a default one to on its own: a full-detail
 #: image (640 tokens) or a 16-frame video, with room for a conversation about it.
 MIN_SHRUNK_CTX = 2048
 #: What a default f16 KV cache is shrunk to when nothing fits with it.
 SHRUNK_KV = "q8_0"
-#: Models to suggest when nothing fits (catalog names, smallest first).
-SMALLER_MODELS = ("minicpm-v-4.6",)
 DEFAULT_MMPROJ_FILE = "mmproj-model-f16.gguf"
 #: Types the planner does not pick on its own (see :func:`_pick`).
 UNQUANTIZED = ("F16", "BF16", "F32")
-
-
-@dataclass(frozen=True)
-class QuantCandidate:
-    """One quant file a model offers."""
-
-    quant: str
-    file: str
-    size: int  #: bytes
-    exact: bool = True  #: False when ``size`` is an estimate (a catalog figure, not the Hub's)
-    #: bytes by ggml weight type, when the file's header was read (speed predictions)
-    weights: speed.WeightProfile | None = None
-
-
-@dataclass(frozen=True)
-class PlanRow:
-    """What the planner concluded about one quant."""
-
-    quant: str
-    file: str
-    size: int
-    needed: int | None  #: predicted RAM need (None: not evaluated)
-    peak_rss: int | None  #: predicted peak RSS on a machine with RAM to spare
-    fits: bool
-    note: str
-    n_gpu_layers: int = 0
-    chosen: bool = False
-    decode_tokens_per_s: float | None = None  #: predicted (None: no rates given)
-    first_answer_s: float | None = None  #: predicted seconds to the first token, a photo
-    video_first_answer_s: float | None = None  #: the same for a 16-frame video
-    vision_backend: str = "llama.cpp"  #: who runs the encoder in this row's memory figures
-
-
-@dataclass(frozen=True)
-class Shrink:
-    """A default the planner lowered because nothing fitted with it."""
-
-    setting: str  #: "n_ctx", "kv_cache_type" or "vision_weights"
-    default: int | str
-    planned: int | str
-
-    def __str__(self) -> str:
-        return f"{self.setting} {self.default} -> {self.planned}"
-
-
-#: The last shrink: the ONNX encoder's weights stay in their memory-mapped file instead of being
-#: packed into anonymous memory (int8 slices ~25 % slower; under memory pressure the kernel drops
-#: the encoder's pages while the text model answers and reads them again for the next image).
-MAPPED_VISION = Shrink("vision_weights", "packed", "mapped")
-
-
-@dataclass(frozen=True)
-class LoadChoices:
-    """What a load fixed itself, kept by the plan as given (None or ``"auto"``: the plan decides)."""
-
-    n_threads: int | None = None
-    n_threads_batch: int | None = None
-    n_gpu_layers: int | str = "auto"  #: llama.cpp's count, -1 all, or "auto"
-    vision_gpu: bool | None = None
-    parallel: int | str = "auto"  #: slots, or "auto": what the budget holds
-
-    def __post_init__(self) -> None:
-        for name in ("n_threads", "n_threads_batch"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), low=1)
-        if self.n_gpu_layers != "auto":
-            check_int("n_gpu_layers", self.n_gpu_layers, low=-1)
-        if self.vision_gpu not in (None, True, False):
-            raise ConfigError(f"vision_gpu must be True, False or None, not {self.vision_gpu!r}.")
-        check_parallel(self.parallel)
-
-    @property
-    def by_hand(self) -> bool:
-        """Layers or the vision tower offloaded by hand: kept as given, not fitted to the GPU."""
-        return self.n_gpu_layers != "auto" and bool(self.n_gpu_layers or self.vision_gpu)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The chosen quant and how to load it, with the reasoning for every quant."""
-
-    quant: str
-    files: tuple[str, str]  #: (model file, mmproj file)
-    predicted_bytes: int  #: RAM the chosen setup needs (``MemoryEstimate.needed``)
-    budget: int
-    n_ctx: int
-    n_threads: int
-    n_gpu_layers: int  #: llama.cpp's count (output matrix first); -1 = everything
-    vision_on_gpu: bool
-    kv_cache_type: str
-    rows: tuple[PlanRow, ...]
-    estimate: memory.MemoryEstimate
-    gpu_budget: int | None = None
-    fits: bool = True  #: False only for an explicit quant that does not fit
-    warnings: tuple[str, ...] = ()
-    budget_note: str = ""
-    model: str = ""  #: the catalog name or repo id planned for (set by :func:`plan`)
-    #: what ``parallel="auto"`` would load: the slots (answers at once) the budget holds
-    slots: int = 1
-    slot_bytes: int = 0  #: what each slot beyond the first costs (KV cache, batch row, a waiting image)
-    speed: SpeedPrediction | None = None  #: the chosen quant's predicted speed
-    rates: Rates | None = None  #: the machine rates the predictions used
-    vision_backend: str = "llama.cpp"  #: who runs the encoder in the chosen setup
-    vision_backend_reason: str = ""  #: why (the loader's rule for ``vision_backend="auto"``)
-    #: the whole vision decision (backend, precision, reason, fallback) that ``load()`` carries out
-    vision: VisionSetup | None = None
-    #: RAM needed if the vision setup's fallback runs instead (None: it has none)
-    fallback_bytes: int | None = None
-    #: defaults the planner lowered so that the model fits (empty when none was needed)
-    shrunk: tuple[Shrink, ...] = ()
-    #: the detail the ``images`` term assumes (``detail=``): a 12 MP photo decoded for that detail's slices
-    image_detail: str = "auto"
-    #: what a photo at detail="high" decodes beyond that (0 when the plan assumed it already)
-    high_detail_extra: int = 0
-    n_threads_batch: int = 0  #: threads for prompts and the vision encoder
-    #: the slots a load opens: ``parallel`` as given, or (``"auto"``) :attr:`slots`
-    parallel: int = 1
-    n_batch: int = N_BATCH  #: llama.cpp's n_batch and n_ubatch (the compute buffer's reserve)
-    #: the machine the plan was made for (the probe's snapshot; no GPU when the load keeps to the CPU)
-    hardware: Hardware | None = None
-    #: the load's own choices the plan kept (:class:`LoadChoices`)
-    given: LoadChoices | None = None
-
-    def shrunk_note(self) -> str:
-        """One sentence on :attr:`shrunk` ("" when nothing was shrunk)."""
-        if not self.shrunk:
-            return ""
-        asked = " / ".join(f"{s.setting}=" for s in self.shrunk)
-        note = (f"Shrunk to fit the budget: {', '.join(map(str, self.shrunk))} (nothing fitted with the "
-                f"defaults; pass {asked} to choose yourself).")
-        if MAPPED_VISION in self.shrunk:
-            note += (" The vision encoder reads its weights from their mapped file: slices take ~25 % longer, "
-                     "and under memory pressure each new image reads them from disk again.")
-        return note
-
-    def images_note(self) -> str:
-        """One sentence on the photo the ``images`` term assumes (and what detail="high" adds)."""
-        note = (f"Images: a 12 MP photo asked about at detail={self.image_detail!r} "
-                f"({format_size(self.estimate.images)} decoded).")
-        if self.high_detail_extra > 0:
-            note += (f" detail='high' decodes {format_size(self.high_detail_extra)} more: plan with "
-                     "detail='high' if you ask for it.")
-        return note
-
-    def table(self) -> str:
-        """An aligned, readable table of the rows, with the budget above it."""
-        timed = self.speed is not None
-        head: tuple[str, ...] = ("", "quant", "file size", "needs", "peak RSS")
-        head += ("tok/s", "photo", "video") if timed else ()
-        body = [("->" if r.chosen else "", r.quant, format_size(r.size), format_size(r.needed),
-                 format_size(r.peak_rss)) + (_speed_cells(r) if timed else ()) for r in self.rows]
-        head, body = head + ("verdict",), [row + (r.note,) for row, r in zip(body, self.rows, strict=True)]
-        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        right = range(2, len(head) - 1)
-        fmt = lambda row: "  ".join(  # noqa: E731
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        lines = [f"Model: {self.model}"] if self.model else []
-        lines += [self.budget_note or f"RAM budget {format_size(self.budget)}"]
-        lines += [self.shrunk_note()] if self.shrunk else []
-        lines.append(fmt(head))
-        lines += [fmt(row) for row in body]
-        gpu = "no GPU offload"
-        if self.n_gpu_layers or self.vision_on_gpu:
-            layers = "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers)
-            gpu = f"n_gpu_layers={layers}, vision on {'GPU' if self.vision_on_gpu else 'CPU'}"
-        if self.slot_bytes:
-            lines.append(f"Parallel slots (parallel=\"auto\"): {self.slots}, "
-                         f"{format_size(self.slot_bytes)} each beyond the first.")
-        lines.append(f"Vision encoder: {self.vision_backend} ({self.vision_backend_reason}); "
-                     "its weights and working memory are in the figures above.")
-        if self.vision is not None and self.vision.fallback is not None and self.fallback_bytes is not None:
-            lines.append(f"If int8's embeddings fail their check against fp32 when it is first converted, "
-                         f"load() runs {self.vision.fallback} instead: it needs {format_size(self.fallback_bytes)}, "
-                         f"within the budget.")
-        elif self.vision is not None and self.vision.over_budget is not None:
-            lines.append(f"int8 is kept even if its embeddings fail their check against fp32: "
-                         f"{self.vision.over_budget} would not fit the budget.")
-        lines.append(self.images_note())
-        lines.append(f"Chosen {self.quant}: n_ctx={self.n_ctx}, kv_cache_type={self.kv_cache_type}, "
-                     f"n_threads={self.n_threads}, {gpu}.")
-        if self.speed is not None and self.rates is not None:
-            lines.append(f"Speed predicted from {self.rates.source}: tok/s = decode tokens per second; "
-                         f"photo = seconds to the first token for a 12 MP photo at detail="
-                         f"{self.speed.detail!r} ({self.speed.photo_slices} encoder passes); "
-                         f"video = the same for {speed.VIDEO_FRAMES} frames.")
-        lines += [f"Warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``--json``."""
-        return {
-            "model": self.model, "quant": self.quant, "files": list(self.files),
-            "predicted_bytes": self.predicted_bytes,
-            "budget": self.budget, "gpu_budget": self.gpu_budget, "n_ctx": self.n_ctx,
-            "n_threads": self.n_threads, "n_gpu_layers": self.n_gpu_layers,
-            "vision_on_gpu": self.vision_on_gpu, "kv_cache_type": self.kv_cache_type,
-            "fits": self.fits, "warnings": list(self.warnings), "slots": self.slots,
-            "slot_bytes": self.slot_bytes, "vision_backend": self.vision_backend,
-            "vision_backend_reason": self.vision_backend_reason,
-            "vision": self.vision.to_dict() if self.vision is not None else None,
-            "fallback_bytes": self.fallback_bytes,
-            "rows": [r.__dict__.copy() for r in self.rows], "estimate": self.estimate.to_dict(),
-            "speed": self.speed.to_dict() if self.speed is not None else None,
-            "rates": self.rates.to_dict() if self.rates is not None else None,
-            "shrunk": [s.__dict__.copy() for s in self.shrunk],
-            "image_detail": self.image_detail, "high_detail_extra": self.high_detail_extra,
-        }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Setup:
-    """Where things run, for one quant."""
-
-    n_gpu_layers: int = 0  # llama.cpp's count; -1 = everything
-    vision_on_gpu: bool = False
-    backend: str | None = None
-    unified: bool = False
-    vision_backend: str = "llama.cpp"  #: who runs the vision encoder (resolved, never "auto")
-    vision: VisionSetup | None = None  #: the whole decision (:func:`choose_setup`)
-
-
-_Evaluated = tuple  # (QuantCandidate, memory.MemoryEstimate, _Setup)
-
-
-@dataclass
-class _Context:
-    """Everything about the request that is the same for every quant."""
-
-    arch: TextShape
-    vision: VisionShape
-    mmproj_size: int
-    hardware: Hardware
-    n_ctx: int
-    kv_cache_type: str
-    image_tokens: int
-    budget: int
-    gpu_free: int | None = None
-    backend: str | None = None
-    unified: bool = False
-    cpu_only: bool = False  #: unified memory too small for a full offload: CPU alone
-    rates: speed.Rates | None = None
-    detail: str = "auto"
-    min_tokens_per_s: float | None = None
-    max_first_answer_s: float | None = None
-    speeds: dict[str, speed.SpeedPrediction] | None = None  #: per quant, when rates are known
-    vision_request: str = "auto"  #: the ``vision_backend`` asked for
-    onnxruntime: str | None = None  #: onnxruntime's version where it imports, else None
-    vision_moves: Callable[[str], str] | None = None  #: the native check's replacement for a backend
-    int8_cosine: float | None = None  #: int8 vs fp32, from a cached conversion
-    #: ONNX weights read from their mapped file, not packed (the last shrink: see ``memory.estimate``)
-    vision_mapped: bool = False
-    model: str = ""  #: the catalog name planned for ("" if unknown): not suggested as a smaller model
-    given: LoadChoices = LoadChoices()  #: what the load fixed itself
-
-    @property
-    def limited(self) -> bool:
-        return self.min_tokens_per_s is not None or self.max_first_answer_s is not None
 
 
 def choose(
@@ -421,12 +167,12 @@ def choose(
                   detail=detail, min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
                   vision_backend=vision_backend, vision_weights=vision_weights)
     may_shrink = (n_ctx is None, kv_cache_type is None)
-    n_ctx = constants.DEFAULT_N_CTX if n_ctx is None else n_ctx
+    n_ctx = DEFAULT_N_CTX if n_ctx is None else n_ctx
     cands = _dedupe(candidates)
     if not cands:
         raise ConfigError("No quant files to choose from.")
     budget, budget_note = resolve_budget(hardware, ram_budget)
-    ctx = _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type or "f16", image_tokens, budget)
+    ctx = make_context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type or "f16", image_tokens, budget)
     ctx.vision_request, ctx.onnxruntime = vision_backend, onnxruntime
     ctx.vision_moves, ctx.int8_cosine, ctx.model = vision_moves, int8_cosine, model
     ctx.vision_mapped = vision_weights == "mapped"
@@ -514,52 +260,19 @@ def resolve_budget(hardware: Hardware, ram_budget: int | str | None) -> tuple[in
                     f"less a {format_size(reserve)} safety reserve.")
 
 
-def default_image_tokens(vision: VisionShape | None = None) -> int:
-    """Tokens of one full-detail image: overview + 9 slices of ``query_tokens`` (640 for 2.6)."""
-    return 10 * (vision or VisionShape()).query_tokens
-
-
 # --- evaluation -----------------------------------------------------------------------
 
 
-def _context(arch, vision, mmproj_size, hardware, n_ctx, kv_cache_type, image_tokens, budget) -> _Context:
-    ctx = _Context(arch=arch, vision=vision or VisionShape(),
-                   mmproj_size=mmproj_size, hardware=hardware, n_ctx=n_ctx,
-                   kv_cache_type=kv_cache_type,
-                   image_tokens=image_tokens if image_tokens is not None else default_image_tokens(vision),
-                   budget=budget)
-    gpu = hardware.gpu
-    if hardware.gpu_offload and gpu is not None:
-        ctx.backend, ctx.unified = gpu.backend, gpu.unified
-        if not gpu.unified and gpu.free_memory > 0:
-            ctx.gpu_free = gpu.free_memory
-    return ctx
-
-
-def _estimate(c: QuantCandidate, ctx: _Context, setup: _Setup, n_ctx: int | None = None,
-              kv_cache_type: str | None = None) -> memory.MemoryEstimate:
-    return memory.estimate(
-        model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size, vision=ctx.vision,
-        quant=c.quant, n_ctx=n_ctx or ctx.n_ctx, kv_cache_type=kv_cache_type or ctx.kv_cache_type,
-        image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
-        vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
-        unified_memory=setup.unified, cpu=cpu_family(ctx.hardware.machine),
-        vision_backend=setup.vision_backend,
-        # the photo decoded as ``detail`` cuts it on this encoder (auto: 4 slices on a CPU)
-        image_slices=speed.slice_budget(ctx.detail, vision_on_gpu=setup.vision_on_gpu),
-        vision_mapped=ctx.vision_mapped and setup.vision_backend.startswith("onnx-"),
-    )
-
-
-def _evaluate_all(cands: list[QuantCandidate], ctx: _Context) -> list[_Evaluated]:
+def _evaluate_all(cands: list[QuantCandidate], ctx: Context) -> list[Evaluated]:
     """Each quant with its estimate and GPU split on this machine."""
-    evaluated = [(c, _estimate(c, ctx, s), s) for c in cands for s in [_with_vision_backend(_setup(c, ctx), c, ctx)]]
-    if ctx.unified and not any(_fits(e, s, ctx) for _, e, s in evaluated):
+    evaluated = [(c, estimate_setup(c, ctx, s), s)
+                 for c in cands for s in [_with_vision_backend(_setup(c, ctx), c, ctx)]]
+    if ctx.unified and not any(setup_fits(e, s, ctx) for _, e, s in evaluated):
         # a full offload costs RAM here (device copies, CUDA context, device compute
         # buffer); when no quant fits that way, plan for the CPU alone
         ctx.cpu_only = True
-        evaluated = [(c, _estimate(c, ctx, s), s) for c in cands
-                     for s in [_with_vision_backend(_Setup(backend=ctx.backend), c, ctx)]]
+        evaluated = [(c, estimate_setup(c, ctx, s), s) for c in cands
+                     for s in [_with_vision_backend(Setup(backend=ctx.backend), c, ctx)]]
     return evaluated
 
 
@@ -574,13 +287,13 @@ def _wanted(quant: str | None, cands: list[QuantCandidate]) -> str | None:
     return want
 
 
-def _any_fits(evaluated: list[_Evaluated], ctx: _Context, want: str | None) -> bool:
+def _any_fits(evaluated: list[Evaluated], ctx: Context, want: str | None) -> bool:
     """Whether some quant fits (only ``want``, when a quant was asked for)."""
-    return any(_fits(e, s, ctx) for c, e, s in evaluated if want is None or c.quant == want)
+    return any(setup_fits(e, s, ctx) for c, e, s in evaluated if want is None or c.quant == want)
 
 
-def _shrink(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool,
-            may_kv: bool, *, may_map: bool = True) -> tuple[_Context, list[_Evaluated], tuple[Shrink, ...]] | None:
+def _shrink(cands: list[QuantCandidate], ctx: Context, want: str | None, may_ctx: bool,
+            may_kv: bool, *, may_map: bool = True) -> tuple[Context, list[Evaluated], tuple[Shrink, ...]] | None:
     """The first smaller setup with which something fits (``want``, when asked for): a q8_0
     KV cache, then the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` (with that KV
     cache) at which any quant fits; then the same two with an ONNX encoder's weights read from
@@ -605,29 +318,29 @@ def _shrink(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ct
     return None
 
 
-def _ctx_to_fit(cands: list[QuantCandidate], ctx: _Context, want: str | None, may_ctx: bool) -> list[_Context]:
+def _ctx_to_fit(cands: list[QuantCandidate], ctx: Context, want: str | None, may_ctx: bool) -> list[Context]:
     """``ctx`` with the largest ``n_ctx`` of at least :data:`MIN_SHRUNK_CTX` at which some quant
     (``want``, when asked for) fits; empty when n_ctx may not change or none does."""
     if not may_ctx or ctx.n_ctx <= MIN_SHRUNK_CTX:
         return []
-    sizes = [_largest_fitting_ctx(c, ctx, s, floor=MIN_SHRUNK_CTX)
+    sizes = [largest_fitting_ctx(c, ctx, s, floor=MIN_SHRUNK_CTX)
              for c, _, s in _evaluate_all(cands, ctx) if want is None or c.quant == want]
     n = max((x for x in sizes if x is not None), default=None)
     return [replace(ctx, n_ctx=n, cpu_only=False)] if n is not None else []
 
 
-def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> tuple[_Evaluated, str]:
+def _pick(evaluated: list[Evaluated], ctx: Context, prefer: str) -> tuple[Evaluated, str]:
     """The quant to plan, and the note for the fitting rows passed over."""
     passed_over = f"not chosen: prefer={prefer}"
-    fitting = [(c, e, s) for c, e, s in evaluated if _fits(e, s, ctx)]
+    fitting = [(c, e, s) for c, e, s in evaluated if setup_fits(e, s, ctx)]
     if not fitting:
-        raise NoQuantFitsError(_nothing_fits_message(evaluated, ctx))
+        raise NoQuantFitsError(nothing_fits_message(evaluated, ctx))
     if ctx.limited:
-        fast = [x for x in fitting if not _too_slow(x[0], ctx)]
+        fast = [x for x in fitting if not too_slow(x[0], ctx)]
         if not fast:
-            raise NoQuantFitsError(_too_slow_message(fitting, ctx))
+            raise NoQuantFitsError(too_slow_message(fitting, ctx))
         fitting = fast
-    whole = [x for x in fitting if _on_gpu_whole(x[2])]
+    whole = [x for x in fitting if on_gpu_whole(x[2])]
     if whole:
         # with a GPU, "quality" means the best quant the GPU holds entirely: layers left
         # on the CPU (or a vision tower at ~9 s a slice) cost far more speed than one
@@ -650,36 +363,37 @@ def _pick(evaluated: list[_Evaluated], ctx: _Context, prefer: str) -> tuple[_Eva
     return min(fitting, key=lambda x: (x[0].size, -quality_rank(x[0].quant))), passed_over
 
 
-def _rereads(fitting: list[_Evaluated], ctx: _Context) -> bool:
+def _rereads(fitting: list[Evaluated], ctx: Context) -> bool:
     """Whether every quant that fits would read dropped weights from disk again at each image
     (mapped vision weights that do not all fit beside the text model's)."""
     return bool(fitting) and all(e.needed + e.swapped > ctx.budget for _, e, _ in fitting)
 
 
-def _with_vision_backend(s: _Setup, c: QuantCandidate, ctx: _Context) -> _Setup:
+def _with_vision_backend(s: Setup, c: QuantCandidate, ctx: Context) -> Setup:
     """``s`` with the vision setup the loader carries out for it (:func:`choose_setup`)."""
     vision = choose_setup(ctx.vision_request, vision_gpu=s.vision_on_gpu, projector_type=ctx.vision.projector,
                           ort_version=ctx.onnxruntime, runs_instead=ctx.vision_moves, int8_cosine=ctx.int8_cosine,
-                          fallback_fits=lambda b: _estimate(c, ctx, replace(s, vision_backend=b)).needed <= ctx.budget)
+                          fallback_fits=lambda b: estimate_setup(c, ctx, replace(s, vision_backend=b)).needed
+                          <= ctx.budget)
     if ctx.vision_mapped and vision.onnx:
         vision = replace(vision, packed=False)
     return replace(s, vision_backend=vision.backend, vision=vision)
 
 
-def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
+def _setup(c: QuantCandidate, ctx: Context) -> Setup:
     g = ctx.given
     if g.by_hand:  # offloaded by hand: kept as given
         gpu = ctx.hardware.gpu
         backend = ctx.backend or (gpu.backend if gpu is not None else None) or "cuda"
-        return _Setup(int(g.n_gpu_layers), bool(g.vision_gpu), backend, bool(gpu is not None and gpu.unified))
+        return Setup(int(g.n_gpu_layers), bool(g.vision_gpu), backend, bool(gpu is not None and gpu.unified))
     # an ONNX backend asked for runs the encoder on the CPU (load() refuses it on the GPU)
     tower_may_offload = not ctx.vision_request.startswith("onnx") and g.vision_gpu is not False
     if ctx.backend is None or g.n_gpu_layers == 0:
-        return _Setup()
+        return Setup()
     if ctx.unified:  # one pool for both: offload everything, it is what makes these fast
-        return _Setup(-1, tower_may_offload, ctx.backend, True)
+        return Setup(-1, tower_may_offload, ctx.backend, True)
     if ctx.gpu_free is None:
-        return _Setup(backend=ctx.backend)
+        return Setup(backend=ctx.backend)
     usable = int(ctx.gpu_free * (1 - GPU_HEADROOM))
     vision = memory.estimate(model_size=c.size, text=ctx.arch, mmproj_size=ctx.mmproj_size,
                              vision=ctx.vision, quant=c.quant, n_ctx=ctx.n_ctx,
@@ -691,25 +405,13 @@ def _setup(c: QuantCandidate, ctx: _Context) -> _Setup:
                               mmproj_size=ctx.mmproj_size, vision=ctx.vision,
                               vision_on_gpu=vision_on_gpu, gpu_backend=ctx.backend,
                               headroom=GPU_HEADROOM)
-    return _Setup(-1 if n > ctx.arch.n_layers else n, vision_on_gpu, ctx.backend)
-
-
-def _on_gpu_whole(s: _Setup) -> bool:
-    return s.n_gpu_layers < 0 and s.vision_on_gpu
-
-
-def _fits(e: memory.MemoryEstimate, s: _Setup, ctx: _Context) -> bool:
-    if e.needed > ctx.budget:
-        return False
-    if e.gpu is not None and not s.unified and ctx.gpu_free is not None and not ctx.given.by_hand:
-        return e.gpu.total <= ctx.gpu_free * (1 - GPU_HEADROOM)
-    return True
+    return Setup(-1 if n > ctx.arch.n_layers else n, vision_on_gpu, ctx.backend)
 
 
 # --- speed ----------------------------------------------------------------------------
 
 
-def _speed_context(ctx: _Context, rates: speed.Rates | None, detail: str, min_tokens_per_s: Any,
+def _speed_context(ctx: Context, rates: speed.Rates | None, detail: str, min_tokens_per_s: Any,
                    max_first_answer_s: Any) -> None:
     ctx.min_tokens_per_s = None if min_tokens_per_s is None else float(min_tokens_per_s)  # checked: check_request
     ctx.max_first_answer_s = None if max_first_answer_s is None else float(max_first_answer_s)
@@ -721,7 +423,7 @@ def _speed_context(ctx: _Context, rates: speed.Rates | None, detail: str, min_to
     ctx.rates, ctx.detail = rates, detail
 
 
-def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
+def _predict_all(evaluated: list[Evaluated], ctx: Context) -> None:
     """Each quant's predicted speed with its own GPU split, when rates are known."""
     if ctx.rates is None:
         return
@@ -736,65 +438,20 @@ def _predict_all(evaluated: list[_Evaluated], ctx: _Context) -> None:
             vision_on_gpu=s.vision_on_gpu, gpu=gpu, weights=c.weights, vision_backend=s.vision_backend)
 
 
-def _too_slow(c: QuantCandidate, ctx: _Context) -> str:
-    """Why ``c`` misses the speed limits ("" when it meets them or there are none)."""
-    p = (ctx.speeds or {}).get(c.quant)
-    if p is None:
-        return ""
-    why = []
-    if ctx.min_tokens_per_s is not None and p.decode_tokens_per_s < ctx.min_tokens_per_s:
-        why.append(f"{p.decode_tokens_per_s:.1f} tok/s < {ctx.min_tokens_per_s:g}")
-    if ctx.max_first_answer_s is not None and p.first_answer_s > ctx.max_first_answer_s:
-        why.append(f"first answer {p.first_answer_s:.0f} s > {ctx.max_first_answer_s:g} s")
-    return ", ".join(why)
-
-
-def _too_slow_message(fitting: list[_Evaluated], ctx: _Context) -> str:
-    speeds = ctx.speeds or {}
-    fastest = max(fitting, key=lambda x: (speeds[x[0].quant].decode_tokens_per_s,
-                                          -speeds[x[0].quant].first_answer_s))[0]
-    quickest = min(fitting, key=lambda x: speeds[x[0].quant].first_answer_s)[0]
-    p, q = speeds[fastest.quant], speeds[quickest.quant]
-    limits = " and ".join(x for x in (
-        f"at least {ctx.min_tokens_per_s:g} tokens/s" if ctx.min_tokens_per_s is not None else "",
-        f"a first answer within {ctx.max_first_answer_s:g} s" if ctx.max_first_answer_s is not None else "",
-    ) if x)
-    lines = [
-        f"No quantization that fits is predicted to give {limits}: the fastest that fits is "
-        f"{fastest.quant} at {p.decode_tokens_per_s:.1f} tokens/s, first answer to a photo in "
-        f"{p.first_answer_s:.0f} s (detail={ctx.detail!r}).",
-        "Ways out:",
-    ]
-    if quickest is not fastest:
-        lines.append(f"- the quickest first answer is {quickest.quant}'s, {q.first_answer_s:.0f} s.")
-    if ctx.detail != "low":
-        lines.append("- detail='low' encodes a photo in one slice instead of several.")
-    smaller = _smaller_models(ctx)
-    lines.append(f"- a smaller model, e.g. {', '.join(smaller)}, or relax the limits." if smaller
-                 else "- relax the limits.")
-    return "\n".join(lines)
-
-
-def _speed_cells(r: PlanRow) -> tuple[str, str, str]:
-    if r.decode_tokens_per_s is None or r.first_answer_s is None or r.video_first_answer_s is None:
-        return "", "", ""
-    return f"{r.decode_tokens_per_s:.1f}", f"{r.first_answer_s:.0f} s", f"{r.video_first_answer_s:.0f} s"
-
-
 # --- outcomes -------------------------------------------------------------------------
 
 
-def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) -> tuple[PlanRow, ...]:
+def _rows(evaluated, chosen: QuantCandidate, ctx: Context, passed_over: str) -> tuple[PlanRow, ...]:
     rows = []
-    chosen_whole = any(_on_gpu_whole(s) for c, _, s in evaluated if c is chosen)
+    chosen_whole = any(on_gpu_whole(s) for c, _, s in evaluated if c is chosen)
     for c, e, s in sorted(evaluated, key=lambda x: quality_rank(x[0].quant)):
-        fits = _fits(e, s, ctx)
-        slow = _too_slow(c, ctx) if ctx.limited else ""
+        fits = setup_fits(e, s, ctx)
+        slow = too_slow(c, ctx) if ctx.limited else ""
         if c is chosen:
             note = "chosen: " + _spare(e, ctx)
         elif fits and slow:
             note = f"fits ({_spare(e, ctx)}) but too slow: {slow}"
-        elif fits and not _on_gpu_whole(s) and chosen_whole:
+        elif fits and not on_gpu_whole(s) and chosen_whole:
             note = f"fits ({_spare(e, ctx)}) but not wholly on the GPU; a quant that is was preferred"
         elif fits and c.quant in UNQUANTIZED and chosen.quant not in UNQUANTIZED:
             note = f"fits ({_spare(e, ctx)}); unquantized: only when asked for (quant=)"
@@ -817,11 +474,11 @@ def _rows(evaluated, chosen: QuantCandidate, ctx: _Context, passed_over: str) ->
     return tuple(rows)
 
 
-def _spare(e: memory.MemoryEstimate, ctx: _Context) -> str:
+def _spare(e: memory.MemoryEstimate, ctx: Context) -> str:
     return f"{format_size(ctx.budget - e.needed)} to spare"
 
 
-def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits: bool = True,
+def _plan(best, rows, ctx: Context, mmproj_file: str, budget_note: str, *, fits: bool = True,
           warnings: Sequence[str] = ()) -> Plan:
     c, e, s = best
     if ctx.cpu_only:
@@ -830,7 +487,7 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     per_slot = memory.slot_bytes(ctx.arch, ctx.n_ctx, ctx.kv_cache_type, vision=ctx.vision,
                                  vision_backend=s.vision_backend)
     fallback = s.vision.fallback if s.vision is not None else None
-    fallback_bytes = _estimate(c, ctx, replace(s, vision_backend=fallback)).needed if fallback else None
+    fallback_bytes = estimate_setup(c, ctx, replace(s, vision_backend=fallback)).needed if fallback else None
     # mapped vision weights count on one sequence at a time (encode, then answer); parallel slots
     # would encode and answer at once and need both sets of weights together
     slots = 1 if ctx.vision_mapped else memory.parallel_for_budget(max(e.needed, fallback_bytes or 0), per_slot,
@@ -854,107 +511,23 @@ def _plan(best, rows, ctx: _Context, mmproj_file: str, budget_note: str, *, fits
     )
 
 
-def _forced(want: str, evaluated, ctx: _Context, mmproj_file: str, budget_note: str, *,
+def _forced(want: str, evaluated, ctx: Context, mmproj_file: str, budget_note: str, *,
             must_fit: bool = False) -> Plan:
     match = next(x for x in evaluated if x[0].quant == want)
     c, e, s = match
-    fits = _fits(e, s, ctx)
+    fits = setup_fits(e, s, ctx)
     if not fits and must_fit:
-        raise NoQuantFitsError(_nothing_fits_message([match], ctx, asked=True))
+        raise NoQuantFitsError(nothing_fits_message([match], ctx, asked=True))
     warnings = [] if fits else [
         f"{c.quant} needs about {format_size(e.needed)} but the budget is "
         f"{format_size(ctx.budget)}: expect swapping, or the process being killed."
     ]
-    slow = _too_slow(c, ctx) if ctx.limited else ""
+    slow = too_slow(c, ctx) if ctx.limited else ""
     if slow:
         warnings.append(f"{c.quant} is predicted to miss the speed limits: {slow}.")
     rows = tuple(replace(r, note="chosen: asked for" + ("" if r.fits else " (does not fit)")) if r.chosen else r
                  for r in _rows(evaluated, c, ctx, "not asked for"))
     return _plan(match, rows, ctx, mmproj_file, budget_note, fits=fits, warnings=warnings)
-
-
-def _nothing_fits_message(evaluated, ctx: _Context, *, asked: bool = False) -> str:
-    """Why nothing fits and the ways out; ``asked``: ``evaluated`` is the one quant asked for."""
-    c, e, s = min(evaluated, key=lambda x: x[1].needed)
-    what = f"{c.quant} ({format_size(c.size)} file)" if asked else \
-        f"No quantization fits: the smallest, {c.quant} ({format_size(c.size)} file),"
-    lines = [
-        f"{what} needs about {format_size(e.needed)} of RAM with n_ctx={ctx.n_ctx} and "
-        f"kv_cache_type={ctx.kv_cache_type!r}, but the budget is {format_size(ctx.budget)}"
-        f"{'; it does not fit' if asked else ''}.",
-        "Ways out:",
-    ]
-    if asked:
-        lines.append("- a smaller quant of this model (a smaller .gguf file).")
-    fitting_ctx = _largest_fitting_ctx(c, ctx, s)
-    if fitting_ctx is not None:
-        lines.append(f"- a smaller context: n_ctx={fitting_ctx} fits with {c.quant}.")
-    if ctx.kv_cache_type == "f16":
-        q8 = _estimate(c, ctx, s, kv_cache_type="q8_0")
-        verdict = "fits" if q8.needed <= ctx.budget else "still does not fit"
-        lines.append(f"- kv_cache_type='q8_0' halves the KV cache: {c.quant} then needs "
-                     f"{format_size(q8.needed)} ({verdict}).")
-    int8 = _smaller_vision(c, ctx, s)
-    if int8 is not None:
-        verdict = "fits" if int8.needed <= ctx.budget else "still does not fit"
-        lines.append(f"- vision_backend='onnx-int8' (or 'auto') runs the encoder in int8: {c.quant} then "
-                     f"needs {format_size(int8.needed)} ({verdict}).")
-    mapped = _mapped_vision(c, ctx, s)
-    if mapped is not None:
-        verdict = "fits" if mapped.needed <= ctx.budget else "still does not fit"
-        lines.append(f"- vision_weights='mapped' reads the encoder's weights from their file (slices ~25 % "
-                     f"slower): {c.quant} then needs {format_size(mapped.needed)} ({verdict}).")
-    smaller = _smaller_models(ctx)
-    if smaller:
-        lines.append(f"- a smaller model, e.g. {', '.join(smaller)} (about 0.5 GB in Q4_K_M).")
-    lines.append("- free memory (close other programs) or pass a larger ram_budget if you know better.")
-    return "\n".join(lines)
-
-
-def _smaller_models(ctx: _Context) -> list[str]:
-    """:data:`SMALLER_MODELS` less the generation planned for (a variant such as
-    ``minicpm-v-4.6-thinking`` is its generation's size: not a smaller model either)."""
-    return [m for m in SMALLER_MODELS if not (ctx.model == m or ctx.model.startswith(m + "-"))]
-
-
-def _mapped_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:
-    """``c``'s estimate with the ONNX encoder's weights read from their mapped file, when the
-    plan packed them (None when they are mapped already, or libmtmd runs the encoder)."""
-    if ctx.vision_mapped or not s.vision_backend.startswith("onnx-"):
-        return None
-    return _estimate(c, replace(ctx, vision_mapped=True), s)
-
-
-def _smaller_vision(c: QuantCandidate, ctx: _Context, s: _Setup) -> memory.MemoryEstimate | None:
-    """``c``'s estimate with the int8 ONNX encoder, when the plan used libmtmd's on the CPU
-    although onnx-int8 could run here (None otherwise)."""
-    if s.vision_backend != "llama.cpp" or s.vision_on_gpu or ctx.onnxruntime is None:
-        return None
-    try:
-        choose_backend("onnx-int8", vision_gpu=False, projector_type=ctx.vision.projector,
-                       ort_version=ctx.onnxruntime)
-    except ConfigError:
-        return None
-    int8 = _estimate(c, ctx, replace(s, vision_backend="onnx-int8"))
-    return int8 if int8.needed < _estimate(c, ctx, s).needed else None
-
-
-def _largest_fitting_ctx(c: QuantCandidate, ctx: _Context, s: _Setup,
-                         floor: int = MIN_SUGGESTED_CTX) -> int | None:
-    """The largest n_ctx (a multiple of 256 below the asked one, at least ``floor``) with
-    which ``c`` fits.
-
-    Memory grows with n_ctx, so a bisection finds it in a few dozen estimates even for
-    an absurd ``n_ctx`` (a linear walk down from 10**10 would take hours).
-    """
-    fits = lambda steps: _estimate(c, ctx, s, n_ctx=steps * 256).needed <= ctx.budget  # noqa: E731
-    low, high = -(-floor // 256), (ctx.n_ctx - 1) // 256
-    if high < low or not fits(low):
-        return None
-    while low < high:  # invariant: fits(low)
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low * 256
 
 
 def _dedupe(candidates: Iterable[QuantCandidate]) -> list[QuantCandidate]:
