@@ -8,6 +8,7 @@
 import logging as _logging
 from importlib import metadata as _metadata
 
+from .chat import Chat
 from .chat_handler import MiniCPMVChatHandler
 from .errors import (
     AnswerCancelled,
@@ -39,7 +40,7 @@ from .errors import (
 )
 from .hardware import Hardware, probe
 from .loader import checked_llama, load
-from .model import Chat, Model, ModelInfo
+from .model import Model, ModelInfo
 from .options import Sampling, SamplingKeywords
 from .planning.planner import Plan
 from .prompt.messages import MediaPolicy

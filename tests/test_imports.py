@@ -131,7 +131,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("prompt", {"prompt"}),
     ("testing", {"testing"}),
     ("runtime", {"runtime"}),
-    ("api", {"model", "openai_compat", "loader", "resolver", "chat_handler", "selftest"}),
+    ("api", {"model", "chat", "questions", "openai_compat", "loader", "resolver", "chat_handler", "selftest"}),
     ("jobs", {"jobs"}),
     ("watch", {"watch"}),
     ("server", {"server"}),

@@ -13,12 +13,11 @@ MAX_CLASS_LINES = 400
 #: modules still over the bound, with their current length (split them; never add one)
 NOT_SPLIT_YET = {
     "cli.py": 749,
-    "model.py": 891,
     "vision/video.py": 779,
     "testing/synthetic.py": 832,
 }
 #: classes still over the bound, with their current length
-CLASSES_NOT_SPLIT_YET = {"model.py:Model": 470}
+CLASSES_NOT_SPLIT_YET: dict[str, int] = {}
 
 
 def _sizes() -> tuple[dict[str, int], dict[str, int]]:
