@@ -1,0 +1,75 @@
+"""``gguf-mcv watch``: questions about a live source, as JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..options import (
+    check_max_tokens,
+    check_sampling,
+    check_text,
+)
+from .loading import checked_load_kwargs, load_model
+from .watch_status import status_line
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    from ..watch import watch  # lazy: per command
+    from ..watch.changes import DEFAULT_THRESHOLD  # lazy: per command
+    from ..watch.jsonl import LinesFile  # lazy: per command
+    from ..watch.sources import check_source  # lazy: per command
+
+    schema = None
+    if args.schema:
+        from ..jobs.batch_input import load_schema  # lazy: per command
+
+        schema = load_schema(args.schema)
+    from ..watch.changes import check_threshold  # lazy: per command
+    from ..watch.observe import check_every  # lazy: per command
+    from ..watch.sources import check_give_up  # lazy: per command
+
+    check_source(args.source)  # a missing file, a bad URL or number, before minutes of loading
+    check_every(args.every)
+    check_give_up(args.give_up)
+    if args.threshold is not None:
+        check_threshold(args.threshold)
+    check_text("--prompt", args.prompt)
+    check_max_tokens(args.max_tokens)
+    check_sampling(temperature=args.temperature, seed=args.seed)
+    checked_load_kwargs(args)
+    out = LinesFile(args.jsonl).open() if args.jsonl else None  # a FIFO or a JPEG refused before loading
+    if out is not None and out.repaired_bytes:
+        print(f"{args.jsonl}: cut a torn last line ({out.repaired_bytes} bytes)", file=sys.stderr)
+    status = None if args.quiet or not sys.stderr.isatty() else status_line
+    lines = 0
+    try:
+        with load_model(args) as model:
+            watching = watch(model, args.source, args.prompt, every_s=args.every, schema=schema,
+                             only_changes=args.only_changes, answer_unchanged=args.answer_unchanged,
+                             threshold=DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
+                             detail=args.detail, max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=args.seed, give_up_s=args.give_up)
+            try:
+                for seen in watching:
+                    line = json.dumps(seen.to_dict(), ensure_ascii=False)
+                    if out is not None:
+                        out.write(line)  # first: every line printed is in the file
+                    if status is not None:
+                        print("\r\x1b[K", end="", file=sys.stderr)
+                    print(line, flush=True)
+                    lines += 1
+                    if status is not None:
+                        status(seen, lines)
+            except KeyboardInterrupt:
+                if status is not None:
+                    print("\r\x1b[K", end="", file=sys.stderr)
+                print(f"(stopped after {lines} observation(s))", file=sys.stderr)
+                return 130
+            finally:
+                watching.close()  # releases the camera or stream
+    finally:
+        if out is not None:
+            out.close()
+    return 0
