@@ -320,7 +320,7 @@ def test_a_retuned_projector_of_the_same_size_never_gets_the_originals_embedding
         with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=mmproj, n_ctx=1024, n_threads=2,
                            vision_backend="llama.cpp", embed_cache=cache) as model:
             encoded = [model.ask("?", rgb, max_tokens=1).timings.slices_encoded for rgb in images]
-            tag = f"llama.cpp:{model._engine.mmproj_id}:"
+            tag = f"llama.cpp:{model.engine.mmproj_id}:"
         return encoded, {k[len(tag):]: cache.get(k) for k in list(cache._items) if k.startswith(tag)}
 
     encoded, original = ask(tiny.mmproj, first, x, y)

@@ -297,12 +297,12 @@ def test_a_plan_with_mapped_vision_weights_is_carried_out_as_planned(tiny) -> No
     assert planned.vision is not None
     assert planned.shrunk[-1] == MAPPED_VISION and planned.vision.packed is False
     with load_tiny(tiny, vision_backend="onnx-int8", ram_budget=packed - 1, n_threads=2) as model:
-        assert model._engine.encoder.encoder.packed is False
+        assert model.engine.encoder.encoder.packed is False
         assert model.ask("Look.", np.zeros((448, 448, 3), np.uint8), max_tokens=1).usage.completion_tokens == 1
     with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, ram_budget=10**12) as model:
-        assert model._engine.encoder.encoder.packed is True
+        assert model.engine.encoder.encoder.packed is True
     with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, ram_budget=10**12, vision_weights="mapped") as model:
-        assert model._engine.encoder.encoder.packed is False  # asked for: mapped whatever the budget
+        assert model.engine.encoder.encoder.packed is False  # asked for: mapped whatever the budget
     with load_tiny(tiny, vision_backend="onnx-int8", n_threads=2, n_gpu_layers=0, vision_weights="mapped",
                    parallel="auto") as model:
         assert model.info.parallel == 1  # mapped weights are counted for one sequence at a time

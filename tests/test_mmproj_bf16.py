@@ -170,7 +170,7 @@ def test_libmtmd_encodes_with_the_copy_close_to_f16(tiny) -> None:
         with gguf_mcv.load(model_path=tiny.quants["Q4_K_M"], mmproj_path=tiny.mmproj, n_ctx=4096, n_threads=2,
                            vision_backend="llama.cpp", mmproj_precision=precision,
                            embed_cache=EmbeddingCache()) as model:
-            engine = model._engine
+            engine = model.engine
             note = "bf16 (asked for)" if precision == "bf16" else "as-is"
             assert model.info.vision_backend_reason.endswith(f"mmproj {note}")
             assert (engine.mmproj_path != str(tiny.mmproj)) == (precision == "bf16")

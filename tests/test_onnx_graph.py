@@ -57,7 +57,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_fp32_graph_matches_libmtmd_on_every_slice(pair: tuple) -> None:
     model, encoders, gen = pair
-    engine = model._engine
+    engine = model.engine
     rng = np.random.default_rng(7)
     n_slices = 0
     error = {True: 0.0, False: 0.0}  # mean |ONNX - libmtmd| with and without ggml's roundings

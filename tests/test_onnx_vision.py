@@ -186,12 +186,12 @@ def test_int8_below_the_threshold_makes_auto_use_fp32(tiny, converted, monkeypat
 def test_standin_gives_the_same_prompt_layout(tiny, converted) -> None:
     sizes = [(448, 448), (200, 300), (1000, 700), (1344, 1344), (2000, 500), (50, 900)]
     with _load(tiny, "llama.cpp") as ref, _load(tiny, "onnx-int8") as onnx:
-        standin = Path(onnx._engine.mmproj_path)
+        standin = Path(onnx.engine.mmproj_path)
         assert standin.stat().st_size < 64 * 1024 < Path(tiny.mmproj).stat().st_size
         for i, size in enumerate(sizes):
             image = Image(picture(i, size), "p")
-            text = f"<|im_start|>user\n{ref._engine.marker}\nWhat?<|im_end|>\n<|im_start|>assistant\n"
-            with ref._engine.tokenize(text, [image]) as a, onnx._engine.tokenize(text, [image]) as b:
+            text = f"<|im_start|>user\n{ref.engine.marker}\nWhat?<|im_end|>\n<|im_start|>assistant\n"
+            with ref.engine.tokenize(text, [image]) as a, onnx.engine.tokenize(text, [image]) as b:
                 assert [u if isinstance(u, int) else u.n_pos for u in a.units] == \
                        [u if isinstance(u, int) else u.n_pos for u in b.units]
                 assert a.image_tokens == b.image_tokens > 0
@@ -202,14 +202,14 @@ def test_onnx_answers_encode_each_slice_once_and_report_the_backend(tiny, conver
     with _load(tiny, "onnx-int8") as model:
         reply = model.ask("Describe.", rgb, max_tokens=4, temperature=0, detail="high")
         assert reply.timings.vision_backend == "onnx-int8" and model.info.vision_backend == "onnx-int8"
-        assert reply.timings.slices_encoded == 5 and model._engine.encoder_calls == 5
-        assert model._engine.encoder.encoder.calls == 5  # ONNX ran them, not libmtmd
+        assert reply.timings.slices_encoded == 5 and model.engine.encoder_calls == 5
+        assert model.engine.encoder.encoder.calls == 5  # ONNX ran them, not libmtmd
         chat = model.chat()
         chat.send("What?", rgb, max_tokens=2, temperature=0)
         follow = chat.send("And?", max_tokens=2, temperature=0)
         assert follow.timings.slices_encoded == 0
         again = model.ask("Again.", rgb, max_tokens=2, temperature=0, detail="high")
-        assert again.timings.slices_encoded == 0 and model._engine.encoder.encoder.calls == 5
+        assert again.timings.slices_encoded == 0 and model.engine.encoder.encoder.calls == 5
 
 
 def test_same_embeddings_give_the_same_greedy_answer(tiny, converted) -> None:
@@ -219,9 +219,9 @@ def test_same_embeddings_give_the_same_greedy_answer(tiny, converted) -> None:
     cache = EmbeddingCache()
     with _load(tiny, "llama.cpp", cache) as ref:
         want = ref.ask("Describe.", rgb, max_tokens=8, temperature=0, detail="high")
-        ref_tag = f"{ref._engine.vision_backend}:{ref._engine.mmproj_id}:"  # how cache keys begin
+        ref_tag = f"{ref.engine.vision_backend}:{ref.engine.mmproj_id}:"  # how cache keys begin
     with _load(tiny, "onnx-fp32", cache) as onnx:
-        tag = f"{onnx._engine.vision_backend}:{onnx._engine.mmproj_id}:"
+        tag = f"{onnx.engine.vision_backend}:{onnx.engine.mmproj_id}:"
         assert tag != ref_tag  # backends never share cache entries ...
         for key in [k for k in cache._items if k.startswith(ref_tag)]:  # ... unless copied, as here
             cache.put(tag + key[len(ref_tag):], cache.get(key))
@@ -232,7 +232,7 @@ def test_same_embeddings_give_the_same_greedy_answer(tiny, converted) -> None:
 
 def test_ort_threads_follow_the_encoder_threads(tiny, converted) -> None:
     with _load(tiny, "onnx-int8", n_threads_batch=1) as model:
-        session = model._engine.encoder.encoder._session
+        session = model.engine.encoder.encoder._session
         assert session.get_session_options().intra_op_num_threads == 1
 
 
@@ -301,12 +301,12 @@ def test_46_merger_end_to_end_with_the_standin(tmp_path_factory: pytest.TempPath
             gguf_mcv.load("minicpm-v-4.6", vision_backend="onnx-int8", **load) as onnx:
         for i, size in enumerate([(1000, 700), (300, 200)]):
             image = Image(picture(10 + i, size), "p")
-            with ref._engine.tokenize(ref._engine.marker, [image]) as a, \
-                    onnx._engine.tokenize(onnx._engine.marker, [image]) as b:
+            with ref.engine.tokenize(ref.engine.marker, [image]) as a, \
+                    onnx.engine.tokenize(onnx.engine.marker, [image]) as b:
                 assert [u if isinstance(u, int) else u.n_pos for u in a.units] == \
                        [u if isinstance(u, int) else u.n_pos for u in b.units]
         reply = onnx.ask("Describe.", picture(12, (1000, 700)), max_tokens=2, detail="high")
-        assert reply.timings.slices_encoded == 5 == onnx._engine.encoder.encoder.calls
+        assert reply.timings.slices_encoded == 5 == onnx.engine.encoder.encoder.calls
 
 
 def test_a_new_onnxruntime_version_replaces_the_old_conversion(tiny, tmp_path: Path,

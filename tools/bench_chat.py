@@ -86,8 +86,9 @@ def openai_pieces(chunks):
 
 
 def run_peer(model: Path, mmproj: Path, uri: str, args) -> dict[str, float]:
-    from gguf_mcv import checked_llama
     from llama_cpp.llama_chat_format import MiniCPMv26ChatHandler
+
+    from gguf_mcv import checked_llama
 
     llm = checked_llama(str(model), n_ctx=args.ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False,

@@ -173,9 +173,9 @@ def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, tim
 
 def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int, backend: str = "llama.cpp") -> dict:
     """The memory model's prediction for one run (headers read from the files)."""
-    from gguf_mcv.planning import memory
+    from gguf_mcv.resolver import estimate_files
 
-    est = memory.estimate_files(model, mmproj, n_ctx=n_ctx, image_tokens=image_tokens,
+    est = estimate_files(model, mmproj, n_ctx=n_ctx, image_tokens=image_tokens,
                                 image_pixels=IMAGE_SIDE * IMAGE_SIDE, vision_backend=backend)
     return est.to_dict()
 
@@ -211,8 +211,8 @@ def run_matrix(args: argparse.Namespace, image: Path) -> list[dict]:
 
 def convert(mmproj: Path) -> None:
     """The mmproj's ONNX graphs in the cache (converted now when missing), so no child converts."""
-    from gguf_mcv.vision import onnx_vision
     from gguf_mcv.runtime.engine import file_identity
+    from gguf_mcv.vision import onnx_vision
 
     print(f"ONNX graphs of {mmproj} ...", file=sys.stderr, flush=True)
     onnx_vision.prepare(mmproj, file_identity(mmproj))

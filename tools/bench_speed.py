@@ -8,7 +8,8 @@ the file's own weight types, read from its header) are printed beside the measur
 Then one 448-pixel slice through the ladder's vision tower with each encoder (libmtmd,
 ONNX fp32 and int8), against the last probe's predictions. Probe and measurement run
 back to back and both count wall time (:func:`gguf_mcv.runtime.speed_probe.clock`), so run it on a
-quiet machine: on a machine shared with other work both are slowed, unevenly. Then the model's predictions for boards from their
+quiet machine: on a machine shared with other work both are slowed, unevenly. Then the model's
+predictions for boards from their
 published figures (labelled predictions: nothing was run on them).
 
     python tools/make_test_model.py --preset bench --out /tmp/bench-speed
@@ -28,12 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from gguf_mcv.planning import speed  # noqa: E402
-
-from gguf_mcv.runtime import speed_probe
-from gguf_mcv.models.headers import read_projector_header, read_tensors, read_text_header  # noqa: E402
-from gguf_mcv.planning.memory import tensor_list  # noqa: E402
+from gguf_mcv.models.headers import (  # noqa: E402
+    read_projector_header,
+    read_tensors,
+    read_text_header,
+    tensor_list,  # noqa: E402
+)
 from gguf_mcv.models.quants import classify_gguf, quality_rank  # noqa: E402
+from gguf_mcv.planning import speed  # noqa: E402
+from gguf_mcv.runtime import speed_probe
 
 # Published figures (peak DRAM bandwidth, cores x clock x FP32 FLOPs per cycle per core):
 # - Raspberry Pi 5: LPDDR4X-4267 on a 32-bit bus = 17.1 GB/s; 4x Cortex-A76 at 2.4 GHz,
@@ -61,7 +65,7 @@ def measure_quant(path: Path, mmproj: Path, threads: int) -> dict[str, float]:
 
     standin = write_standin(mmproj, Path(tempfile.mkdtemp(prefix="bench-speed-")) / "standin.gguf")
     try:
-        with speed_probe._engine(path, standin, threads) as engine:
+        with speed_probe.open_engine(path, standin, threads) as engine:
             return speed_probe._time_text(engine, threads)
     finally:
         shutil.rmtree(standin.parent, ignore_errors=True)
@@ -72,11 +76,11 @@ def measure_vision(model: Path, mmproj: Path, threads: int) -> dict[str, float]:
     variant (converted once into the cache, as ``load`` does)."""
     import numpy as np
 
-    from gguf_mcv.vision import onnx_vision
     from gguf_mcv.runtime.engine import file_identity
+    from gguf_mcv.vision import onnx_vision
     from gguf_mcv.vision.mtmd_preprocess import slice_pixels
 
-    with speed_probe._engine(model, mmproj, threads) as engine:
+    with speed_probe.open_engine(model, mmproj, threads) as engine:
         out = {"llama.cpp": speed_probe._time_slice(engine, threads)}
     converted = onnx_vision.prepare(mmproj, file_identity(mmproj), progress=onnx_vision.progress_bar())
     rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)

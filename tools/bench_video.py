@@ -54,8 +54,9 @@ def write_video(path: Path, *, seconds: int = 30, fps: int = 10, size=(1280, 720
 
 
 def naive(model: Path, mmproj: Path, frames, args) -> float:
-    from gguf_mcv import checked_llama
     from llama_cpp.llama_chat_format import MiniCPMv26ChatHandler
+
+    from gguf_mcv import checked_llama
 
     llm = checked_llama(str(model), n_ctx=args.naive_ctx, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False,
@@ -126,7 +127,8 @@ def main() -> int:
               f"| naive TTFT (16 full-resolution frames, MiniCPMv26ChatHandler) | {results['naive_ttft_s']:.1f} s | |\n"
               f"| gguf_mcv ask_video TTFT (16 frames, one slice each) | {results['gguf_mcv_ttft_s']:.1f} s | |\n"
               f"| ratio | {ratio:.3f}× | ≤ 0.25× |\n"
-              f"| static video: encoded / sampled | {results['static_encoded']} / {results['static_sampled']} | ≤ 1/2 |")
+              f"| static video: encoded / sampled | {results['static_encoded']} / {results['static_sampled']} "
+              "| ≤ 1/2 |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     ok = results.get("ratio", 0) <= 0.25 and results["static_encoded"] * 2 <= results["static_sampled"]

@@ -714,7 +714,8 @@ for _name, _text, _what in [
     ("prompt_minicpm_markup", "<image></image><slice></slice><|endoftext|> describe",
      "MiniCPM-V's image and slice tokens typed as text"),
     ("prompt_think_tags", "</think> answer now <think>", "reasoning tags typed as text"),
-    ("prompt_private_use", "\ue000 hi \ue001 there \ue000", "the private-use characters gguf_mcv marks plain text with"),
+    ("prompt_private_use", "\ue000 hi \ue001 there \ue000",
+     "the private-use characters gguf_mcv marks plain text with"),
 ]:
     _add(_name, f"{_name}.txt", "prompt", _what, "answer", _prompt(_text))
 _add("prompt_too_long", "prompt_too_long.txt", "prompt", "a 200 000-character question (larger than n_ctx)",

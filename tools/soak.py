@@ -240,7 +240,7 @@ class Workload:
             self.tally.kinds[f"image_{kind}_stream"] += 1
         else:
             stream = ask(True)
-            for _, _piece in zip(range(int(self.rng.integers(1, 3))), stream):
+            for _, _piece in zip(range(int(self.rng.integers(1, 3))), stream, strict=False):
                 pass
             stream.close()  # cancelled mid-way: the model must be ready for the next call
             self.tally.kinds[f"image_{kind}_cancelled"] += 1
@@ -253,7 +253,7 @@ class Workload:
                               detail=self.detail), self.max_tokens, self.tally)
         check_reply(chat.send("And what else?", max_tokens=self.max_tokens), self.max_tokens, self.tally)
         stream = chat.send("Say more.", stream=True, max_tokens=self.max_tokens)
-        for _, _piece in zip(range(2), stream):
+        for _, _piece in zip(range(2), stream, strict=False):
             pass
         stream.close()
         self.tally.kinds["chat_turns"] += 3

@@ -59,7 +59,7 @@ def _load(gen: str, files, backend: str = "llama.cpp", **kw):
 
 def libmtmd_slices(gen: str, files, images: list[Image], **kw) -> list[np.ndarray]:
     with _load(gen, files, mmproj_precision="as-is", **kw) as model:
-        engine, out = model._engine, []
+        engine, out = model.engine, []
         for image in images:
             with engine.tokenize(engine.marker, [image]) as prompt:
                 out += [engine._encode(c, prompt.units[i]).reshape(-1, engine.n_embd)

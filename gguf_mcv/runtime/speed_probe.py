@@ -295,7 +295,7 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
     out: dict[str, Any] = {"types": {}, "overhead": {}}
     for t in types:
         path = write_text_model(folder / f"probe-{t}.gguf", spec, weight_type=t)
-        with _engine(path, tower if t == "Q4_K" else standin, threads) as engine:
+        with open_engine(path, tower if t == "Q4_K" else standin, threads) as engine:
             if t == "Q4_K":
                 out["slice_s"] = _time_slice(engine, threads)
             out["types"][t] = {**_time_text(engine, threads, words=PROMPT_WORDS), "tensors": _tensors(path)}
@@ -304,7 +304,7 @@ def time_llama(threads: int, folder: Path | None = None, types: tuple[str, ...] 
     tiny_standin = write_standin(write_mmproj(folder / "overhead-mmproj.gguf", tiny), folder / "overhead-standin.gguf")
     for n_layer in OVERHEAD_LAYERS:
         path = write_text_model(folder / f"overhead-{n_layer}.gguf", overhead_spec(n_layer), weight_type="F16")
-        with _engine(path, tiny_standin, threads) as engine:
+        with open_engine(path, tiny_standin, threads) as engine:
             out["overhead"][n_layer] = _time_text(engine, threads, words=10)["token_s"]
     return out
 
@@ -357,7 +357,9 @@ def _slice_seconds(encoder: Any, pixels: Any) -> float:
 
 
 @contextlib.contextmanager
-def _engine(path: Path, mmproj: Path, threads: int) -> Iterator[Any]:
+def open_engine(path: Path, mmproj: Path, threads: int) -> Iterator[Any]:
+    """An :class:`~gguf_mcv.runtime.engine.Engine` for ``path`` and ``mmproj`` as the probe measures it
+    (the native check's kernels, ``threads`` threads), closed on exit."""
     from .engine import Engine
     from .llama_load import open_llama
     from .native_check import decide, weight_types
