@@ -14,9 +14,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from gguf_mcv.errors import ModelClosedError, OutputBusyError
 from gguf_mcv.jobs import batch
 from gguf_mcv.jobs.batch_output import ResultsFile
-from gguf_mcv.errors import ModelClosedError, OutputBusyError
 
 GREEDY = {"max_tokens": 3, "temperature": 0.0}
 

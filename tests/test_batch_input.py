@@ -10,9 +10,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from gguf_mcv.errors import BatchInputError, ConfigError, MediaError
 from gguf_mcv.jobs import batch_input
 from gguf_mcv.jobs.batch_input import MAX_ROW_BYTES, collect
-from gguf_mcv.errors import BatchInputError, ConfigError, MediaError
 
 
 def _png(path: Path, seed: int) -> Path:

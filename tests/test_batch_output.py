@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from gguf_mcv.errors import OutputBusyError, OutputError
 from gguf_mcv.jobs import batch_output
 from gguf_mcv.jobs.batch_output import ResultsFile
-from gguf_mcv.errors import OutputBusyError, OutputError
 
 
 def _row(key: str, **extra) -> dict:

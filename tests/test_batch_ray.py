@@ -141,8 +141,8 @@ def test_ray_job_on_two_nodes_gives_the_local_rows(cluster: str, tiny, folder: P
 def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path, tmp_path: Path,
                                                                    address: str) -> None:
     pytest.importorskip("ray", reason="Ray is not installed here (pip install 'gguf-mcv[ray]')")
-    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ClusterError
+    from gguf_mcv.jobs import batch_ray
 
     items = batch.collect(folder, prompts=PROMPTS[:1])
     out = tmp_path / "out.jsonl"
@@ -153,8 +153,8 @@ def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path,
 
 
 def test_workers_must_be_positive(folder: Path, tmp_path: Path) -> None:
-    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ConfigError
+    from gguf_mcv.jobs import batch_ray
 
     for bad in (0, -1, 1.5):
         with pytest.raises(ConfigError, match="workers"):
@@ -163,8 +163,8 @@ def test_workers_must_be_positive(folder: Path, tmp_path: Path) -> None:
 
 def test_without_ray_the_job_says_how_to_get_it(folder: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from gguf_mcv.jobs import batch_ray
     from gguf_mcv.errors import ConfigError
+    from gguf_mcv.jobs import batch_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(ConfigError, match=r"gguf-mcv\[ray\]"):

@@ -6,7 +6,7 @@ import base64
 import io
 import json
 
-import llama_cpp
+import llama_cpp  # noqa: F401 - the handler is used with llama_cpp.Llama; it must import
 import numpy as np
 import PIL.Image
 import pytest

@@ -13,9 +13,9 @@ import pytest
 from damage import fifo
 
 from gguf_mcv import bytes_cache
+from gguf_mcv.errors import ConfigError
 from gguf_mcv.vision import embed_cache
 from gguf_mcv.vision.embed_cache import EmbeddingCache, cache_key
-from gguf_mcv.errors import ConfigError
 
 
 def arr(n: int, value: float = 1.0) -> np.ndarray:

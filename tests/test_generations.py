@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.prompt import plaintext
-from gguf_mcv.testing import synthetic
-from gguf_mcv.models.catalog import lookup
-from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.errors import IncompatibleProjectorError
 from gguf_mcv.model import Model
+from gguf_mcv.models.catalog import lookup
 from gguf_mcv.options import GenerationOptions, Sampling
+from gguf_mcv.prompt import plaintext
+from gguf_mcv.testing import synthetic
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 
 llama_cpp = pytest.importorskip("llama_cpp")
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
@@ -411,13 +411,13 @@ def test_memory_model_predicts_the_peak(generation: str, backend: str, built, tm
 
     import PIL.Image
 
-    from gguf_mcv.planning import memory
+    from gguf_mcv.resolver import estimate_files
 
     files = built[generation]
     if backend != "llama.cpp":  # converted here (or found in the session's cache), not in the measured child
         pytest.importorskip("onnxruntime")
-        from gguf_mcv.vision import onnx_vision
         from gguf_mcv.runtime.engine import file_identity
+        from gguf_mcv.vision import onnx_vision
 
         onnx_vision.prepare(files.mmproj, file_identity(files.mmproj))
     image = tmp_path / "photo.png"

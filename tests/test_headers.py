@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import gguf_mcv
-from gguf_mcv.testing import synthetic
 from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError, ModelNotFoundError
 from gguf_mcv.models.headers import check_pair, read_projector_header, read_text_header
+from gguf_mcv.testing import synthetic
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.models import hub as hubmod
 from gguf_mcv.errors import (
     DownloadError,
     HubAuthError,
@@ -17,6 +16,7 @@ from gguf_mcv.errors import (
     NotEnoughDiskError,
     OfflineError,
 )
+from gguf_mcv.models import hub as hubmod
 
 REPO = "acme/minicpm-tiny-gguf"
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import gguf_mcv
-from gguf_mcv.models import hub as hubmod
 from gguf_mcv.errors import NotEnoughDiskError
+from gguf_mcv.models import hub as hubmod
 
 REPO = "acme/flaky-gguf"
 PULL = "import sys, gguf_mcv; print(gguf_mcv.pull(sys.argv[1], quant=sys.argv[2]).model)"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gguf_mcv.errors import CorruptModelError, ModelNotFoundError
 from gguf_mcv.models import identity
 from gguf_mcv.runtime.engine import file_identity  # the engine's, loader's and model's name for it
-from gguf_mcv.errors import CorruptModelError, ModelNotFoundError
 
 MIB = 2**20
 

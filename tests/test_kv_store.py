@@ -22,10 +22,10 @@ import pytest
 from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
-from gguf_mcv.runtime import kv_store, saved_chat
-from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.sequence import KVState
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.runtime import kv_store, saved_chat
+from gguf_mcv.runtime.sequence import KVState
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.vision.media import load_image
 
 N_CTX = 1024

@@ -123,7 +123,6 @@ def test_a_plan_for_the_gpu_is_carried_out_as_planned(tiny) -> None:
     from gguf_mcv import loader
     from gguf_mcv.hardware import Gpu, probe
     from gguf_mcv.options import LoadOptions
-    from gguf_mcv.planning.planner import LoadChoices
     from gguf_mcv.resolver import plan_local
 
     gpu = replace(probe(), gpus=(Gpu("test GPU", "cuda", 8 * 2**30, 7 * 2**30, False),), gpu_offload=True)
@@ -145,7 +144,7 @@ def test_the_plan_keeps_what_the_load_fixed(tiny, given, kept) -> None:
     from dataclasses import replace
 
     from gguf_mcv.hardware import Gpu, probe
-    from gguf_mcv.planning.planner import LoadChoices
+    from gguf_mcv.planning.plan import LoadChoices
     from gguf_mcv.resolver import plan_local
 
     gpu = replace(probe(), gpus=(Gpu("test GPU", "cuda", 8 * 2**30, 7 * 2**30, False),), gpu_offload=True)
@@ -208,8 +207,8 @@ def test_plan_announces_the_int8_fallback_and_load_takes_it(tiny, own_onnx_cache
 
 def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx_cache, monkeypatch) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv.resolver import estimate_files
     from gguf_mcv.planning.speed import slice_budget
+    from gguf_mcv.resolver import estimate_files
     from gguf_mcv.vision import vision_backends
 
     monkeypatch.setattr(vision_backends, "INT8_MIN_COSINE", 1.01)

@@ -11,11 +11,11 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from gguf_mcv.planning import memory
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.planning.memory import TextShape, VisionShape
 from gguf_mcv.hardware import cpu_family, local_repack_family
+from gguf_mcv.planning import memory
 from gguf_mcv.planning.gpu_fit import fit_gpu_layers
+from gguf_mcv.planning.memory import TextShape, VisionShape
 from gguf_mcv.resolver import estimate_files
 
 GB = 10**9
@@ -305,9 +305,9 @@ def _initializer_bytes(path) -> int:
 @pytest.mark.slow
 def test_onnx_weights_match_the_tiny_models_conversion(tiny) -> None:
     pytest.importorskip("onnxruntime")
-    from gguf_mcv.vision import onnx_vision
-    from gguf_mcv.runtime.engine import file_identity
     from gguf_mcv.models.headers import read_projector_header, read_text_header
+    from gguf_mcv.runtime.engine import file_identity
+    from gguf_mcv.vision import onnx_vision
 
     converted = onnx_vision.prepare(tiny.mmproj, file_identity(tiny.mmproj))  # cached per test session
     projector, text = read_projector_header(tiny.mmproj), read_text_header(tiny.quants["Q4_K_M"])

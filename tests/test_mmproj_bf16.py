@@ -14,10 +14,10 @@ import pytest
 from damage import run_child
 
 import gguf_mcv
+from gguf_mcv.errors import ConfigError, CorruptModelError, NotEnoughDiskError
+from gguf_mcv.runtime.engine import file_identity
 from gguf_mcv.vision import mmproj_bf16
 from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.engine import file_identity
-from gguf_mcv.errors import ConfigError, CorruptModelError, NotEnoughDiskError
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.mmproj_bf16 import AUTO_MIN_BYTES, CPU_FLAG, choose, prepare, write_bf16_copy
 from gguf_mcv.vision.onnx_vision import token_cosines

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from gguf_mcv.output import patterns
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.output import patterns
 
 
 @pytest.mark.parametrize("pattern, what", [

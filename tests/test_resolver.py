@@ -248,9 +248,8 @@ def test_a_local_files_speed_comes_from_its_own_weight_types(tiny) -> None:
     prediction, which the size-and-quant estimate alone could not know."""
     from dataclasses import replace
 
-    from gguf_mcv.models.headers import read_tensors, read_text_header
+    from gguf_mcv.models.headers import read_tensors, read_text_header, tensor_list
     from gguf_mcv.planning import speed
-    from gguf_mcv.models.headers import tensor_list
     from gguf_mcv.resolver import plan_local
 
     path = tiny.quants["Q4_K_M"]

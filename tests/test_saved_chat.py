@@ -13,8 +13,8 @@ import pytest
 from damage import run_child  # tests/ is on sys.path
 
 import gguf_mcv
-from gguf_mcv.runtime import saved_chat
 from gguf_mcv.errors import SavedChatError
+from gguf_mcv.runtime import saved_chat
 
 GREEDY = dict(max_tokens=6, temperature=0)
 

@@ -38,8 +38,8 @@ ollama = pytest.importorskip("ollama")
 requests = pytest.importorskip("requests")
 
 import gguf_mcv  # noqa: E402  (after the importorskips)
-from gguf_mcv.runtime import native_check  # noqa: E402
 from gguf_mcv import server
+from gguf_mcv.runtime import native_check  # noqa: E402
 from gguf_mcv.server import admission, naming, remote_media  # noqa: E402
 
 KEY = "test-key"

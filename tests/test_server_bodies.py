@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("fastapi")
 requests = pytest.importorskip("requests")
 
+from test_server import Running  # noqa: E402
+
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
-from test_server import Running  # noqa: E402
 
 JSON_ROUTES = ["/v1/chat/completions", "/api/generate", "/api/chat", "/api/show"]
 

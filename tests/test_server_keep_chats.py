@@ -18,8 +18,8 @@ from test_server import Running as _Running  # noqa: E402
 
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
-from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
 from gguf_mcv.errors import ConfigError  # noqa: E402
+from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
 
 
 class Running(_Running):

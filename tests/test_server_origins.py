@@ -16,10 +16,11 @@ requests = pytest.importorskip("requests")
 openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
 
+from test_server import Running  # noqa: E402
+
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
 from gguf_mcv.errors import ConfigError  # noqa: E402
-from test_server import Running  # noqa: E402
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 APP = "https://app.example.com"

@@ -18,10 +18,11 @@ import pytest
 pytest.importorskip("fastapi")
 requests = pytest.importorskip("requests")
 
+from test_server import Running, data_uri, image_message, wait_for  # noqa: E402
+
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server  # noqa: E402
 from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
-from test_server import Running, data_uri, image_message, wait_for  # noqa: E402
 
 
 def health(running: Running) -> dict:

@@ -366,3 +366,39 @@ def test_a_hung_worker_is_killed_and_health_says_the_supervisor_did_it(tiny, tmp
         assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
         assert srv.chat(QUESTION)["usage"]["completion_tokens"] >= 1
     assert srv.proc.returncode == 0, srv.output()
+
+
+def _answer_pings(conn) -> None:
+    while True:
+        conn.recv()
+        conn.send(True)
+
+
+def _exit_when_pinged(conn) -> None:
+    conn.recv()
+    os._exit(3)
+
+
+def _stay_silent(conn) -> None:
+    time.sleep(600)
+
+
+@pytest.mark.parametrize(("behaviour", "expected"), [(_answer_pings, True), (_exit_when_pinged, False),
+                                                     (_stay_silent, None)])
+def test_a_ping_tells_an_answer_an_exit_and_silence_apart(behaviour, expected) -> None:
+    """A worker that exits while pinged (as one whose files changed does) is an exit, seen at once,
+    not a worker hung for the whole healthcheck timeout (uvicorn's ping waits on the pipe only)."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from gguf_mcv.server.supervisor import ping
+
+    parent_conn, child_conn = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=behaviour, args=(child_conn,), daemon=True)
+    child.start()
+    try:
+        worker = SimpleNamespace(parent_conn=parent_conn, process=child)
+        assert ping(worker, 120 if expected is not None else 1) is expected  # type: ignore[arg-type]
+    finally:
+        child.kill()
+        child.join()

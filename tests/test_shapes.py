@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gguf_mcv.planning import memory
-
-from gguf_mcv.testing import synthetic
 from gguf_mcv.models.catalog import load_catalog
 from gguf_mcv.models.headers import read_projector_header, read_text_header
 from gguf_mcv.models.shapes import FF_RATIO, TextShape, VisionShape
+from gguf_mcv.planning import memory
 from gguf_mcv.resolver import estimate_files
+from gguf_mcv.testing import synthetic
 
 
 def test_text_shape_from_a_gguf_header(tiny) -> None:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.vision.embed_cache import EmbeddingCache
-from gguf_mcv.runtime.tokenizer import Prompt
 from gguf_mcv.errors import AnswerCancelled, ConfigError, ContextOverflowError, EngineError, ModelClosedError
 from gguf_mcv.options import GenerationOptions, Sampling
 from gguf_mcv.runtime.slots import Job
+from gguf_mcv.runtime.tokenizer import Prompt
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 
 N_CTX = 1024
 #: pure greedy: with a repeat penalty, near-equal penalised tokens make rare ~1e-2 logit

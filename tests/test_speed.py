@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from gguf_mcv.planning import memory, speed
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.models.shapes import TextShape, VisionShape
+from gguf_mcv.planning import memory, speed
 from gguf_mcv.planning.speed import Rates
 
 QWEN2_7B = TextShape(n_layers=28, n_embd=3584, n_head=28, n_head_kv=4, head_dim=128, n_vocab=151666)

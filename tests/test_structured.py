@@ -17,8 +17,8 @@ from typing import Annotated, Literal, Optional
 import pydantic
 import pytest
 
-from gguf_mcv.output import structured
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.output import structured
 
 SEEDS = range(6)
 #: Qwen3's template with the think block opened by the prompt (as some templates do)

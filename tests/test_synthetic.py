@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import gguf_mcv
-from gguf_mcv.testing import synthetic
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.testing import synthetic
 from gguf_mcv.testing.synthetic import LADDER, TINY, SyntheticModel, build
 
 llama_cpp = pytest.importorskip("llama_cpp")

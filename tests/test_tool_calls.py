@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gguf_mcv.prompt import tool_calls
 from gguf_mcv.errors import ConfigError
+from gguf_mcv.prompt import tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

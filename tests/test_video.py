@@ -16,9 +16,9 @@ import PIL.Image
 import pytest
 
 import gguf_mcv
-from gguf_mcv.vision import video
 from gguf_mcv.errors import ConfigError, MediaError
 from gguf_mcv.hardware import Gpu, Hardware
+from gguf_mcv.vision import video
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.video import (
     DEFAULT_THRESHOLD,

@@ -301,7 +301,7 @@ def test_a_huge_grey_frame_is_refused_before_it_is_expanded() -> None:
     assert to_rgb(np.zeros((8001, 8000), np.uint8)) is None  # over MAX_PIXELS: not converted
 
 
-def test_a_video_of_huge_frames_is_refused_naming_it(huge_frames_video: Path) -> None:
+def test_a_video_of_huge_frames_is_refused_naming_it(huge_frames_video: Path) -> None:  # noqa: F811 - the imported fixture
     from test_video import peak_of
 
     grew, error = peak_of("from gguf_mcv.watch.sources import open_source",

@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
@@ -227,12 +228,14 @@ class Supervisor(Multiprocess):
                     log.info("Serving on %s (Press CTRL+C to quit); the model runs in worker process [%s].",
                              self.url, process.pid)
                 return
-            if process.ping(timeout=self.config.timeout_worker_healthcheck):
+            answered = ping(process, self.config.timeout_worker_healthcheck)
+            if answered:
                 self.answered_at = time.monotonic()
                 return
-            silent = time.monotonic() - self.answered_at
-            how = f"killed by the supervisor: hung, it had not answered for {silent:.0f} s"
-            log.error("The model worker [%s] did not answer for %.0f s: killing it.", process.pid, silent)
+            if answered is None:  # silent while alive; False: it exited while pinged (its exit says why)
+                silent = time.monotonic() - self.answered_at
+                how = f"killed by the supervisor: hung, it had not answered for {silent:.0f} s"
+                log.error("The model worker [%s] did not answer for %.0f s: killing it.", process.pid, silent)
         process.kill()
         process.process.join()  # uvicorn's join() logs a line for it
         self._after(process, how)
@@ -353,6 +356,24 @@ def _worker_app(worker: _Worker, info: WorkerInfo) -> FastAPI:
 FILES_CHANGED_EXIT = 3
 #: Seconds a worker whose files changed keeps running, so its 503 answers reach their clients.
 FILES_CHANGED_GRACE_S = 1.0
+
+
+def ping(process: Process, timeout: float) -> bool | None:
+    """Whether the worker ``process`` answers a ping within ``timeout`` seconds: True, it did;
+    False, it exited first; None, it is alive and silent.
+
+    uvicorn's own ``Process.ping`` waits only on the pipe, whose worker end the supervisor holds
+    too: a worker that exits while pinged (one whose files changed) would read as hung for the
+    whole timeout. Waiting on the process's sentinel as well tells the two apart at once."""
+    try:
+        process.parent_conn.send(b"ping")
+        ready = wait([process.parent_conn, process.process.sentinel], timeout)
+        if process.parent_conn in ready:
+            process.parent_conn.recv()
+            return True
+    except (OSError, EOFError, pickle.UnpicklingError):
+        pass
+    return False if process.process.exitcode is not None else None
 
 
 def _end_for_reload(exc: BaseException) -> None:
