@@ -138,6 +138,16 @@ def holding(model: gguf_mcv.Model) -> Iterator[None]:
         stream.close()
 
 
+def queue(url: str) -> tuple[int, int]:
+    """(waiting, answering) as /health reports them.
+
+    Waiting alone is not enough to wait on: a request just admitted counts as waiting
+    until it takes its turn, so one request can look like one answering and one waiting.
+    """
+    health = requests.get(url + "/health", timeout=30).json()
+    return health["queue_length"], health["in_flight"]
+
+
 def wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -272,7 +282,7 @@ def test_eight_concurrent_clients_are_queued_and_all_answered(srv: Running, mode
     with ThreadPoolExecutor(8) as pool:
         with holding(model):
             futures = [pool.submit(ask, i) for i in range(8)]
-            wait_for(lambda: requests.get(srv.url + "/health", timeout=30).json()["queue_length"] == 7)
+            wait_for(lambda: queue(srv.url) == (7, 1))
             health = requests.get(srv.url + "/health", timeout=30)  # answered: the event loop is free
             assert health.json() == {
                 "status": "ok", "model": name, "queue_length": 7, "in_flight": 1, "parallel": 1,
@@ -328,7 +338,7 @@ def test_requests_queued_when_the_server_stops_get_a_503_in_their_api_shape(mode
         with ThreadPoolExecutor(3) as pool, holding(model):
             posts = [pool.submit(requests.post, url + path, json={**body, "stream": False}, timeout=120)
                      for path in ("/v1/chat/completions", "/api/chat", "/v1/chat/completions")]
-            wait_for(lambda: requests.get(url + "/health", timeout=30).json()["queue_length"] == 2, timeout=60)
+            wait_for(lambda: queue(url) == (2, 1), timeout=60)
             uv.should_exit = True  # as SIGTERM does; the answers cannot finish: the model is held
             responses = [f.result(timeout=120) for f in posts]
         thread.join(60)
@@ -365,7 +375,7 @@ def test_a_full_queue_refuses_a_body_before_reading_it(small: Running, model, pa
     with ThreadPoolExecutor(2) as pool:
         with holding(model):
             futures = [pool.submit(post) for _ in range(2)]  # one answering, one waiting: full
-            wait_for(lambda: requests.get(small.url + "/health", timeout=30).json()["queue_length"] == 1)
+            wait_for(lambda: queue(small.url) == (1, 1))  # not one admitted, not yet answering
             # a large upload has begun: the server answers it now, without waiting for the rest
             conn = start_upload(small, path, {"Content-Type": "application/json",
                                               "Content-Length": str(60 * 1024)}, b"{" + b" " * 1023)
