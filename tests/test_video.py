@@ -18,7 +18,7 @@ import pytest
 import gguf_mcv
 from gguf_mcv.errors import ConfigError, MediaError
 from gguf_mcv.hardware import Gpu, Hardware
-from gguf_mcv.vision import video
+from gguf_mcv.vision import video, video_decode
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.video import (
     DEFAULT_THRESHOLD,
@@ -476,12 +476,12 @@ def test_damage_in_the_middle_gives_frames_around_it(clips: Path, tmp_path: Path
 
 
 def test_plausible_count() -> None:
-    assert video._plausible_count(100.0, 10.0) == 100
-    assert video._plausible_count(100.0, None) == 100  # rate unknown, count fine
+    assert video_decode.plausible_count(100.0, 10.0) == 100
+    assert video_decode.plausible_count(100.0, None) == 100  # rate unknown, count fine
     for bad in (0.0, -1.0, -192153584101141.0, math.nan, math.inf):
-        assert video._plausible_count(bad, 10.0) is None
-    assert video._plausible_count(2**31 - 1, 10.0) is None  # ~7 years of video
-    assert video._plausible_count(30 * 3600 * 24, 30.0) == 30 * 3600 * 24  # a day is fine
+        assert video_decode.plausible_count(bad, 10.0) is None
+    assert video_decode.plausible_count(2**31 - 1, 10.0) is None  # ~7 years of video
+    assert video_decode.plausible_count(30 * 3600 * 24, 30.0) == 30 * 3600 * 24  # a day is fine
 
 
 def test_unknown_count_shorter_than_one_step_gives_its_first_frame(tmp_path: Path) -> None:
@@ -546,7 +546,7 @@ def test_ten_minute_video_samples_fast_and_exactly(long_clips: dict[str, Path]) 
 
 def test_seek_and_grab_read_the_same_frames(long_clips: dict[str, Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(video, "SEEK_MIN_GAP", 10**9)
+    monkeypatch.setattr(video_decode, "SEEK_MIN_GAP", 10**9)
     frames = sample_frames(long_clips["1min"], max_frames=8, dedupe=False)
     assert [read_number(f.image.rgb) for f in frames] == [f.index for f in frames]
 
@@ -570,8 +570,8 @@ def test_a_seek_that_lands_elsewhere_falls_back_to_grabbing(
         def __getattr__(self, name: str):  # noqa: ANN204
             return getattr(self.cap, name)
 
-    real_open = video._open
-    monkeypatch.setattr(video, "_open", lambda path, name: LyingCapture(real_open(path, name)))
+    real_open = video_decode.open_video
+    monkeypatch.setattr(video_decode, "open_video", lambda path, name: LyingCapture(real_open(path, name)))
     frames = sample_frames(long_clips["1min"], max_frames=4, dedupe=False)
     assert [f.index for f in frames] == [75, 225, 375, 525]
     assert [read_number(f.image.rgb) for f in frames] == [75, 225, 375, 525]
@@ -646,8 +646,8 @@ def test_broken_files_print_nothing_and_log_levels_come_back(clips: Path, tmp_pa
         sample_frames(text, max_frames=4)
     assert capfd.readouterr().err == ""  # FFmpeg's "huffman table decode error" etc. silenced
     assert cv2.utils.logging.getLogLevel() == before
-    if video._avutil:
-        assert video._avutil.av_log_get_level() != -8  # FFmpeg's level restored too
+    if video_decode._avutil:
+        assert video_decode._avutil.av_log_get_level() != -8  # FFmpeg's level restored too
 
 
 def test_video_as_bytes_and_data_uri(tmp_path) -> None:
@@ -724,10 +724,10 @@ def test_large_canvas_animation_within_the_limit_is_sampled(make: str) -> None:
 
 def test_animation_limit_counts_every_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     data = bad_inputs.gif_huge_canvas(100, 100, 40)
-    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 - 1)  # one walk too few
+    monkeypatch.setattr(video_decode, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 - 1)  # one walk too few
     with pytest.raises(MediaError, match="40 frames on a 100×100 canvas"):
         sample_frames(data, max_frames=4)
-    monkeypatch.setattr(video, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 + 1)  # no room to convert
+    monkeypatch.setattr(video_decode, "MAX_ANIMATION_PIXELS", 2 * 40 * 16_384 + 1)  # no room to convert
     assert len(sample_frames(data, max_frames=4, dedupe=False)) == 4  # walks 40 + 36, converts 4
     with pytest.raises(MediaError, match="pixels decoded"):
         sample_frames(data, max_frames=40, fps=None)  # would convert all 40

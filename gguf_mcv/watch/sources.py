@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import ConfigError, GgufMcvError, MediaError, SourceError, SourceLostError
 from ..options import check_number, check_url
 from ..vision.media import MAX_PIXELS, load_image, local_path, regular_file
-from ..vision.video import check_frame_size
+from ..vision.video_decode import check_frame_size
 from .mjpeg import open_mjpeg
 
 SourceInput = Union[int, str, os.PathLike, Iterable[Any]]
