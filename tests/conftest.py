@@ -162,10 +162,10 @@ def byte_vocab(tmp_path_factory: pytest.TempPathFactory):
     grammar the grammar alone decides what is written (``.f16``, ``.mmproj``)."""
     import dataclasses
 
-    from gguf_mcv.testing import synthetic
+    from gguf_mcv.testing import synthetic, synthetic_specs
 
     spec = dataclasses.replace(synthetic.TINY, n_merges=1, n_vocab=0)
-    spec = dataclasses.replace(spec, n_vocab=synthetic._min_vocab(spec))
+    spec = dataclasses.replace(spec, n_vocab=synthetic_specs.min_vocab(spec))
     return synthetic.build(tmp_path_factory.mktemp("byte_model"), spec, quants=[])
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import gguf_mcv
 from gguf_mcv.errors import ConfigError
-from gguf_mcv.testing import synthetic
+from gguf_mcv.testing import synthetic, synthetic_specs
 from gguf_mcv.testing.synthetic import LADDER, TINY, SyntheticModel, build
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -116,7 +116,7 @@ def test_text_model_header(tiny: SyntheticModel) -> None:
     tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
     assert len(tokens) == TINY.n_vocab and len(kv["tokenizer.ggml.merges"]) > 100
     assert "Ċ" in tokens and tokens[-1] == f"[PAD{TINY.n_vocab - 1}]"
-    for special in synthetic.SPECIAL_TOKENS:
+    for special in synthetic_specs.SPECIAL_TOKENS:
         assert types[tokens.index(special)] == gguf.TokenType.CONTROL
     assert types[tokens.index("Ċ")] == gguf.TokenType.NORMAL and types[-1] == gguf.TokenType.UNUSED
     assert tokens[kv["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
