@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import gguf_mcv
+from gguf_mcv import generations as registry
 from gguf_mcv.errors import IncompatibleProjectorError
 from gguf_mcv.model import Model
 from gguf_mcv.models.catalog import lookup
@@ -32,16 +33,10 @@ llama_cpp = pytest.importorskip("llama_cpp")
 mtmd = pytest.importorskip("llama_cpp.mtmd_cpp")
 
 #: synthetic generation -> catalog name
-CATALOG_NAMES = {
-    "2.5": "minicpm-llama3-v-2.5",
-    "2.6": "minicpm-v-2.6",
-    "o-2.6": "minicpm-o-2.6",
-    "4.0": "minicpm-v-4.0",
-    "4.5": "minicpm-v-4.5",
-    "4.6": "minicpm-v-4.6",
-    "4.6-thinking": "minicpm-v-4.6-thinking",
-}
-HYBRID = {"4.6", "4.6-thinking"}  # qwen35: recurrent (gated delta net) layers + attention layers
+CATALOG_NAMES = {key: g.catalog_names[0] for key, g in registry.GENERATIONS.items()
+                 if g.catalog_names and g.synthetic_tiny is not None}
+#: qwen35: recurrent (gated delta net) layers + attention layers
+HYBRID = {key for key, g in registry.GENERATIONS.items() if g.text_arch == "qwen35"}
 
 #: generations whose follow-up re-evaluates more than the new turn, and why
 REWIND_GAPS = {

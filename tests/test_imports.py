@@ -124,6 +124,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "cgroups", "hardware",
                 "native_verdict", "children", "llama_log",
                 "bytes_cache"}),
+    ("generations", {"generations"}),
     ("models", {"models"}),
     ("vision", {"vision"}),
     ("planning", {"planning"}),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gguf_mcv
+from gguf_mcv import generations as registry
 from gguf_mcv.errors import CorruptModelError, IncompatibleProjectorError
 from gguf_mcv.testing import synthetic
 from gguf_mcv.vision.embed_cache import EmbeddingCache
@@ -32,10 +33,10 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("llama_cpp")
 
-#: one per projector in the catalog: the resampler of versions 2 (96 queries), 3, 4, 5, 6 and
-#: MiniCPM-V 4.6's minicpmv4_6 merger (4.6 Thinking has the same mmproj layout)
-GENERATIONS = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
-               "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}
+#: one per mmproj layout in the catalog: the resampler of versions 2 (96 queries), 3, 4, 5, 6 and
+#: MiniCPM-V 4.6's minicpmv4_6 merger (4.6 Thinking has the same mmproj layout as 4.6)
+GENERATIONS = {g.key: g.catalog_names[0] for g in registry.GENERATIONS.values()
+               if g.onnx_encoder and g.catalog_names and not g.thinking_default}
 SIZES = [(300, 200), (1000, 700)]  # upscaled to one slice; overview + a 2x2 grid
 
 

@@ -15,6 +15,7 @@ import pytest
 
 import gguf_mcv
 from gguf_mcv.errors import ConfigError
+from gguf_mcv import generations as registry
 from gguf_mcv.testing import synthetic, synthetic_specs
 from gguf_mcv.testing.synthetic import LADDER, TINY, SyntheticModel, build
 
@@ -272,16 +273,11 @@ def test_command_line_overrides_preset(tmp_path: Path, capsys: pytest.CaptureFix
 
 # --- one preset per MiniCPM-V generation ---------------------------------------
 
-#: generation -> (text architecture, tokenizer.ggml.model, projector type, minicpmv_version, tokens per slice)
-EXPECTED = {
-    "2.5": ("llama", "gpt2", "resampler", 2, 96),
-    "2.6": ("qwen2", "gpt2", "resampler", 3, 64),
-    "o-2.6": ("qwen2", "gpt2", "resampler", 4, 64),
-    "4.0": ("minicpm", "llama", "resampler", 5, 64),
-    "4.5": ("qwen3", "gpt2", "resampler", 6, 64),
-    "4.6": ("qwen35", "gpt2", "minicpmv4_6", None, 64),
-    "4.6-thinking": ("qwen35", "gpt2", "minicpmv4_6", None, 64),
-}
+#: generation -> (text architecture, tokenizer.ggml.model, projector type, minicpmv_version, tokens per
+#: slice) as the registry says them: llama.cpp and libmtmd must read the same off the files written
+EXPECTED = {key: (g.text_arch, synthetic_specs.TOKENIZERS[g.tokenizer].model, g.projector_type, g.minicpmv_version,
+                  g.tokens_per_slice)
+            for key, g in registry.GENERATIONS.items() if g.synthetic_tiny is not None}
 
 
 def test_every_generation_has_a_tiny_and_a_bench_preset() -> None:

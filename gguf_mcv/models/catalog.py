@@ -26,12 +26,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from .. import constants
 from ..errors import CatalogError, ConfigError, ModelNotFoundError
+from ..generations import chat_templates
 from ..options import Sampling
 from .quants import classify_gguf, normalize_quant, sort_by_quality
 from .shapes import TextShape, VisionShape
 
-#: Chat-template families the prompt renderer knows (gguf_mcv.prompt.templates.FAMILIES).
-CHAT_TEMPLATES: tuple[str, ...] = ("llama3", "chatml", "qwen3")
+#: Chat-template families the generations use (each rendered by gguf_mcv.prompt.templates.FAMILIES).
+CHAT_TEMPLATES: tuple[str, ...] = chat_templates()
 SCHEMA_VERSION = 1
 
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
 from ..errors import CorruptModelError, IncompatibleProjectorError, ModelNotFoundError
+from ..generations import named_by_version, of_projector, text_arch_of
 from .shapes import TextShape, VisionShape
 
 GGUF_MAGIC = b"GGUF"
 
 # clip.minicpmv_version of each MiniCPM-V release, and what we call the release (libmtmd's
-# clip.cpp / mtmd.cpp accept 2-6 and 100045, all but 2 with 64 queries and 2.6's slice layout).
-# MiniCPM-V 4.6 has no version: its projector type is "minicpmv4_6".
-MINICPMV_VERSIONS = {2: "MiniCPM-Llama3-V 2.5", 3: "MiniCPM-V 2.6", 4: "MiniCPM-o 2.6",
-                     5: "MiniCPM-V 4.0", 6: "MiniCPM-V 4.5", 100045: "MiniCPM-o 4.5"}
+# clip.cpp / mtmd.cpp accept 2-6 and 100045). MiniCPM-V 4.6 has no version: its projector
+# type is "minicpmv4_6".
+MINICPMV_VERSIONS = named_by_version()
 
 
 @dataclass(frozen=True)
@@ -326,14 +326,6 @@ def _refuse(path: str, problems: list[tuple[Any, str]]) -> None:
         )
 
 
-#: the text architecture each MiniCPM-V projector generation was trained with; 5 (4.0):
-#: MiniCPM4, which convert_hf_to_gguf writes as "minicpm" (MiniCPMForCausalLM)
-_TEXT_ARCH = {2: "llama", 3: "qwen2", 4: "qwen2", 5: "minicpm", 6: "qwen3"}
-#: the same for projector types that carry no minicpmv_version: convert_hf_to_gguf writes
-#: MiniCPM-V 4.6's text model as "qwen35" (MiniCPMV4_6TextModel)
-_TEXT_ARCH_BY_PROJECTOR = {"minicpmv4_6": "qwen35"}
-
-
 def check_pair(
     text: TextHeader, projector: ProjectorHeader, *, minicpmv_version: int | None = None,
     projector_type: str | None = None,
@@ -362,8 +354,7 @@ def check_pair(
             f"The projector is for {_release(projector.minicpmv_version)} but the model is "
             f"{_release(minicpmv_version)} ({names}). Use the mmproj from the model's repository."
         )
-    expected_arch = _TEXT_ARCH.get(projector.minicpmv_version or -1,
-                                   _TEXT_ARCH_BY_PROJECTOR.get(projector.projector_type))
+    expected_arch = text_arch_of(projector.minicpmv_version, projector.projector_type)
     if expected_arch is not None and text.shape.architecture != expected_arch:
         raise IncompatibleProjectorError(
             f"The projector is for {_projector_release(projector)}, whose text model is "
@@ -377,9 +368,8 @@ def _release(version: int | None) -> str:
 
 
 def _projector_release(projector: ProjectorHeader) -> str:
-    if projector.minicpmv_version is None and projector.projector_type == "minicpmv4_6":
-        return "MiniCPM-V 4.6"
-    return _release(projector.minicpmv_version)
+    g = of_projector(projector.minicpmv_version, projector.projector_type)
+    return g.name if g else _release(projector.minicpmv_version)
 
 
 def tensor_list(tensors: Iterable[Any]) -> list[tuple[str, str, int]]:

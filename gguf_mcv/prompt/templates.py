@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ConfigError
+from ..generations import THINK_MARKERS
 
 CHATML = (
     "{% for message in messages %}"
@@ -60,7 +61,7 @@ QWEN3 = (
 
 FAMILIES: dict[str, str] = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3}
 
-THINK_OPEN = "<think>"
+THINK_OPEN = THINK_MARKERS[0]
 
 
 @dataclass(frozen=True)

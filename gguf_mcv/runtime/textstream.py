@@ -10,6 +10,8 @@ from __future__ import annotations
 import codecs
 from typing import Sequence
 
+from ..generations import THINK_MARKERS
+
 
 class TextAssembler:
     """Feed token bytes, get text pieces; stops at the first stop string."""
@@ -65,7 +67,7 @@ class ReasoningFilter:
     templates end the generation prompt with ``<think>``).
     """
 
-    OPEN, CLOSE = "<think>", "</think>"
+    OPEN, CLOSE = THINK_MARKERS
 
     def __init__(self, *, active: bool, inside: bool = False) -> None:
         self._state = ("thinking" if inside else "deciding") if active else "answer"

@@ -9,8 +9,8 @@ official GGUFs (2.5, 2.6, o-2.6, 4.0, 4.5, 4.6, 4.6-thinking) with small widths.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from .. import generations
 from ..errors import ConfigError
 
 #: The quant ladder a planner chooses from, smallest file first.
@@ -112,7 +112,7 @@ class SyntheticSpec:
     visible_padding: bool = False
     text_arch: str = "qwen2"  #: one of TEXT_ARCHS
     tokenizer: str = "qwen2"  #: a key of TOKENIZERS
-    chat_template: str = "chatml"  #: "chatml" (2.6's own), "llama3" or "qwen3" (templates.FAMILIES)
+    chat_template: str = "chatml"  #: a prompt family of gguf_mcv.generations (2.6's own: chatml)
     projector: str = "resampler"  #: one of PROJECTORS
     head_dim: int = 0  #: text attention head size; 0 = n_embd / n_head
     #: qwen35: every n-th layer is full attention, the others gated-delta-net (recurrent)
@@ -140,8 +140,9 @@ class SyntheticSpec:
             problems.append(f"text_arch {self.text_arch!r} is not one of {', '.join(TEXT_ARCHS)}")
         if self.tokenizer not in TOKENIZERS:
             problems.append(f"tokenizer {self.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
-        if self.chat_template not in ("chatml", "llama3", "qwen3"):
-            problems.append(f"chat_template {self.chat_template!r} is not chatml, llama3 or qwen3")
+        families = generations.chat_templates()
+        if self.chat_template not in families:
+            problems.append(f"chat_template {self.chat_template!r} is not one of {', '.join(families)}")
         if self.projector not in PROJECTORS:
             problems.append(f"projector {self.projector!r} is not one of {', '.join(PROJECTORS)}")
         return problems
@@ -180,43 +181,13 @@ def min_vocab(spec: SyntheticSpec) -> int:
     return leading + 256 + len(kind.specials) + spec.n_merges
 
 
-TINY = SyntheticSpec()
-BENCH = SyntheticSpec(
-    n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864, n_vocab=151936, n_merges=1000,
-    v_embd=1152, v_layer=27, v_head=16, v_ff=4304,
-)  # fmt: skip
-
-# One tiny and one bench spec per MiniCPM-V generation: the text architecture, tokenizer
-# kind, chat template and projector of the official GGUFs (catalog: models.toml), with
-# small widths. The bench sizes keep the real SigLIP-400M tower and vocabulary sizes.
-_V25: dict[str, Any] = dict(text_arch="llama", tokenizer="llama3", chat_template="llama3", minicpmv_version=2,
-            query_num=96, rope_theta=500_000.0, n_ctx_train=8192, name="MiniCPM-Llama3-V 2.5")
-_O26: dict[str, Any] = dict(minicpmv_version=4, name="MiniCPM-o 2.6")
-# MiniCPM4's vocabulary is SentencePiece (73448 pieces); scale_emb 12, scale_depth 1.4.
-_V40: dict[str, Any] = dict(text_arch="minicpm", tokenizer="spm", minicpmv_version=5, n_vocab=640, name="MiniCPM-V 4.0")
-_V45: dict[str, Any] = dict(text_arch="qwen3", chat_template="qwen3", minicpmv_version=6, n_ctx_train=40960,
-            name="MiniCPM-V 4.5")
-# MiniCPM-V 4.6's config.json: insert_layer_id 6, tie_word_embeddings true, Qwen3.5-0.8B text
-_V46: dict[str, Any] = dict(text_arch="qwen35", tokenizer="qwen35", chat_template="qwen3", projector="minicpmv4_6",
-            tied_embeddings=True, n_layer=4, n_ctx_train=262144, rope_theta=10_000_000.0, name="MiniCPM-V 4.6")
-_V46_BENCH: dict[str, Any] = dict(n_embd=1024, n_layer=24, n_head=8, n_head_kv=2, head_dim=256, n_ff=3584,
-                  n_vocab=248320, ssm_heads=16, ssm_head_dim=128, merger_layer=6)
-_BENCH_VISION: dict[str, Any] = dict(v_embd=1152, v_layer=27, v_head=16, v_ff=4304, n_merges=1000)
-_BENCH_TEXT: dict[str, Any] = dict(n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864)
-
-#: generation -> (tiny, bench) spec
+#: generation -> (tiny, bench) spec: the text architecture, tokenizer kind, chat template and
+#: projector of the official GGUFs (gguf_mcv.generations), with small widths; the bench sizes
+#: keep the real SigLIP-400M tower and vocabulary sizes
 GENERATIONS: dict[str, tuple[SyntheticSpec, SyntheticSpec]] = {
-    "2.5": (SyntheticSpec(**_V25),
-            SyntheticSpec(**{**_V25, **_BENCH_TEXT, **_BENCH_VISION, "n_embd": 1024, "n_head": 16,
-                             "n_head_kv": 4, "n_vocab": 128256})),
-    "2.6": (TINY, BENCH),
-    "o-2.6": (SyntheticSpec(**_O26), SyntheticSpec(**{**_O26, **_BENCH_TEXT, **_BENCH_VISION, "n_vocab": 151700})),
-    "4.0": (SyntheticSpec(**_V40), SyntheticSpec(**{**_V40, **_BENCH_TEXT, **_BENCH_VISION, "n_vocab": 73448})),
-    "4.5": (SyntheticSpec(**_V45), SyntheticSpec(**{**_V45, **_BENCH_TEXT, **_BENCH_VISION, "n_vocab": 151748})),
-    "4.6": (SyntheticSpec(**_V46), SyntheticSpec(**{**_V46, **_BENCH_VISION, **_V46_BENCH})),
-    "4.6-thinking": (SyntheticSpec(**{**_V46, "name": "MiniCPM-V 4.6 Thinking"}),
-                     SyntheticSpec(**{**_V46, **_BENCH_VISION, **_V46_BENCH, "name": "MiniCPM-V 4.6 Thinking"})),
-}  # fmt: skip
+    key: (SyntheticSpec(**g.synthetic_fields("tiny")), SyntheticSpec(**g.synthetic_fields("bench")))
+    for key, g in generations.GENERATIONS.items() if g.synthetic_tiny is not None and g.synthetic_bench is not None}
+TINY, BENCH = GENERATIONS["2.6"]  #: MiniCPM-V 2.6: the defaults, and its bench size
 
 #: Named specs for tools (``--preset``): "tiny"/"bench" (2.6), and "<generation>" / "<generation>-bench".
 PRESETS: dict[str, SyntheticSpec] = {

@@ -29,7 +29,7 @@ RESAMPLER_HEAD = 128
 #: SigLIP's position grid side (libmtmd buckets every slice into 70×70)
 POS_GRID = 70
 OPSET = 20  # Gelu with approximate="tanh"
-PROJECTORS = ("resampler", "minicpmv4_6")
+PROJECTORS = ("resampler", "minicpmv4_6")  #: the projector types built below
 #: weights at least this large go to the external data file, at offsets aligned to EXTERNAL_ALIGN
 EXTERNAL_MIN_BYTES = 1024
 EXTERNAL_ALIGN = 4096

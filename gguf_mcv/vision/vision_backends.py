@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..generations import onnx_projectors
 
-#: projector types the ONNX converter builds (``gguf_mcv.vision.onnx_graph.PROJECTORS``; a test
-#: keeps the two equal, so this rule needs neither numpy nor onnx to be imported)
-ONNX_PROJECTORS = ("resampler", "minicpmv4_6")
+#: projector types the ONNX converter builds (the generations' own word, so this rule needs
+#: neither numpy nor onnx to be imported)
+ONNX_PROJECTORS = onnx_projectors()
 #: ``auto`` uses int8 only when its embeddings agree with fp32's at least this well
 #: (mean over tokens of the per-token cosine, on the validation images; :mod:`gguf_mcv.vision.onnx_vision`)
 INT8_MIN_COSINE = 0.995
