@@ -40,7 +40,8 @@ requests = pytest.importorskip("requests")
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server
 from gguf_mcv.runtime import native_check  # noqa: E402
-from gguf_mcv.server import admission, naming, remote_media  # noqa: E402
+from gguf_mcv.server import admission, naming  # noqa: E402
+from gguf_mcv.vision import remote  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -608,7 +609,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 
 def test_remote_images_are_fetched_with_a_size_cap(small: Running, monkeypatch) -> None:
     # the test's file server is on loopback, so treat every address as public here
-    monkeypatch.setattr(remote_media, "_is_public", lambda ip: True)
+    monkeypatch.setattr(remote, "_is_public", lambda ip: True)
     _Files.files = {"/cat.png": png(8), "/huge.png": png(9, (400, 400))}  # the second is > 64 KiB
     files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
     threading.Thread(target=files.serve_forever, daemon=True).start()

@@ -18,7 +18,7 @@ import pytest
 import gguf_mcv
 from gguf_mcv.errors import ConfigError, MediaError
 from gguf_mcv.hardware import Gpu, Hardware
-from gguf_mcv.vision import video, video_decode
+from gguf_mcv.vision import remote, video, video_decode, video_sources
 from gguf_mcv.vision.media import Image
 from gguf_mcv.vision.video import (
     DEFAULT_THRESHOLD,
@@ -791,18 +791,25 @@ def serve(folder: Path) -> tuple[str, Callable[[], None]]:
 
 def test_remote_video_url_says_how_to_allow_it(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
     pics = [PIL.Image.fromarray(solid(c)) for c in COLOURS[:3]]
     pics[0].save(tmp_path / "clip.gif", save_all=True, append_images=pics[1:], duration=1000)
     url, stop = serve(tmp_path)
     try:
         with pytest.raises(MediaError, match=r"remote URLs are off.*allow_remote=True"):
             sample_frames(f"{url}/clip.gif", max_frames=4)
+        # the server is on loopback: refused as any private address is, saying what to do instead
+        with pytest.raises(MediaError, match="not a public address.*pass the bytes or a file"):
+            sample_frames(f"{url}/clip.gif", max_frames=4, allow_remote=True)
+        with pytest.raises(MediaError, match="not a public address"):
+            gguf_mcv.load_image(f"{url}/clip.gif", allow_remote=True)
+        monkeypatch.setattr(remote, "_is_public", lambda ip: True)  # as if it were public
         frames = sample_frames(f"{url}/clip.gif", max_frames=4, dedupe=False, allow_remote=True)
         assert len(frames) == 3 and frames.source == f"{url}/clip.gif"
-        with pytest.raises(MediaError, match="Could not fetch video"):
+        with pytest.raises(MediaError, match="HTTP 404"):
             sample_frames(f"{url}/missing.mp4", max_frames=4, allow_remote=True)
+        monkeypatch.setattr(video_sources, "MAX_REMOTE_BYTES", 100)  # refused as it arrives
+        with pytest.raises(MediaError, match="larger than 100 bytes"):
+            sample_frames(f"{url}/clip.gif", max_frames=4, allow_remote=True)
     finally:
         stop()
 

@@ -3,7 +3,8 @@
 Accepted inputs: file paths (``str`` or ``Path``), ``file://`` URLs, ``data:``
 URIs, raw bytes (``bytes``, ``bytearray`` or ``memoryview``), PIL images, numpy
 arrays (H×W×3 ``uint8`` RGB; H×W and H×W×4 are accepted too) and :class:`Image`
-itself. ``http(s)`` URLs only when the caller passes ``allow_remote=True``.
+itself. ``http(s)`` URLs only when the caller passes ``allow_remote=True``, and then only
+from public addresses (:mod:`gguf_mcv.vision.remote`).
 
 Decoding happens here, in Python, never inside llama.cpp: EXIF orientation is
 applied, every PIL mode is converted to 8-bit RGB (transparency composited on
@@ -20,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import http.client
 import io
 import os
 import stat
@@ -39,6 +39,7 @@ import PIL.Image
 import PIL.ImageOps
 
 from ..errors import MediaError
+from . import remote
 
 #: Images declaring more pixels than this are refused (a decompression-bomb guard).
 MAX_PIXELS = 64_000_000
@@ -47,7 +48,6 @@ MAX_PIXELS = 64_000_000
 MAX_FILE_BYTES = 2**30
 #: Remote images larger than this are refused.
 MAX_REMOTE_BYTES = 50_000_000
-REMOTE_TIMEOUT_S = 20.0
 
 ImageInput = Union[str, os.PathLike, bytes, bytearray, memoryview, PIL.Image.Image, np.ndarray,
                    "Image"]
@@ -133,9 +133,9 @@ def _from_locator(text: str, allow_remote: bool, fit: FitSize | None = None) -> 
         if not allow_remote:
             raise MediaError(
                 f"Refusing to fetch remote image {text}: remote URLs are off. "
-                "Download it yourself, or pass allow_remote=True."
+                "Download it yourself, or pass allow_remote=True (public addresses only)."
             )
-        return _decode(_fetch(text), text, fit)
+        return _decode(remote.fetch(text, max_bytes=MAX_REMOTE_BYTES), text, fit)
     if scheme == "file":
         text = urllib.request.url2pathname(urllib.parse.urlsplit(text).path)
     elif scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
@@ -206,17 +206,6 @@ def data_uri_bytes(uri: str) -> bytes:
         return urllib.parse.unquote_to_bytes(payload)
     except (binascii.Error, ValueError) as exc:
         raise MediaError(f"Malformed base64 in data URI ({header}): {exc}.") from exc
-
-
-def _fetch(url: str) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp:
-            data = resp.read(MAX_REMOTE_BYTES + 1)
-    except (OSError, http.client.HTTPException) as exc:  # e.g. IncompleteRead
-        raise MediaError(f"Could not fetch image {url}: {exc}.") from exc
-    if len(data) > MAX_REMOTE_BYTES:
-        raise MediaError(f"Remote image {url} is larger than {MAX_REMOTE_BYTES} bytes.")
-    return data
 
 
 def _decode(data: bytes | Path, source: str, fit: FitSize | None = None) -> Image:

@@ -3,7 +3,6 @@ images, bytes, ``data:``/``file://`` URIs and (allowed by the caller) remote URL
 
 from __future__ import annotations
 
-import http.client
 import re
 import tempfile
 import urllib.parse
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import MediaError
+from . import remote
 from .media import (
     data_uri_bytes,
     load_image,
@@ -31,8 +31,6 @@ from .video_frames import Frames, Opts, make_frame, sample_indices
 #: Remote videos larger than this are refused (``allow_remote=True``).
 MAX_REMOTE_BYTES = 500_000_000
 
-
-REMOTE_TIMEOUT_S = 20.0
 
 
 _IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -94,22 +92,8 @@ def from_url(url: str, opts: Opts, allow_remote: bool) -> Frames:
         )
     with tempfile.TemporaryDirectory(prefix="gguf_mcv_video_") as folder:
         path = Path(folder) / "video"
-        _download(url, path)
+        remote.download(url, path, max_bytes=MAX_REMOTE_BYTES)
         return from_file(path, url, opts)
-
-
-def _download(url: str, path: Path) -> None:
-    try:
-        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp, path.open("wb") as out:
-            copied = 0
-            while chunk := resp.read(1 << 20):
-                copied += len(chunk)
-                if copied > MAX_REMOTE_BYTES:
-                    raise MediaError(f"Remote video {url} is larger than {MAX_REMOTE_BYTES:,} bytes: "
-                                     "download it yourself and pass the file.")
-                out.write(chunk)
-    except (OSError, http.client.HTTPException) as exc:
-        raise MediaError(f"Could not fetch video {url}: {exc}.") from exc
 
 
 def from_bytes(video: bytes | bytearray | memoryview | str, opts: Opts) -> Frames:
