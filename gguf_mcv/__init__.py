@@ -35,10 +35,12 @@ from .errors import (
     OutputBusyError,
     OutputError,
     SavedChatError,
+    ServerWorkerError,
     SourceError,
     SourceLostError,
 )
 from .hardware import Hardware, probe
+from .jobs import batch
 from .loader import checked_llama, load
 from .model import Model, ModelInfo
 from .options import Sampling, SamplingKeywords
@@ -72,6 +74,7 @@ __all__ = [
     "format_size", "load_image", "parse_size", "plan", "probe", "pull", "sample_frames",
 ]
 __all__ += ["ModelFileChangedError", "NativeKernelError", "checked_llama"]  # native faults, files changed under a model
-__all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError"]  # batch jobs
+__all__ += ["BatchInputError", "ClusterError", "OutputBusyError", "OutputError", "batch"]  # batch jobs
+__all__ += ["ServerWorkerError"]  # the served model's worker process
 __all__ += ["SamplingKeywords"]  # the sampling keywords of every question, for typed wrappers
 __all__ += ["Observation", "SourceError", "SourceLostError", "watch"]  # watching a camera or stream

@@ -204,3 +204,16 @@ def test_planning_does_no_io() -> None:
         opens = [n.lineno for n in ast.walk(tree)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "open"]
         assert not opens, f"{path.name} calls open() at lines {opens}"
+
+
+def test_the_public_names_are_exported_and_every_error_is_one() -> None:
+    import inspect
+
+    import gguf_mcv
+    from gguf_mcv import errors
+
+    assert [n for n in gguf_mcv.__all__ if not hasattr(gguf_mcv, n)] == []
+    ours = [name for name, cls in vars(errors).items() if inspect.isclass(cls)
+            and issubclass(cls, errors.GgufMcvError) and cls.__module__ == errors.__name__]
+    assert [n for n in ours if n not in gguf_mcv.__all__] == []  # an error a user may catch is importable
+    assert gguf_mcv.batch.run is not None and gguf_mcv.watch is not None  # both job kinds, by module or function

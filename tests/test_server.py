@@ -40,7 +40,7 @@ requests = pytest.importorskip("requests")
 import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server
 from gguf_mcv.runtime import native_check  # noqa: E402
-from gguf_mcv.server import admission, naming  # noqa: E402
+from gguf_mcv.server import answering, naming  # noqa: E402
 from gguf_mcv.vision import remote  # noqa: E402
 
 KEY = "test-key"
@@ -439,7 +439,7 @@ def test_a_hung_up_stream_frees_the_model(srv: Running) -> None:
 
 def test_a_stream_that_has_not_started_sends_keep_alive_comments(srv: Running, model,
                                                                   monkeypatch) -> None:
-    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(answering, "KEEPALIVE_S", 0.2)
     body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
             "stream": True}
     with holding(model):  # the answer cannot start
@@ -462,7 +462,7 @@ def test_a_stream_that_has_not_started_sends_keep_alive_comments(srv: Running, m
 
 def test_a_stream_given_up_before_it_started_frees_its_place(srv: Running, model,
                                                              monkeypatch) -> None:
-    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(answering, "KEEPALIVE_S", 0.2)
     body = {"model": served(srv), "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     with holding(model):
         r = requests.post(srv.url + "/v1/chat/completions", json=body, headers=AUTH, stream=True,
@@ -904,12 +904,12 @@ def test_priming_keeps_every_piece_the_reply_and_closing() -> None:
         finally:
             closed.append(True)
 
-    empty = admission._primed(gguf_mcv.Stream(pieces([])))
+    empty = answering.primed(gguf_mcv.Stream(pieces([])))
     assert list(empty) == [] and empty.reply == ""
-    primed = admission._primed(gguf_mcv.Stream(pieces(["a", "b", "c"])))
+    primed = answering.primed(gguf_mcv.Stream(pieces(["a", "b", "c"])))
     assert list(primed) == ["a", "b", "c"] and primed.reply == "abc"
     closed.clear()
-    primed = admission._primed(gguf_mcv.Stream(pieces(["a", "b"])))
+    primed = answering.primed(gguf_mcv.Stream(pieces(["a", "b"])))
     assert next(primed) == "a"
     primed.close()  # closing the primed stream closes the model's stream (and frees the model)
     assert closed == [True]
@@ -958,7 +958,7 @@ class _Scripted:
 
 
 def test_errors_after_the_stream_started_arrive_in_the_stream(model, caplog, monkeypatch) -> None:
-    monkeypatch.setattr(admission, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(answering, "KEEPALIVE_S", 0.2)
     running = Running(server.build_app(_Scripted(model.info), api_key=""))
     try:
         client = oai(running, key="none")

@@ -47,7 +47,7 @@ with or without an Ollama tag (``:latest`` or the quant, e.g. ``minicpm-v-2.6:q4
 
 Modules: ``app`` (building and serving the app), ``openai_api`` and ``ollama_api`` (the
 routes), ``health`` (``/health``, ``/metrics``), ``bodies`` (key, body limit, JSON),
-``admission`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
+``answering`` (the answer thread, streaming, hang-ups), ``gate`` (the queue),
 ``state`` (what routes share), ``naming`` (model names), ``metrics`` (counters),
 ``prometheus`` (the counters in Prometheus' format), ``page`` (the web page),
 ``http_errors`` (error shapes and handlers), ``origins`` (allowed hosts and origins),

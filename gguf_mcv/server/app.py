@@ -158,7 +158,7 @@ def serve(
 
     _check_port(port)
     logging_config = configure_logging(log_level)  # first: what building the app logs shows too
-    if allowed_hosts is None and not _is_loopback(host):
+    if allowed_hosts is None and not is_loopback(host):
         allowed_hosts = ["*"]
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
@@ -166,7 +166,7 @@ def serve(
                     keep_chats_bytes=keep_chats_bytes, body_timeout_s=body_timeout_s,
                     allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     return_large_buffers_to_os()
-    if app.state.gguf.api_key is None and not _is_loopback(host):
+    if app.state.gguf.api_key is None and not is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass api_key.", host, API_KEY_ENV)
     try:  # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
@@ -189,7 +189,7 @@ def check_bind(host: str, port: int) -> None:
     # as asyncio does, an address family this machine lacks is skipped if another one binds
     serious = [e for e in errors if e.errno != errno.EADDRNOTAVAIL]
     if serious or len(errors) == len(addresses):
-        raise ConfigError(_bind_failure(host, port, (serious or errors)[0]))
+        raise ConfigError(bind_failure(host, port, (serious or errors)[0]))
 
 
 def _check_port(port: int) -> None:
@@ -222,7 +222,8 @@ def _try_bind(address: tuple) -> OSError | None:
     return None
 
 
-def _bind_failure(host: str, port: int, error: OSError) -> str:
+def bind_failure(host: str, port: int, error: OSError) -> str:
+    """What to tell the user when ``host:port`` could not be bound (in use, not allowed, no such address)."""
     if error.errno == errno.EADDRINUSE:
         return f"Port {port} on {host} is already in use: stop what uses it or pass another --port."
     if error.errno == errno.EACCES:
@@ -232,7 +233,8 @@ def _bind_failure(host: str, port: int, error: OSError) -> str:
     return f"Cannot listen on {host}:{port}: {error.strerror or error}."
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is reachable only from this machine."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

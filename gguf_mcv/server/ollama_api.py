@@ -21,7 +21,7 @@ from ..errors import MediaError
 from ..options import check_sampling, stop_list
 from ..reply import Reply
 from ..runtime.generation import Stream
-from .admission import answer, answer_stream, place_in_queue
+from .answering import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError, error_responses, json_request_body, streamed_responses

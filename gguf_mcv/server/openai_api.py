@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ..openai_compat import completion, completion_chunks, tool_call_chunks
 from ..options import check_sampling, stop_list
-from .admission import answer, answer_stream, place_in_queue
+from .answering import answer, answer_stream, place_in_queue
 from .bodies import Body, json_body
 from .gate import Place
 from .http_errors import HTTPError, error_responses, json_request_body, streamed_responses

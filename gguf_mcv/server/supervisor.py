@@ -56,7 +56,7 @@ from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
 from ..runtime import native_check
 from . import http_errors
-from .app import API_KEY_ENV, _bind_failure, _is_loopback, addresses_to_bind, build_app
+from .app import API_KEY_ENV, addresses_to_bind, bind_failure, build_app, is_loopback
 from .logs import log_config
 from .malloc import return_large_buffers_to_os
 from .standby import standby_app
@@ -110,7 +110,7 @@ def serve_supervised(load_model: Callable[[], Model], *, host: str = "127.0.0.1"
     except Exception as exc:  # pickle raises several kinds
         raise ConfigError(f"load_model must pickle (it runs in the worker process): use a module-level "
                           f"function or a functools.partial of one ({exc}).") from None
-    if options.get("allowed_hosts") is None and not _is_loopback(host):
+    if options.get("allowed_hosts") is None and not is_loopback(host):
         options["allowed_hosts"] = ["*"]  # for the network, as serve() is (see build_app)
     sockets = bind_sockets(host, port)
     try:
@@ -121,7 +121,7 @@ def serve_supervised(load_model: Callable[[], Model], *, host: str = "127.0.0.1"
                             log_level=log_level, log_config=log_config(log_level), timeout_graceful_shutdown=5,
                             timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S)
             key = os.environ.get(API_KEY_ENV) if options.get("api_key") is None else options["api_key"]
-            if not key and not _is_loopback(host):
+            if not key and not is_loopback(host):
                 log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                             "Set %s or pass api_key.", host, API_KEY_ENV)
             Supervisor(config, sockets, worker, f"http://{_url_host(host)}:{port}").run()
@@ -158,7 +158,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise ConfigError(_bind_failure(host, port, exc)) from None
+        raise ConfigError(bind_failure(host, port, exc)) from None
     return sockets
 
 

@@ -87,7 +87,7 @@ class _Job:
             self._stream = self._start()
             if self._stop.is_set():  # cancelled before the stream existed
                 self._stream.cancel()
-            stream = _primed(self._stream)
+            stream = primed(self._stream)
             self._emit("ready", None)
             with stream:  # closing it stops generation and frees the model, on this thread
                 for item in self._shape(stream):
@@ -121,7 +121,7 @@ class _Job:
             pass
 
 
-def _primed(stream: Stream) -> Stream:
+def primed(stream: Stream) -> Stream:
     """Evaluate the prompt now (its errors surface here); a Stream of the same pieces.
 
     Closing the returned stream closes ``stream``.
