@@ -95,7 +95,7 @@ def test_chat_session_with_commands(tiny, picture: Path) -> None:
 
 
 def test_chat_keeps_the_session_when_the_context_fills(tiny, picture: Path) -> None:
-    """Issue 17.13: a ContextOverflowError ended `gguf-mcv chat` and the conversation was lost."""
+    """A ContextOverflowError ended `gguf-mcv chat` and the conversation was lost."""
     questions = "".join(f"/image {picture}\nQuestion number {i}?\n" for i in range(8))
     done = run("chat", str(tiny.quants["Q4_K_M"]), "--ctx", "512", "--max-tokens", "8",
                stdin=questions + "Still there?\n/exit\n")
@@ -113,7 +113,7 @@ def test_chat_says_when_one_question_cannot_fit(tiny, picture: Path) -> None:
 
 
 def test_invalid_utf8_in_an_argument_is_one_line(tiny) -> None:
-    """Issue 17.14: it raised a raw UnicodeEncodeError."""
+    """It raised a raw UnicodeEncodeError."""
     done = subprocess.run([sys.executable, "-m", "gguf_mcv", "ask", os.fsencode(str(tiny.quants["Q4_K_M"])),
                            b"What is \xff\xfe?", "--max-tokens", "1"], capture_output=True, timeout=180)
     assert done.returncode == 1
@@ -122,7 +122,7 @@ def test_invalid_utf8_in_an_argument_is_one_line(tiny) -> None:
 
 
 def test_absurd_thread_counts_are_refused_before_llama_cpp_sees_them(tiny, picture: Path) -> None:
-    """Issue 17.2: --threads 100000 crashed inside llama.cpp or libgomp."""
+    """--threads 100000 crashed inside llama.cpp or libgomp."""
     done = run("ask", str(tiny.quants["Q4_K_M"]), str(picture), "?", "--threads", "100000")
     assert done.returncode == 1 and "n_threads must be between 1 and" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -303,7 +303,7 @@ def test_skips_say_why_and_are_few() -> None:
 
 def test_a_broken_block_fails_and_a_marked_one_is_skipped(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("Intro.\n\n```python\nfrom gguf_mcv import batch\n```\n\n"
+    page.write_text("Intro.\n\n```python\nfrom gguf_mcv import no_such_module\n```\n\n"
                     "<!-- docs-test: skip (needs a camera) -->\n```python\nraise SystemExit(1)\n```\n\n"
                     "```bash\npip install gguf-mcv && gguf-mcv serve m --port 1 && \\\n"
                     "  gguf-mcv models --json\n```\n\n"
@@ -311,7 +311,7 @@ def test_a_broken_block_fails_and_a_marked_one_is_skipped(tmp_path: Path) -> Non
     found = blocks(page)
     assert [(b.language, b.line, b.skip) for b in found] == [
         ("python", 3, ""), ("python", 8, "needs a camera"), ("bash", 12, ""), ("", 17, ""), ("json", 22, "")]
-    with pytest.raises(ImportError, match="batch"):
+    with pytest.raises(ImportError, match="no_such_module"):
         run_python(found[0], {})
     assert commands(found[2]) == [["serve", "--help"], ["models", "--json"]]
     assert commands(found[3]) == [["plan", "m", "--ram", "1GB"]]

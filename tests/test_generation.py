@@ -1,4 +1,4 @@
-"""Answers and streams against a model's lifetime and threads (issue 17: items 1, 4, 6, 7)."""
+"""Answers and streams against a model's lifetime and threads."""
 
 from __future__ import annotations
 

@@ -223,7 +223,7 @@ def test_int8_is_kept_where_the_budget_does_not_hold_its_fallback(tiny, own_onnx
     assert backend == "onnx-int8" and "kept" in reason
 
 
-# --- a local load is planned before it starts (issue 27) -------------------------------
+# --- a local load is planned before it starts -------------------------------------------
 
 
 def local_plan(tiny, **kw):

@@ -272,7 +272,7 @@ def test_chat_completion_with_a_video_part(tiny_model, tmp_path: Path) -> None:
     assert reply.usage.image_tokens == 3 * 64
 
 
-# --- long conversations: dropping the oldest turns (issue 18) ---------------------------------
+# --- long conversations: dropping the oldest turns ---------------------------------------------
 
 
 @pytest.fixture(scope="module")

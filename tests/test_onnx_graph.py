@@ -136,7 +136,7 @@ def test_merger_indices_follow_libmtmd() -> None:
 
 @pytest.mark.parametrize("gen", ["2.6", "4.6"])
 def test_int8_scope_blocks_keeps_the_projector_fp32(gen: str, tmp_path: Path) -> None:
-    # int8_scope="blocks" rebuilds the int8 graph of before issue 27 (tools/vision_fidelity.py --int8):
+    # int8_scope="blocks" rebuilds the older int8 graph (tools/vision_fidelity.py --int8):
     # only the tower blocks' MatMuls int8; "all" (the default, what the cache converts) every MatMul
     mmproj = synthetic.write_mmproj(tmp_path / "mmproj.gguf", synthetic.PRESETS[gen])
     weights = Weights(mmproj)

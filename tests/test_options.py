@@ -63,7 +63,7 @@ def test_text_must_be_encodable() -> None:
     (lambda m: m.chat().send("hi", max_tokens=0), ConfigError, "max_tokens"),
 ])
 def test_wrong_python_types_get_errors_that_name_the_argument(tiny_model, call, error, match) -> None:
-    """Issue 17.17: these raised bare TypeError/AttributeError/ctypes.ArgumentError."""
+    """These raised bare TypeError/AttributeError/ctypes.ArgumentError."""
     with pytest.raises(error, match=match):
         call(tiny_model)
 

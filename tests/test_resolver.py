@@ -125,7 +125,7 @@ def _laptop_like():
 
 
 def test_an_absurd_context_is_refused_or_planned_at_once(hub, tiny) -> None:
-    """Issue 17.5: plan(n_ctx=10**10) searched downward 256 positions at a time for hours."""
+    """plan(n_ctx=10**10) searched downward 256 positions at a time for hours."""
     _publish(hub, tiny)
     start = time.perf_counter()
     with pytest.raises(ConfigError, match="n_ctx must be between"):

@@ -358,7 +358,7 @@ def test_the_chat_handler_takes_response_format_and_grammar(handler_llama) -> No
 
 
 
-# -- strict UTF-8 under a grammar (issue 25) ---------------------------------------
+# -- strict UTF-8 under a grammar ---------------------------------------------------
 
 
 class Note(pydantic.BaseModel):
@@ -389,7 +389,7 @@ def test_constrained_answers_on_a_byte_vocabulary_are_strict_utf8(byte_model, ta
     assert finished >= 15
 
 
-# -- hostile and odd schemas (issue 29) ---------------------------------------------
+# -- hostile and odd schemas ---------------------------------------------------------
 
 
 def _within(seconds: float, fn, *args, **kwargs):

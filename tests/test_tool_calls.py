@@ -79,7 +79,7 @@ def test_calls_are_read_back_only_for_declared_names() -> None:
     assert box.calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>')[1] == []
 
 
-# -- arguments checked, bad tools refused (issue 29) ---------------------------------
+# -- arguments checked, bad tools refused ---------------------------------------------
 
 COUNT = {"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {
     "n": {"type": "integer", "minimum": 0, "maximum": 5},

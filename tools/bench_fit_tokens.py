@@ -1,5 +1,5 @@
 """Positions tokenized (and seconds) by one ``chat_completion(truncate=True)`` over a conversation
-that must drop turns, then by the same conversation one question longer (issue 26.4).
+that must drop turns, then by the same conversation one question longer.
 
     python tools/bench_fit_tokens.py --ladder DIR [--quant Q4_K_M] [--ctx 512]
 

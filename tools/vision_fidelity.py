@@ -17,12 +17,12 @@ attention and of onnx-fp32 with either graph, counted identical to libmtmd's def
 
     python tools/vision_fidelity.py --out /tmp/fidelity --time /tmp/bench-onnx --runs 3
 
-``--int8`` instead measures what int8 costs in answers (issue 27): each generation's model (the
+``--int8`` instead measures what int8 costs in answers: each generation's model (the
 tiny presets, or ``--ladder FOLDER:GENERATION`` for a bench ladder's ``--quant`` and
 ``mmproj-model-f16.gguf``) loaded once with the onnx-fp32 backend (a fresh cache folder under
 ``--out``), then ``--images`` images (random noise, smooth colour fields, the example photo at
 random sizes; ``detail`` alternating low/high) answered greedily (temperature 0, 16 tokens) with
-the fp32 graph, the int8 graph of before issue 27 (``int8_scope="blocks"``: tower blocks only,
+the fp32 graph, the older int8 graph (``int8_scope="blocks"``: tower blocks only,
 merger/resampler fp32) and the int8 graph the cache converts now (every MatMul): answers identical
 to fp32's (exact text), and the worst per-token cosine against fp32 over every slice encoded.
 

@@ -537,7 +537,7 @@ def _quant(quant: str | None) -> str:
 
 
 #: ``parallel="auto"`` stops here: on a CPU one batch of 8 tokens already costs about as much
-#: as evaluating them one by one would gain (issue 15: 8 tokens ≈ 2.2× one token on 2 cores).
+#: as evaluating them one by one would gain (measured: 8 tokens ≈ 2.2× one token on 2 cores).
 AUTO_MAX_PARALLEL = 8
 
 

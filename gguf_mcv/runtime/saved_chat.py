@@ -341,7 +341,7 @@ def _png(image: Image) -> bytes:
     return out.getvalue()
 
 
-#: how gguf_mcv identified model files before whole-file SHA-256 digests (issue 25)
+#: how gguf_mcv identified model files before whole-file SHA-256 digests
 _PARTIAL_HASH = re.compile(r"[0-9a-f]{16}")
 
 

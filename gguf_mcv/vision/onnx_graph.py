@@ -43,7 +43,7 @@ INT4_BLOCK = 32
 #: point 128: no vpmaddubsw saturation); "nbits8", MatMulNBits at 8 bits, accuracy_level 4
 INT8_KERNELS = ("u8s8", "u8u8", "nbits8")
 #: what ``int8`` quantizes (``int8_scope``): "all", every MatMul with a weight; "blocks", the tower
-#: blocks' only, the merger/resampler fp32 and unfolded (the int8 graph before issue 27). The cache
+#: blocks' only, the merger/resampler fp32 and unfolded (the older int8 graph). The cache
 #: converts "all" for MiniCPM-V 4.6's mergers and "blocks" for the 2.x resampler
 #: (``onnx_vision.int8_scope``); tools/vision_fidelity.py --int8 compares the two
 INT8_SCOPES = ("all", "blocks")
@@ -391,7 +391,7 @@ def build_model(weights: Weights, *, fold: bool = False, int8: bool = False, ggm
     attention, GELU through its F16 table), so fp32 embeddings follow libmtmd's closely;
     ``external`` is the data file for the weights (the model must be saved beside it);
     ``block_bits=4`` (with ``int8``) makes the tower blocks' MatMuls 4-bit MatMulNBits;
-    ``int8_scope="blocks"`` (with ``int8``) quantizes the tower blocks only, as before issue 27:
+    ``int8_scope="blocks"`` (with ``int8``) quantizes the tower blocks only, as the older int8 graph did:
     the mergers' and resampler's MatMuls stay fp32, their LayerNorms unfolded, the resampler's
     queries projected in the graph (:data:`INT8_SCOPES`; which one the cache converts is
     ``onnx_vision.int8_scope``'s); ``kernel``: how the int8 MatMuls run (:data:`INT8_KERNELS`)."""
