@@ -109,7 +109,7 @@ def test_a_body_cut_short_is_a_media_error(server: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("url", ["ftp://example.com/x.png", "http:///x.png", "http://example.com:99999/x",
-                                 "file:///etc/passwd"])
+                                 "file:///etc/passwd", "http://[::1/x.png"])
 def test_urls_that_are_not_http_are_refused(url: str) -> None:
     with pytest.raises(MediaError):
         remote.fetch(url, max_bytes=10)
@@ -123,3 +123,13 @@ def test_a_server_that_never_answers_times_out() -> None:
             remote.fetch(f"http://127.0.0.1:{silent.getsockname()[1]}/x", max_bytes=10, timeout=0.5)
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize("url", ["http://[::1/x.png", "https://[fe80::1/clip.mp4"])
+def test_a_malformed_url_is_a_media_error_for_every_caller(url: str) -> None:
+    import gguf_mcv
+
+    for call in (lambda: gguf_mcv.load_image(url, allow_remote=True),
+                 lambda: gguf_mcv.sample_frames(url, allow_remote=True)):
+        with pytest.raises(MediaError, match="Malformed URL"):
+            call()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import base64
-import urllib.parse
 from typing import Any
 
 from ..vision import remote
@@ -18,7 +17,7 @@ def fetch_remote_media(messages: list[dict[str, Any]], max_bytes: int) -> list[d
     """``messages`` with each http(s) image or video URL replaced by a data: URI of its bytes."""
     def part(p: Any) -> Any:
         url = part_url(p)
-        if url is None or urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        if url is None or not remote.is_remote(url):
             return p
         body = remote.fetch(url, max_bytes=max_bytes, timeout=REMOTE_TIMEOUT_S)
         data = "data:;base64," + base64.b64encode(body).decode()

@@ -128,7 +128,7 @@ def _load(src: ImageInput, allow_remote: bool, fit: FitSize | None) -> Image:
 def _from_locator(text: str, allow_remote: bool, fit: FitSize | None = None) -> Image:
     if text.startswith("data:"):
         return _decode(data_uri_bytes(text), text[:40] + "…", fit)
-    scheme = urllib.parse.urlsplit(text).scheme.lower()
+    scheme = remote.url_scheme(text)
     if scheme in ("http", "https"):
         if not allow_remote:
             raise MediaError(

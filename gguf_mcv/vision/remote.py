@@ -25,6 +25,19 @@ MAX_REDIRECTS = 3
 _CHUNK = 1 << 20
 
 
+def url_scheme(url: str) -> str:
+    """The lower-cased scheme of ``url``; MediaError when it cannot be parsed (an unclosed IPv6 bracket)."""
+    try:
+        return urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise MediaError(f"Malformed URL {url[:200]}: {exc}. Check its host part.") from None
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL (one :func:`fetch` reads); MediaError when malformed."""
+    return url_scheme(url) in ("http", "https")
+
+
 def fetch(url: str, *, max_bytes: int, timeout: float = REMOTE_TIMEOUT_S) -> bytes:
     """The body of ``url`` (a public http(s) address), at most ``max_bytes``; MediaError otherwise."""
     return b"".join(_body(url, max_bytes, timeout))
@@ -48,12 +61,14 @@ def _body(url: str, max_bytes: int, timeout: float) -> Iterator[bytes]:
 
     first = url
     for _ in range(MAX_REDIRECTS + 1):
+        if not is_remote(url):
+            raise MediaError(f"Only http(s) media URLs can be fetched, not {url[:200]}.")
         parts = urllib.parse.urlsplit(url)
         try:
             port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         except ValueError:
             raise MediaError(f"Bad port in media URL {url[:200]}.") from None
-        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        if not parts.hostname:
             raise MediaError(f"Only http(s) media URLs can be fetched, not {url[:200]}.")
         conn = _connect(parts, _public_address(parts.hostname, port, url), port, timeout)
         try:

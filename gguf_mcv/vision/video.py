@@ -55,9 +55,10 @@ import numpy as np
 
 from ..errors import ConfigError, MediaError
 from .media import ACCEPTED_IMAGES, ImageInput, local_path
+from .remote import is_remote
 from .video_decode import drop_repeats
 from .video_frames import Frame, Frames, Opts, check_rates, format_timestamp, sample_indices, valid_fps
-from .video_sources import folder_images, from_array, from_bytes, from_file, from_stills, from_url, is_remote
+from .video_sources import folder_images, from_array, from_bytes, from_file, from_stills, from_url
 
 if TYPE_CHECKING:
     from ..hardware import Hardware

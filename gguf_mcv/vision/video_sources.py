@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,10 +74,6 @@ def from_stills(items: list[Any], name: str, rate: float, opts: Opts) -> Frames:
         frames.append(make_frame(i, i / rate, image.rgb, name, opts.max_side, source=image.source))
     return Frames(frames, sampled=len(frames), duration=total / rate, native_fps=rate,
                   total_frames=total, source=name)
-
-
-def is_remote(text: str) -> bool:
-    return urllib.parse.urlsplit(text).scheme.lower() in ("http", "https")
 
 
 def from_url(url: str, opts: Opts, allow_remote: bool) -> Frames:
