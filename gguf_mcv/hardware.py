@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from gguf_mcv import constants
+from gguf_mcv import environment
 from gguf_mcv.cgroups import cgroup_dirs, key_values, memory_limit
 from gguf_mcv.cgroups import read as _read
 from gguf_mcv.cgroups import read_int as _int
@@ -166,10 +166,10 @@ class Hardware:
 def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> Hardware:
     """Describe this machine, or the fake one whose files lie under ``root``.
 
-    ``root`` defaults to :func:`gguf_mcv.constants.hardware_root` (``$GGUF_MCV_HW_ROOT``
+    ``root`` defaults to :func:`gguf_mcv.environment.hardware_root` (``$GGUF_MCV_HW_ROOT``
     or ``/``); ``cache_dir`` to huggingface_hub's cache folder.
     """
-    root = Path(root) if root is not None else constants.hardware_root()
+    root = Path(root) if root is not None else environment.hardware_root()
     real = root.resolve() == Path("/").resolve()
     system, machine = _platform(root, real)
     total, available, limit_source, host_available = _memory(root, real)
@@ -205,7 +205,7 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
 def available_ram(root: str | Path | None = None) -> int:
     """RAM free for a model now, as :func:`probe` counts it (``Hardware.available_ram``: the
     host's, or less where a cgroup limit leaves less), without probing the rest of the machine."""
-    root = Path(root) if root is not None else constants.hardware_root()
+    root = Path(root) if root is not None else environment.hardware_root()
     return max(0, _memory(root, root.resolve() == Path("/").resolve())[1])
 
 
@@ -252,7 +252,7 @@ def _host_memory(root: Path, real: bool) -> tuple[int, int]:
     info = key_values(_read(root, "proc/meminfo"))
     if "MemTotal" not in info:
         raise ConfigError(
-            f"hardware root {root} has no readable proc/meminfo; ${constants.ENV_HW_ROOT} "
+            f"hardware root {root} has no readable proc/meminfo; ${environment.ENV_HW_ROOT} "
             "must name a folder laid out like / (proc/, sys/, etc/)"
         )
     # Kernels before 3.14 lack MemAvailable; free + buffers + page cache is its old estimate.

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import constants, llama_log
+from . import environment, llama_log
 from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError
 from .hardware import probe
 from .model import Model, ModelInfo
@@ -172,7 +172,7 @@ def _checked(a: dict[str, Any]) -> LoadOptions:
     check_request(ram_budget=a["ram_budget"], n_ctx=a["n_ctx"], kv_cache_type=a["kv_cache_type"], quant=a["quant"],
                   min_tokens_per_s=a["min_tokens_per_s"], max_first_answer_s=a["max_first_answer_s"],
                   vision_backend=a["vision_backend"], vision_weights=a["vision_weights"])
-    options = LoadOptions(n_ctx=constants.DEFAULT_N_CTX if a["n_ctx"] is None else a["n_ctx"],
+    options = LoadOptions(n_ctx=environment.DEFAULT_N_CTX if a["n_ctx"] is None else a["n_ctx"],
                           n_threads=a["n_threads"], n_threads_batch=a["n_threads_batch"],
                           n_gpu_layers=a["n_gpu_layers"], vision_gpu=a["vision_gpu"], flash_attn=a["flash_attn"],
                           kv_cache_type=a["kv_cache_type"] or "f16", vision_backend=a["vision_backend"],

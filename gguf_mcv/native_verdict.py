@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import constants
+from . import environment
 from .cache_files import DamagedManifest, read_manifest, write_manifest
 from .hardware import cpu_identity, dist_version, local_repack_family
 
@@ -64,7 +64,7 @@ _lock = threading.Lock()
 
 def verdict_path(key: str) -> Path:
     """Where the verdict for fingerprint ``key`` is kept."""
-    return constants.cache_dir() / FOLDER / f"{key}.json"
+    return environment.cache_dir() / FOLDER / f"{key}.json"
 
 
 def kept(key: str) -> dict[str, Outcome]:

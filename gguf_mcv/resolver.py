@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import constants
+from . import environment
 from .errors import ConfigError, NativeKernelError, NoQuantFitsError, OfflineError
 from .hardware import Hardware, probe
 from .models.catalog import CatalogEntry, load_catalog
@@ -350,7 +350,7 @@ def _plan_auto(*, hardware: Hardware, **options: Any) -> Plan:
     needs = []
     # a model that fits with the default context and KV cache first; only then one that
     # fits once they are shrunk (a smaller model at full context beats a larger cramped one)
-    defaults = {"n_ctx": options.get("n_ctx") or constants.DEFAULT_N_CTX,
+    defaults = {"n_ctx": options.get("n_ctx") or environment.DEFAULT_N_CTX,
                 "kv_cache_type": options.get("kv_cache_type") or "f16",
                 "vision_weights": options.get("vision_weights") or "packed"}
     for shrink in (False, True):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import constants
+from . import environment
 from .errors import MediaError
 
 EXAMPLE_IMAGE = Path(__file__).parent / "assets" / "example.png"
@@ -83,7 +83,7 @@ def _kernels(state: dict) -> str:
 def _build(state: dict, model_dir: Path | None) -> str:
     from .testing.synthetic import build  # lazy: the self-test alone needs it
 
-    model = build(model_dir or constants.cache_dir() / "selftest-model", quants=("Q4_K_M",))
+    model = build(model_dir or environment.cache_dir() / "selftest-model", quants=("Q4_K_M",))
     state["files"] = model
     return f"{model.out_dir}"
 
@@ -131,7 +131,7 @@ def _default_generation(state: dict, model_dir: Path | None) -> str:
     from .loader import load  # lazy: the self-test alone needs it
     from .testing.synthetic import GENERATIONS, build  # lazy: the self-test alone needs it
 
-    folder = (model_dir or constants.cache_dir() / "selftest-model").with_name("selftest-model-4.6")
+    folder = (model_dir or environment.cache_dir() / "selftest-model").with_name("selftest-model-4.6")
     files = build(folder, GENERATIONS["4.6"][0], quants=("Q4_K_M",))
     with load("minicpm-v-4.6", model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj, n_ctx=2048) as model:
         reply = model.ask("What is in this picture?", EXAMPLE_IMAGE, max_tokens=4, seed=1)

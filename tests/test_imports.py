@@ -121,7 +121,7 @@ def test_import_gguf_mcv_stays_light() -> None:
 #: The package's layers, lowest first: a module imports only from its own layer and those before it
 #: (so no path, however indirect, leads back up: the planner never reaches llama.cpp's runtime).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("values", {"errors", "constants", "units", "options", "reply", "cache_files", "progress", "cgroups", "hardware",
+    ("values", {"errors", "environment", "units", "options", "reply", "cache_files", "progress", "cgroups", "hardware",
                 "native_verdict", "children", "llama_log",
                 "bytes_cache"}),
     ("generations", {"generations"}),
@@ -177,7 +177,7 @@ IO_MODULES = {"os", "io", "platform", "subprocess", "pathlib", "psutil", "shutil
               "requests", "httpx", "huggingface_hub", "llama_cpp", "gguf", "ctypes"}
 #: Package modules that do I/O (probe the machine, read files, run checks): planning must not import them.
 IO_PACKAGE_MODULES = {"gguf_mcv.native_verdict", "gguf_mcv.resolver", "gguf_mcv.runtime",
-                      "gguf_mcv.models.headers", "gguf_mcv.models.hub", "gguf_mcv.constants", "gguf_mcv.cgroups"}
+                      "gguf_mcv.models.headers", "gguf_mcv.models.hub", "gguf_mcv.environment", "gguf_mcv.cgroups"}
 
 
 #: What planning/ may take from gguf_mcv.hardware: the snapshot's types, constants and pure functions.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import constants
+from .. import environment
 from ..options import (
     DETAILS,
     KV_CACHE_TYPES,
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mmproj", help="vision projector, when MODEL is a local .gguf file "
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--ram", help="memory budget, e.g. 4GB (default: free RAM minus a reserve)")
-    p.add_argument("--ctx", type=int, help=f"context size (default {constants.DEFAULT_N_CTX}, shrunk to at "
+    p.add_argument("--ctx", type=int, help=f"context size (default {environment.DEFAULT_N_CTX}, shrunk to at "
                                              "least 2048 when nothing fits with it)")
     p.add_argument("--kv", choices=KV_CACHE_TYPES,
                    help="KV cache type (default f16, q8_0 when nothing fits with f16)")
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="catalog name or Hub repo id")
     p.add_argument("--quant", help="e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, help=f"context size the plan assumes (default {constants.DEFAULT_N_CTX})")
+    p.add_argument("--ctx", type=int, help=f"context size the plan assumes (default {environment.DEFAULT_N_CTX})")
     p.add_argument("--revision")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     speed_args(p)
@@ -187,7 +187,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
                                     "(default: the single mmproj*.gguf next to it)")
     p.add_argument("--quant", help="quantization, e.g. Q4_K_M (default: planned from RAM)")
     p.add_argument("--ram", help="memory budget for planning, e.g. 4GB")
-    p.add_argument("--ctx", type=int, help=f"context size (default {constants.DEFAULT_N_CTX}, shrunk to at "
+    p.add_argument("--ctx", type=int, help=f"context size (default {environment.DEFAULT_N_CTX}, shrunk to at "
                                              "least 2048 when nothing fits with it)")
     p.add_argument("--threads", type=int, help="CPU threads (default: performance cores)")
     p.add_argument("--gpu-layers", default="0", help="layers to offload to a GPU: N, -1 (all) or auto")

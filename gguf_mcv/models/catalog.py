@@ -24,7 +24,7 @@ else:  # pragma: no cover - Python 3.10
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from .. import constants
+from .. import environment
 from ..errors import CatalogError, ConfigError, ModelNotFoundError
 from ..generations import chat_templates
 from ..options import Sampling
@@ -157,8 +157,8 @@ def load_catalog(user_path: str | os.PathLike | None = None) -> Catalog:
     """The bundled catalog merged with the user's (``user_path``, else ``$GGUF_MCV_CATALOG``,
     else ``~/.config/gguf_mcv/models.toml`` when it exists)."""
     bundled = bundled_catalog_path()
-    explicit = user_path is not None or bool(os.environ.get(constants.ENV_CATALOG))
-    wanted = Path(user_path) if user_path is not None else constants.user_catalog_path()
+    explicit = user_path is not None or bool(os.environ.get(environment.ENV_CATALOG))
+    wanted = Path(user_path) if user_path is not None else environment.user_catalog_path()
     user: Path | None = wanted
     if not wanted.is_file():
         if explicit:
@@ -311,8 +311,8 @@ class _Entry(BaseModel):
     minicpmv_version: int | None = None
     thinking: bool = False
     thinking_default: bool = False
-    n_ctx: int | None = None  #: None: constants.DEFAULT_N_CTX
-    default_quant: str | None = None  #: None: constants.DEFAULT_QUANT
+    n_ctx: int | None = None  #: None: environment.DEFAULT_N_CTX
+    default_quant: str | None = None  #: None: environment.DEFAULT_QUANT
     arch: dict[str, Any]
     vision: dict[str, Any]
     sampling: dict[str, Any]
@@ -351,7 +351,7 @@ def _build(name: str, table: dict[str, Any], path: Path) -> CatalogEntry:
     _check_top(w, top)
     quants = _quants(w, top.quants)
     arch = _arch(w, top.arch)
-    n_ctx = top.n_ctx if top.n_ctx is not None else constants.DEFAULT_N_CTX
+    n_ctx = top.n_ctx if top.n_ctx is not None else environment.DEFAULT_N_CTX
     if not 0 < n_ctx <= arch.n_ctx_train:
         raise w.fail("n_ctx", f"must be 1 to n_ctx_train ({arch.n_ctx_train}), got {n_ctx}")
     vision = VisionShape(**_validate(w, _VISION, top.vision, "vision").model_dump(),
@@ -423,7 +423,7 @@ def _quants(w: _Where, table: dict[str, Any]) -> dict[str, QuantFile]:
 
 def _default_quant(w: _Where, given: str | None, quants: dict[str, QuantFile]) -> str:
     try:
-        quant = normalize_quant(given or constants.DEFAULT_QUANT)
+        quant = normalize_quant(given or environment.DEFAULT_QUANT)
     except ConfigError as exc:
         raise w.fail("default_quant", str(exc)) from None
     if quant not in quants:

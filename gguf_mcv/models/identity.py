@@ -24,7 +24,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .. import constants
+from .. import environment
 from ..cache_files import NotRegularFile, open_regular, read_regular
 from ..errors import CorruptModelError, ModelNotFoundError
 
@@ -38,7 +38,7 @@ _CHUNK = 4 * 2**20
 
 def memo_folder() -> Path:
     """Where digests are remembered: ``<cache_dir>/identity``."""
-    return constants.cache_dir() / "identity"
+    return environment.cache_dir() / "identity"
 
 
 def file_identity(path: str | os.PathLike) -> str:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import constants, native_verdict
+from .. import environment, native_verdict
 from ..children import child_command, child_env, describe_exit
 from ..errors import NativeKernelError
 from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this module's)
@@ -68,9 +68,9 @@ from ..native_verdict import (  # noqa: F401  (the verdicts' names, as this modu
 
 logger = logging.getLogger(__name__)
 
-ENV_TIMEOUT = constants.ENV_NATIVE_TIMEOUT
+ENV_TIMEOUT = environment.ENV_NATIVE_TIMEOUT
 #: Seconds one path may run in the child before it counts as hung (a path takes ~0.1 s).
-DEFAULT_TIMEOUT_S = constants.DEFAULT_NATIVE_TIMEOUT_S
+DEFAULT_TIMEOUT_S = environment.DEFAULT_NATIVE_TIMEOUT_S
 #: A hang is checked again under twice its limit until it has hung under this long a limit
 #: (a longer ``$GGUF_MCV_NATIVE_TIMEOUT`` also checks it again): then it is kept for good.
 HANG_RETRY_CAP_S = 2 * DEFAULT_TIMEOUT_S
@@ -172,8 +172,8 @@ def forget() -> None:
 
 def path_timeout() -> float:
     """Seconds a path may run (``$GGUF_MCV_NATIVE_TIMEOUT``, default 60); :class:`ConfigError`
-    when the variable is not a number of seconds in (0, 3600] (:func:`gguf_mcv.constants.native_timeout`)."""
-    return constants.native_timeout()
+    when the variable is not a number of seconds in (0, 3600] (:func:`gguf_mcv.environment.native_timeout`)."""
+    return environment.native_timeout()
 
 
 def run_paths(paths: list[str], timeout: float | None = None) -> dict[str, Outcome]:

@@ -50,7 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import constants
+from .. import environment
 from ..cache_files import digest_of, read_json, write_manifest
 from ..errors import ConfigError, EngineError, GgufMcvError
 from ..hardware import cpu_identity, dist_version
@@ -80,7 +80,7 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
     pessimistic: threads that wait for each other spin).
     """
     if probe is None:
-        probe = not constants.no_probe()
+        probe = not environment.no_probe()
     if not probe:
         return DEFAULT_RATES
     if threads is None:
@@ -89,7 +89,7 @@ def rates(*, probe: bool | None = None, threads: int | None = None, cache: Path 
         threads = hardware_probe().recommended_threads
     if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 4096:
         raise ConfigError(f"threads must be a whole number from 1 to 4096, not {threads!r}.")
-    path = cache or constants.cache_dir() / CACHE_NAME
+    path = cache or environment.cache_dir() / CACHE_NAME
     key = machine_key(threads)
     found = None if refresh else read_cache(path, key)
     if found is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import constants
+from .. import environment
 from ..bytes_cache import UnsafeEntry, open_bytes_cache
 from ..errors import ConfigError
 
@@ -67,7 +67,7 @@ def cache_key(backend: str, projector: str, digest: str, index: int = 0) -> str:
 
 def default_disk_dir() -> Path:
     """Where the disk tier lives unless told otherwise: ``<cache_dir>/embeddings``."""
-    return constants.cache_dir() / "embeddings"
+    return environment.cache_dir() / "embeddings"
 
 
 class EmbeddingCache:

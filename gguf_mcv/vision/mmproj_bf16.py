@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import constants
+from .. import environment
 from ..cache_files import DamagedManifest, folder_lock, is_regular, read_manifest, set_aside, sweep, write_manifest
 from ..errors import CorruptModelError, NotEnoughDiskError
 from ..models.headers import ProjectorHeader, read_projector_header, read_tensors
@@ -61,7 +61,7 @@ class Bf16Copy:
 
 
 def cache_folder() -> Path:
-    return constants.cache_dir() / "mmproj"
+    return environment.cache_dir() / "mmproj"
 
 
 def has_f16_blocks(mmproj: str | os.PathLike) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import constants, progress
+from .. import environment, progress
 from ..cache_files import (
     DamagedManifest,
     folder_lock,
@@ -132,7 +132,7 @@ def onnxruntime_version() -> str | None:
 
 
 def cache_folder() -> Path:
-    return constants.cache_dir() / "onnx"
+    return environment.cache_dir() / "onnx"
 
 
 def _stem(identity: str, ort_version: str) -> str:
