@@ -1,7 +1,8 @@
 """Progress on a terminal, one way: tqdm bars on stderr, shown only when stderr is a terminal.
 
-Batch jobs (:func:`bar`), the ONNX conversion (:func:`steps`) and ``gguf-mcv``'s image
-encoding (:func:`encoding`) all go through here; downloads show huggingface_hub's own bar.
+Batch jobs (:func:`bar`), the ONNX conversion (:func:`steps`), ``gguf-mcv``'s image
+encoding (:func:`encoding`) and ``gguf-mcv watch``'s status line (:func:`status_line`) all go
+through here; downloads show huggingface_hub's own bar.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def bar(total: int, *, desc: str, unit: str, initial: int = 0, show: bool | None
     sized = _stderr_width() > 0
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=sized,
                 ncols=None if sized else 80, nrows=None if sized else 24, smoothing=0.1, leave=leave,
+                disable=not shown(show))
+
+
+def status_line(show: bool | None = None) -> Any:
+    """A live line of text on stderr (a tqdm bar drawing only its description): set it with
+    ``set_description_str``; print other output inside its ``external_write_mode()`` so the line
+    is cleared first and drawn again after. Drawn only when :func:`shown`."""
+    from tqdm import tqdm  # lazy: only commands that show progress import it
+
+    sized = _stderr_width() > 0
+    return tqdm(total=None, bar_format="{desc}", file=sys.stderr, dynamic_ncols=sized,
+                ncols=None if sized else 80, nrows=None if sized else 24, leave=False,
                 disable=not shown(show))
 
 

@@ -6,13 +6,14 @@ import argparse
 import json
 import sys
 
+from .. import progress
 from ..options import (
     check_max_tokens,
     check_sampling,
     check_text,
 )
 from .loading import checked_load_kwargs, load_model
-from .watch_status import status_line
+from .watch_status import describe_tick
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -42,7 +43,6 @@ def run_watch(args: argparse.Namespace) -> int:
     out = LinesFile(args.jsonl).open() if args.jsonl else None  # a FIFO or a JPEG refused before loading
     if out is not None and out.repaired_bytes:
         print(f"{args.jsonl}: cut a torn last line ({out.repaired_bytes} bytes)", file=sys.stderr)
-    status = None if args.quiet or not sys.stderr.isatty() else status_line
     lines = 0
     try:
         with load_model(args) as model:
@@ -51,23 +51,22 @@ def run_watch(args: argparse.Namespace) -> int:
                              threshold=DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
                              detail=args.detail, max_tokens=args.max_tokens, temperature=args.temperature,
                              seed=args.seed, give_up_s=args.give_up)
+            status = progress.status_line(False if args.quiet else None)  # after loading: its bars come first
             try:
                 for seen in watching:
                     line = json.dumps(seen.to_dict(), ensure_ascii=False)
                     if out is not None:
                         out.write(line)  # first: every line printed is in the file
-                    if status is not None:
-                        print("\r\x1b[K", end="", file=sys.stderr)
-                    print(line, flush=True)
+                    with status.external_write_mode():
+                        print(line, flush=True)
                     lines += 1
-                    if status is not None:
-                        status(seen, lines)
+                    status.set_description_str(describe_tick(seen, lines))
             except KeyboardInterrupt:
-                if status is not None:
-                    print("\r\x1b[K", end="", file=sys.stderr)
+                status.close()
                 print(f"(stopped after {lines} observation(s))", file=sys.stderr)
                 return 130
             finally:
+                status.close()
                 watching.close()  # releases the camera or stream
     finally:
         if out is not None:

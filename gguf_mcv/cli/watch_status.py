@@ -1,15 +1,13 @@
-"""The status line ``gguf-mcv watch`` keeps on stderr."""
+"""The text of the status line ``gguf-mcv watch`` keeps on stderr (drawn by :func:`gguf_mcv.progress.status_line`)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 
-def status_line(seen: Any, lines: int) -> None:
-    """One live line on stderr (a terminal) saying what the last tick did."""
+def describe_tick(seen: Any, lines: int) -> str:
+    """What the last tick did, in one line."""
     what = "asked" if seen.asked else "unchanged"
-    print(f"frame {seen.frame_index} · {seen.changed:.1%} changed · {seen.slices_encoded} encoded / "
+    return (f"frame {seen.frame_index} · {seen.changed:.1%} changed · {seen.slices_encoded} encoded / "
           f"{seen.slices_reused} reused · {what} · {seen.latency_s:.2f} s · skipped {seen.frames_skipped} "
-          f"frames, {seen.ticks_skipped} ticks · reconnects {seen.reconnects} · {lines} lines",
-          end="", file=sys.stderr, flush=True)
+          f"frames, {seen.ticks_skipped} ticks · reconnects {seen.reconnects} · {lines} lines")
