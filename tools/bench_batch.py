@@ -16,35 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import PIL.Image
+from bench import images, options, record
+from bench.fresh import env_for_child
+from bench.served import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
-import gguf_mcv  # noqa: E402
-from gguf_mcv.jobs import batch, batch_ray  # noqa: E402
+import gguf_mcv
+from gguf_mcv.jobs import batch, batch_ray
 
 PROMPTS = ["What is in this picture?", "Which colours dominate?"]
-
-
-def make_images(folder: Path, n: int, size: int) -> list[Path]:
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(n):
-        path = folder / f"img{i:03d}.png"
-        PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
 
 
 def load(args: argparse.Namespace) -> gguf_mcv.Model:
@@ -91,11 +77,8 @@ def with_batch(args: argparse.Namespace, folder: Path, work: Path) -> dict:
 def with_ray(args: argparse.Namespace, folder: Path, work: Path) -> dict:
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    env = env_for_child({"RAY_USAGE_STATS_ENABLED": "0"})
+    port = free_port()
     address = f"127.0.0.1:{port}"
     node = ["--num-cpus=1", f"--temp-dir={temp}", "--object-store-memory=80000000", "--disable-usage-stats",
             "--node-ip-address=127.0.0.1"]
@@ -125,12 +108,9 @@ def with_ray(args: argparse.Namespace, folder: Path, work: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
-    ap.add_argument("--quant", default="Q4_K_M")
+    ap = options.parser(__doc__, ladder=None, threads=1)
     ap.add_argument("--images", type=int, default=50)
     ap.add_argument("--size", type=int, default=448, help="image side in pixels (448: one slice)")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray job")
     args = ap.parse_args()
@@ -138,8 +118,8 @@ def main() -> None:
     try:
         folder = work / "images"
         folder.mkdir()
-        images = make_images(folder, args.images, args.size)
-        results = {"plain loop over Model.ask": plain_loop(args, images)}
+        files = images.write_pngs(folder, args.images, args.size)
+        results = {"plain loop over Model.ask": plain_loop(args, files)}
         print("plain loop:", results["plain loop over Model.ask"], flush=True)
         results["gguf_mcv.jobs.batch"] = with_batch(args, folder, work)
         print("batch:", results["gguf_mcv.jobs.batch"], flush=True)
@@ -159,6 +139,7 @@ def main() -> None:
         if "first_row_s" in r:
             print(f"{name}: first row after {r['first_row_s']:.1f} s (joining the cluster, starting the workers, "
                   "loading a model in each)")
+    record.write(args.json, "bench_batch", results, args)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,13 @@ gguf_mcv's detail="low" first question. Ratios are gguf_mcv / peer.
 
 from __future__ import annotations
 
-import argparse
-import base64
 import gc
-import io
-import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import PIL.Image
-import PIL.ImageDraw
+from bench import images, models, options, record, stats
 
 SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=100, repeat_penalty=1.05, seed=1)
 TARGETS = {  # measure: (target ratio, True when the ratio must be at most the target)
@@ -35,21 +30,6 @@ TARGETS = {  # measure: (target ratio, True when the ratio must be at most the t
     "decode tokens/s": (0.97, False),
     'detail="low" first question TTFT': (0.15, True),
 }
-
-
-def test_image(size: int = 1344) -> bytes:
-    """A deterministic picture with gradients and shapes (PNG bytes)."""
-    y, x = np.mgrid[0:size, 0:size]
-    rgb = np.stack([(x * 255 // size), (y * 255 // size), ((x + y) * 127 // size)], axis=2)
-    img = PIL.Image.fromarray(rgb.astype(np.uint8))
-    draw = PIL.ImageDraw.Draw(img)
-    for i in range(12):
-        r = 40 + 9 * i
-        cx, cy = (97 * i) % size, (173 * i) % size
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=(255 - 20 * i, 20 * i, 128))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def user(text: str, uri: str | None = None) -> dict:
@@ -129,61 +109,63 @@ def run_ours(model: Path, mmproj: Path, png: bytes, args) -> dict[str, float]:
     return {"first": ttft1, "follow": ttft2, "new": ttft3, "tps": tps, "low": ttft4}
 
 
-def table(peer: dict[str, float], ours: dict[str, float]) -> tuple[str, bool]:
-    rows = [
-        ("first question TTFT", peer["first"], ours["first"], "s"),
-        ("follow-up TTFT", peer["follow"], ours["follow"], "s"),
-        ("same image, new conversation TTFT", peer["new"], ours["new"], "s"),
-        ("decode tokens/s", peer["tps"], ours["tps"], "tok/s"),
-        ('detail="low" first question TTFT', peer["first"], ours["low"], "s"),
-    ]
-    lines = ["| measure | MiniCPMv26ChatHandler | gguf_mcv | ratio | target | met |",
+MEASURES = [  # (name, peer key, our key, unit)
+    ("first question TTFT", "first", "first", "s"),
+    ("follow-up TTFT", "follow", "follow", "s"),
+    ("same image, new conversation TTFT", "new", "new", "s"),
+    ("decode tokens/s", "tps", "tps", "tok/s"),
+    ('detail="low" first question TTFT', "first", "low", "s"),
+]
+
+
+def table(peer: list[dict[str, float]], ours: list[dict[str, float]]) -> tuple[str, bool, dict]:
+    """The Markdown table (medians over the rounds; the ratio is the median of each round's), whether
+    every target was met, and the ratios by measure."""
+    lines = ["| measure | MiniCPMv26ChatHandler | gguf_mcv | ratio (range) | target | met |",
              "| --- | ---: | ---: | ---: | --- | --- |"]
-    all_met = True
-    for name, p, o, unit in rows:
-        ratio = o / p if p else float("inf")
+    all_met, ratios = True, {}
+    for name, pk, ok, unit in MEASURES:
+        p = statistics.median(r[pk] for r in peer)
+        o = statistics.median(r[ok] for r in ours)
+        r = stats.ratio([x[ok] for x in ours], [x[pk] for x in peer])
+        ratios[name] = r
+        ratio = r["median"] if r["median"] is not None else float("inf")
         target, at_most = TARGETS[name]
         met = ratio <= target if at_most else ratio >= target
         all_met &= met
-        lines.append(f"| {name} | {p:.2f} {unit} | {o:.2f} {unit} | {ratio:.3f}× | "
+        spread = f" ({r['min']:.3f}–{r['max']:.3f})" if r["n"] > 1 else ""
+        lines.append(f"| {name} | {p:.2f} {unit} | {o:.2f} {unit} | {ratio:.3f}×{spread} | "
                      f"{'≤' if at_most else '≥'} {target}× | {'yes' if met else 'NO'} |")
-    return "\n".join(lines), all_met
+    return "\n".join(lines), all_met, ratios
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench-visible"),
-                        help="folder of the bench model (built there if missing)")
-    parser.add_argument("--quant", default="Q4_K_M")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = options.parser(__doc__, ladder=Path("/tmp/bench-visible"))
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=1344)
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds, peer then ours (default 1)")
     args = parser.parse_args()
 
-    from dataclasses import replace
-
-    from gguf_mcv.testing import synthetic
-
-    # visible padding tokens: random weights mostly emit padding, which must show as text
-    # for the streamed pieces to be counted (see SyntheticSpec.visible_padding)
-    spec = replace(synthetic.BENCH, visible_padding=True)
-    built = synthetic.build(args.ladder, spec, quants=[args.quant])
-    model, mmproj = built.quants[args.quant], built.mmproj
-    png = test_image(args.image_size)
-    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    model, mmproj = models.pair(args.ladder, args.quant, "bench", visible_padding=True)
+    png = images.encoded(images.shapes(args.image_size))
+    uri = images.data_uri(png)
     print(f"bench model {model.name} + {mmproj.name}, {args.threads} threads, "
-          f"{args.image_size}×{args.image_size} image, {args.max_tokens} tokens", flush=True)
-    peer = run_peer(model, mmproj, uri, args)
-    gc.collect()
-    ours = run_ours(model, mmproj, png, args)
-    text, ok = table(peer, ours)
+          f"{args.image_size}×{args.image_size} image, {args.max_tokens} tokens, {args.rounds} round(s)", flush=True)
+
+    def peer() -> dict[str, float]:
+        gc.collect()
+        return run_peer(model, mmproj, uri, args)
+
+    def ours() -> dict[str, float]:
+        gc.collect()
+        return run_ours(model, mmproj, png, args)
+
+    samples = stats.alternate({"peer": peer, "gguf_mcv": ours}, args.rounds)
+    text, ok, ratios = table(samples["peer"], samples["gguf_mcv"])
     print()
     print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"peer": peer, "gguf_mcv": ours, "args": vars(args)},
-                                        default=str, indent=2))
+    record.write(args.json, "bench_chat", {**samples, "ratios": ratios, "targets_met": ok}, args)
     return 0 if ok else 1
 
 

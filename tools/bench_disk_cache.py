@@ -8,12 +8,12 @@ made before each opening (``PRAGMA quick_check``) on an index of many entries.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench import options, record
 
 from gguf_mcv import bytes_cache
 from gguf_mcv.vision import embed_cache
@@ -51,12 +51,14 @@ def per_entry(settings: dict, n: int, floats: int, repeats: int = 3) -> tuple[fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__, quant=options.OMIT, threads=options.OMIT)
     parser.add_argument("--rows", type=int, default=50_000, help="entries in the index whose check is timed")
     args = parser.parse_args()
+    results: dict = {"per_entry": []}
     for floats, n in ((1024, 400), (64 * 1152, 200)):  # inline in the index; a file of its own
         for name, settings in SETTINGS.items():
             wrote, read = per_entry(settings, n, floats)
+            results["per_entry"].append({"entry_bytes": floats * 4, "settings": name, "set_s": wrote, "get_s": read})
             print(f"{floats * 4:>7} B entries, {name:42}: set {wrote * 1e3:6.3f} ms, get {read * 1e3:6.3f} ms")
     with tempfile.TemporaryDirectory() as folder:
         cache = bytes_cache.open_bytes_cache(folder, 2**31, cull_limit=16)
@@ -66,9 +68,11 @@ def main() -> None:
         cache.close()
         start = time.perf_counter()
         bytes_cache.check_index(Path(folder))
+        checked = time.perf_counter() - start
         size = (Path(folder) / "cache.db").stat().st_size
-        print(f"check before opening, {args.rows} entries ({size / 2**20:.1f} MiB index): "
-              f"{(time.perf_counter() - start) * 1e3:.1f} ms")
+        print(f"check before opening, {args.rows} entries ({size / 2**20:.1f} MiB index): {checked * 1e3:.1f} ms")
+    results["check_index"] = {"rows": args.rows, "index_bytes": size, "seconds": checked}
+    record.write(args.json, "bench_disk_cache", results, args)
 
 
 if __name__ == "__main__":

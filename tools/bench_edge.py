@@ -50,10 +50,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from bench import images, memory, options, record
+from bench.fresh import env_for_child
 
-from gguf_mcv.testing.memory_cgroup import MemoryCgroup  # noqa: E402
+from gguf_mcv.testing.memory_cgroup import MemoryCgroup
 
 PHOTO_SIZE = (4000, 3000)  # 12 MP
 VIDEO_FRAMES = 16
@@ -64,19 +64,9 @@ REFUSED = 3  # the child's exit status for NoQuantFitsError
 # --- the measured process ---------------------------------------------------------------
 
 
-def _status() -> dict[str, int]:
-    """VmHWM and VmRSS of this process in bytes (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def _say(**fields: Any) -> None:
-    print(json.dumps({**fields, **_status()}), flush=True)
+    own = memory.status()
+    print(json.dumps({**fields, "VmHWM": own.get("VmHWM"), "VmRSS": own.get("VmRSS")}), flush=True)
 
 
 def child(args: argparse.Namespace) -> int:
@@ -117,44 +107,6 @@ def child(args: argparse.Namespace) -> int:
 
 
 # --- inputs ----------------------------------------------------------------------------
-
-
-def write_photo(path: Path) -> Path:
-    """A 12 MP JPEG with detail everywhere (gradients, shapes, sensor noise), as a phone writes."""
-    import numpy as np
-    import PIL.Image
-    import PIL.ImageDraw
-
-    w, h = PHOTO_SIZE
-    rng = np.random.default_rng(0)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    rgb = np.stack([x / w * 200 + 30, y / h * 180 + 40, (x + y) / (w + h) * 150 + 60], axis=-1)
-    rgb += rng.normal(0, 6, rgb.shape).astype(np.float32)
-    image = PIL.Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
-    draw = PIL.ImageDraw.Draw(image)
-    for _ in range(60):
-        x0, y0 = int(rng.integers(0, w - 400)), int(rng.integers(0, h - 400))
-        size = int(rng.integers(80, 400))
-        draw.ellipse((x0, y0, x0 + size, y0 + size), fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
-    image.save(path, "JPEG", quality=90)
-    return path
-
-
-def write_video(path: Path, *, seconds: int = 20, fps: int = 10, size: tuple[int, int] = (1280, 720)) -> Path:
-    """A synthetic 720p clip: a drifting background and a moving ball."""
-    import cv2
-    import numpy as np
-
-    w, h = size
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (w, h))
-    for i in range(seconds * fps):
-        t = i / fps
-        frame = np.zeros((h, w, 3), dtype=np.uint8)
-        frame[:] = (40 + int(t * 5) % 80, 90, 140)
-        cv2.circle(frame, (int(60 + (w - 120) * t / seconds), h // 2 + int(80 * np.sin(t))), 50, (0, 220, 255), -1)
-        writer.write(frame)
-    writer.release()
-    return path
 
 
 # --- the parent ------------------------------------------------------------------------
@@ -200,7 +152,7 @@ def _run_in(group: MemoryCgroup, files: dict[str, Path], limit: int, cache: Path
                "--ram-budget", "" if args.probe_budget else str(limit)]
     command += ["--threads", str(args.threads)] if args.threads else []
     command += ["--vision-weights", args.vision_weights] if args.vision_weights else []
-    env = {**os.environ, "GGUF_MCV_CACHE": str(cache), "GGUF_MCV_NO_PROBE": "1", "PYTHONPATH": str(REPO)}
+    env = env_for_child({"GGUF_MCV_CACHE": str(cache), "GGUF_MCV_NO_PROBE": "1"})
     if args.drop_caches:
         _drop_page_cache()
     start = time.perf_counter()
@@ -263,10 +215,9 @@ HEADER = ("| preset | limit | run | outcome | OOM kills | budget | plan: needs /
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant="Q4_0", threads=None)
     ap.add_argument("preset", nargs="?", help="tools/make_test_model.py preset, e.g. 4.6-bench or bench (2.6)")
     ap.add_argument("--limit", nargs="+", default=["1.4GB"], help="memory limits (budgets), e.g. 1.4GB 3GB 7GB")
-    ap.add_argument("--quant", default="Q4_0", help="text quant to build and load (default Q4_0)")
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gguf_mcv_edge",
                     help="folder for the preset's build, reused across calls")
     ap.add_argument("--probe-budget", action="store_true",
@@ -280,14 +231,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="use (and keep) this gguf_mcv cache folder instead of a fresh empty one per limit; a run "
                          "is a 'first' run only while the folder is empty, else 'cached' (e.g. to measure the "
                          "steady state where a first run is killed)")
-    ap.add_argument("--threads", type=int, help="n_threads for load() (default: the probe's)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
     ap.add_argument("--drop-caches", action="store_true",
                     help="empty the page cache before each run (root), so the cgroup is charged for the model "
                          "files' pages too")
     ap.add_argument("--vision-weights", choices=("packed", "mapped"),
                     help="load()'s vision_weights (default: left to the plan)")
-    ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("model", "mmproj", "photo", "video", "ram-budget"):
         ap.add_argument(f"--{name}", help=argparse.SUPPRESS)
@@ -296,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     if not args.preset:
         ap.error("name a preset")
-    from gguf_mcv.testing.synthetic import PRESETS, build
+    from bench.models import build
+
+    from gguf_mcv.testing.synthetic import PRESETS
     from gguf_mcv.units import parse_size
 
     if args.preset not in PRESETS:
@@ -309,14 +260,14 @@ def main(argv: list[str] | None = None) -> int:
               "cgroup v1 or v2 memory controller.", file=sys.stderr)
         return 0
     folder = args.models / args.preset
-    built = build(folder, PRESETS[args.preset], [args.quant])
+    built = build(folder, args.preset, quants=[args.quant])
     files = {"model": built.quants[args.quant], "mmproj": built.mmproj}
     inputs = args.models / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
-    files["photo"] = inputs / "photo-12mp.jpg" if (inputs / "photo-12mp.jpg").exists() else write_photo(
-        inputs / "photo-12mp.jpg")
-    files["video"] = inputs / "clip-720p.avi" if (inputs / "clip-720p.avi").exists() else write_video(
-        inputs / "clip-720p.avi")
+    files["photo"] = inputs / "photo-12mp.jpg" if (inputs / "photo-12mp.jpg").exists() else images.detailed_photo(
+        inputs / "photo-12mp.jpg", PHOTO_SIZE)
+    files["video"] = inputs / "clip-720p.avi" if (inputs / "clip-720p.avi").exists() else images.write_video(
+        inputs / "clip-720p.avi", seconds=20, scene_cut=False, clock=False, sensor_noise=False)
     results = []
     print(HEADER, flush=True)
     for limit in limits:
@@ -333,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(row(args.preset, run, r), flush=True)
                 if r["stderr_tail"]:
                     print(f"<!-- stderr: {r['stderr_tail'][-400:]!r} -->", flush=True)
-                if args.json:  # after every run: an interrupted benchmark keeps what it measured
-                    args.json.write_text(json.dumps(results, indent=2))
+                # after every run: an interrupted benchmark keeps what it measured
+                record.write(args.json, "bench_edge", results, args)
         finally:
             if group is not None:
                 group.remove()

@@ -9,19 +9,12 @@ tokenization, not answers). Run it on two checkouts to compare them.
 
 from __future__ import annotations
 
-import argparse
-import base64
-import io
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import PIL.Image
+from bench import images, options, record
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-import gguf_mcv  # noqa: E402
+import gguf_mcv
 
 
 def conversation(questions: int) -> list[dict]:
@@ -31,9 +24,7 @@ def conversation(questions: int) -> list[dict]:
     for i in range(questions):
         content: list[dict] = [{"type": "text", "text": f"Question {i}: " + "what is going on here? " * 4}]
         if i % 3 == 0:
-            png = io.BytesIO()
-            PIL.Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)).save(png, format="PNG")
-            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            url = images.data_uri(images.encoded(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)))
             content.insert(0, {"type": "image_url", "image_url": {"url": url}})
         messages += [{"role": "user", "content": content},
                      {"role": "assistant", "content": f"Answer {i}: " + "it is a picture. " * 6}]
@@ -41,16 +32,14 @@ def conversation(questions: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ladder", type=Path, required=True)
-    parser.add_argument("--quant", default="Q4_K_M")
+    parser = options.parser(__doc__, ladder=None)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--questions", type=int, default=12)
     args = parser.parse_args()
     model_path = next(args.ladder.glob(f"*{args.quant}*.gguf"))
     mmproj = next(args.ladder.glob("mmproj*.gguf"))
     messages = conversation(args.questions)
-    with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=2) as model:
+    with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=args.ctx, n_threads=args.threads) as model:
         calls: list[int] = []
         real = model.engine.tokenize
 
@@ -60,6 +49,7 @@ def main() -> None:
             return prompt
 
         model.engine.tokenize = counting  # type: ignore[method-assign]
+        rows = []
         for label in ("first request", "one question longer"):
             calls.clear()
             start = time.perf_counter()
@@ -67,7 +57,11 @@ def main() -> None:
             took = time.perf_counter() - start
             print(f"{label}: {reply.dropped_turns} questions dropped, prompt {reply.usage.prompt_tokens} "
                   f"positions; {len(calls)} tokenize calls, {sum(calls)} positions tokenized; {took:.2f} s")
+            rows.append({"request": label, "dropped_turns": reply.dropped_turns,
+                         "prompt_tokens": reply.usage.prompt_tokens, "tokenize_calls": len(calls),
+                         "positions_tokenized": sum(calls), "seconds": took})
             messages += [{"role": "assistant", "content": str(reply)}, {"role": "user", "content": "Why?"}]
+    record.write(args.json, "bench_fit_tokens", rows, args)
 
 
 if __name__ == "__main__":

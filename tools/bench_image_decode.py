@@ -13,34 +13,34 @@ of every slice (converted into a temporary cache) as the worst per-token cosine.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
-import subprocess
-import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
+from bench import fresh, images, memory, options, record
 
-_PEAK = """
-import sys
-from gguf_mcv.vision.media import load_image
-from gguf_mcv.vision.slicing import apply_detail, detail_size
-data = open(sys.argv[1], "rb").read()
-def status(k): return int(open("/proc/self/status").read().split(k + ":")[1].split()[0]) * 1024
-open("/proc/self/clear_refs", "w").write("5")
-base = status("VmRSS")
-if sys.argv[3] == "draft":
-    image = load_image(data, fit=lambda w, h: detail_size(w, h, detail=sys.argv[2]))
-else:
-    image = apply_detail(load_image(data), detail=sys.argv[2])
-print(status("VmHWM") - base)
-"""
+
+def decode_peak(path: str, detail: str, how: str) -> int:
+    """Bytes of memory decoding ``path`` at ``detail`` took above this process's resident set before
+    it, in this process (run in a fresh one): ``full`` decodes the whole picture then resizes it,
+    ``draft`` decodes at the detail's size (JPEG draft mode)."""
+    from gguf_mcv.vision.media import load_image
+    from gguf_mcv.vision.slicing import apply_detail, detail_size
+
+    data = Path(path).read_bytes()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
+    base = memory.status()["VmRSS"]
+    if how == "draft":
+        load_image(data, fit=lambda w, h: detail_size(w, h, detail=detail))
+    else:
+        apply_detail(load_image(data), detail=detail)
+    return memory.status()["VmHWM"] - base
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant=options.OMIT)
     ap.add_argument("--size", default="4000x3000")
     ap.add_argument("--mmproj", help="an mmproj to compare embeddings with (its int8 ONNX encoder)")
     ap.add_argument("--details", default="low,auto")
@@ -53,10 +53,8 @@ def main() -> None:
     from gguf_mcv.vision.slicing import apply_detail, detail_size
 
     w, h = (int(x) for x in args.size.split("x"))
-    out = io.BytesIO()
-    PIL.Image.open(EXAMPLE_IMAGE).convert("RGB").resize((w, h), PIL.Image.Resampling.BICUBIC).save(out, "JPEG",
-                                                                                                  quality=90)
-    data = out.getvalue()
+    data = images.encoded(PIL.Image.open(EXAMPLE_IMAGE).convert("RGB").resize((w, h), PIL.Image.Resampling.BICUBIC),
+                          "JPEG", quality=90)
     encoder = None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "photo.jpg")
@@ -68,7 +66,7 @@ def main() -> None:
             from gguf_mcv.vision.onnx_vision import OnnxEncoder, prepare
 
             converted = prepare(args.mmproj, file_identity(args.mmproj))
-            encoder = OnnxEncoder(converted.int8, converted.projector, n_threads=2)
+            encoder = OnnxEncoder(converted.int8, converted.projector, n_threads=args.threads)
         params = encoder.params if encoder else PreprocessParams()
         rows = {}
         for detail in args.details.split(","):
@@ -76,9 +74,8 @@ def main() -> None:
             drafted = load_image(data, fit=lambda a, b, d=detail: detail_size(a, b, detail=d))
             peaks = {}
             for how in ("full", "draft"):
-                done = subprocess.run([sys.executable, "-c", _PEAK, path, detail, how], capture_output=True, text=True,
-                                      check=True)
-                peaks[how] = int(done.stdout) / 2**20
+                run = fresh.call("bench_image_decode:decode_peak", {"path": path, "detail": detail, "how": how})
+                peaks[how] = run.checked() / memory.MIB
             a, b = slice_pixels(full.rgb, params), slice_pixels(drafted.rgb, params)
             diffs = [np.abs(x - y) * 127.5 for x, y in zip(a, b, strict=True)]  # normalised by std 0.5: back to levels
             row = {"size": [full.width, full.height], "slices": len(a), "peak_full_MiB": peaks["full"],
@@ -90,6 +87,7 @@ def main() -> None:
                     for x, y in zip(a, b, strict=True)))
             rows[detail] = row
             print(detail, json.dumps(row), flush=True)
+    record.write(args.json, "bench_image_decode", rows, args)
 
 
 if __name__ == "__main__":

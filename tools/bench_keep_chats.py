@@ -13,43 +13,21 @@ JSON object per mode.
 
 from __future__ import annotations
 
-import argparse
-import base64
-import io
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import PIL.Image
+from bench import images, options, record
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import gguf_mcv  # noqa: E402
-from gguf_mcv.vision.embed_cache import EmbeddingCache  # noqa: E402
+import gguf_mcv
+from gguf_mcv.vision.embed_cache import EmbeddingCache
 
 GREEDY = dict(temperature=0, repeat_penalty=1.0)
 
 
-def photo() -> np.ndarray:
-    ramp = np.linspace(0, 255, 1344, dtype=np.float32)
-    return np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) % 256,
-                     np.full((1344, 1344), 90, np.float32)], axis=-1).astype(np.uint8)
-
-
-def data_uri(pixels: np.ndarray) -> str:
-    buf = io.BytesIO()
-    PIL.Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", type=Path, required=True, help="folder of tools/make_test_model.py")
-    ap.add_argument("--quant", default="Q4_K_M")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = options.parser(__doc__, ladder=None)
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--turns", type=int, default=4, help="text turns after the photo (default 4)")
     ap.add_argument("--no-embed-cache", action="store_true", help="no disk embedding cache in either mode")
@@ -61,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     def cache() -> EmbeddingCache:
         return EmbeddingCache() if args.no_embed_cache else EmbeddingCache(disk_dir=Path(embeddings.name))
 
+    photo = images.data_uri(images.encoded(images.ramps(1344)))
+    rows = []
     for keep in (False, True):
         with tempfile.TemporaryDirectory() as tmp:
 
@@ -68,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 store = model.keep_chats(Path(tmp) / "kept") if keep else None
                 messages: list[dict] = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": [
                     {"type": "text", "text": "Describe this photo."},
-                    {"type": "image_url", "image_url": {"url": data_uri(photo()), "detail": "high"}}]}]
+                    {"type": "image_url", "image_url": {"url": photo, "detail": "high"}}]}]
                 for i in range(args.turns + 1):
                     answer = model.chat_completion(messages, max_tokens=16, **GREEDY)
                     messages += [{"role": "assistant", "content": str(answer)},
@@ -87,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 reply = model.chat_completion(messages, max_tokens=8, **GREEDY)
                 cpu = time.process_time() - cpu
             t = reply.timings
-            print(json.dumps({
+            rows.append({
                 "mode": "keep_chats" if keep else "without", "prompt_positions": reply.usage.prompt_tokens,
                 "evaluated": reply.usage.prompt_tokens - reply.usage.cached_tokens,
                 "slices_encoded": t.slices_encoded, "slices_from_cache": t.slices_from_cache,
                 "ttft_s": round(t.ttft_ms / 1000, 3), "answer_cpu_s": round(cpu, 3), "load_s": round(loaded_s, 3),
                 "keep_idle_s": round(saved_s, 3), "kept_bytes": disk,
-            }))
+            })
+            print(json.dumps(rows[-1]), flush=True)
     embeddings.cleanup()
+    record.write(args.json, "bench_keep_chats", rows, args)
     return 0
 
 

@@ -11,15 +11,13 @@ never again because of a drop) and how often the greedy answer equals the other 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import options, record
 
 
 def run(model_path: Path, mmproj: Path, *, turns: int, n_ctx: int, shift: bool, threads: int) -> dict:
@@ -68,12 +66,9 @@ def summary(name: str, result: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ladder", type=Path, default=Path("/tmp/bench"))
-    p.add_argument("--quant", default="Q4_K_M")
+    p = options.parser(__doc__, ladder=Path("/tmp/bench"))
     p.add_argument("--turns", type=int, default=60)
     p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     model = args.ladder / f"ggml-model-{args.quant}.gguf"
     mmproj = args.ladder / "mmproj-model-f16.gguf"
@@ -89,7 +84,10 @@ def main() -> int:
     same = sum(a["answer"] == b["answer"] for a, b in pairs if a["dropped"] or b["dropped"])
     total = sum(1 for a, b in pairs if a["dropped"] or b["dropped"])
     print(f"greedy answers equal in both modes on turns with a drop: {same} of {total}")
-    print(overflow_turn(model, mmproj, turns=args.turns, n_ctx=args.ctx, threads=args.threads))
+    overflow = overflow_turn(model, mmproj, turns=args.turns, n_ctx=args.ctx, threads=args.threads)
+    print(overflow)
+    record.write(args.json, "bench_long_chat", {"modes": results, "equal_on_drops": [same, total],
+                                                "overflow": overflow}, args)
     return 0
 
 

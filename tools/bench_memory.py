@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench import fresh, images, memory, models, options, record
 
 IMAGE_SIDE = 1344  # 3x3 slices of 448 + overview at full detail
 QUESTION = "Describe this image in detail."
@@ -54,19 +52,9 @@ _LOG_SIZES = {
 # --- child: one measurement in a fresh process -----------------------------------------
 
 
-def _status() -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile of this process in bytes (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def child(args: argparse.Namespace) -> None:
-    """Load, ask one question, print one JSON line with the peak RSS and what llama.cpp logged."""
+def one_run(model: str, mmproj: str, image: str, n_ctx: int = 4096, kv_type: str = "f16", detail: str = "high",
+            max_tokens: int = 4, backend: str = "llama.cpp") -> dict[str, Any]:
+    """Load, ask one question: the peak RSS and what llama.cpp logged (run in a fresh process)."""
     import logging
     import resource
 
@@ -83,92 +71,57 @@ def child(args: argparse.Namespace) -> None:
 
     import gguf_mcv
 
-    stages = {"import": _status()}
+    stages = {"import": memory.status()}
     start = time.perf_counter()
-    model = gguf_mcv.load(model_path=args.model, mmproj_path=args.mmproj, n_ctx=args.n_ctx,
-                          kv_cache_type=args.kv_type, vision_backend=args.backend)
-    stages["load"] = _status()
+    model_ = gguf_mcv.load(model_path=model, mmproj_path=mmproj, n_ctx=n_ctx, kv_cache_type=kv_type,
+                           vision_backend=backend)
+    stages["load"] = memory.status()
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    reply = model.ask(QUESTION, args.image, max_tokens=args.max_tokens, detail=args.detail)
+    reply = model_.ask(QUESTION, image, max_tokens=max_tokens, detail=detail)
     ask_s = time.perf_counter() - start
-    stages["ask"] = _status()
+    stages["ask"] = memory.status()
     sizes: dict[str, float] = {}
     for line in log_lines:
         for key, pattern in _LOG_SIZES.items():
             if m := pattern.search(line):
                 sizes[key] = max(sizes.get(key, 0.0), float(m.group(1)) * 2**20)
-    print(json.dumps({
+    return {
         # VmHWM, not ru_maxrss: Linux carries the parent's RSS high-water mark across
         # fork+exec into the child's ru_maxrss (exec_mmap -> setmax_mm_hiwater_rss), so a
         # big parent (pytest, this script after reading headers) would show up as the peak.
-        "peak_rss": _status()["VmHWM"],
+        "peak_rss": memory.status()["VmHWM"],
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "stages": stages,
         "llama_buffers": sizes,
         "prompt_tokens": reply.usage.prompt_tokens,
         "image_tokens": reply.usage.image_tokens,
         "slices": reply.timings.slices_encoded,
-        "backend": model.info.vision_backend,
+        "backend": model_.info.vision_backend,
         "load_s": round(load_s, 1),
         "ask_s": round(ask_s, 1),
-    }))
-
-
-def _child_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--mmproj", required=True)
-    p.add_argument("--image", required=True)
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--kv-type", default="f16")
-    p.add_argument("--detail", default="high")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--backend", default="llama.cpp")
-    return p.parse_args(argv)
+    }
 
 
 # --- parent: the matrix ------------------------------------------------------------------
 
 
-def make_image(path: Path, side: int = IMAGE_SIDE) -> Path:
-    """A deterministic photo-like PNG (gradients plus noise, so it compresses like a photo)."""
-    import numpy as np
-    import PIL.Image
-
-    rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 255, side, dtype=np.float32)
-    rgb = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, ramp[::-1]) / 2,
-                    np.broadcast_to(ramp, (side, side))], axis=-1)
-    rgb = (rgb * 0.5 + rng.integers(0, 128, rgb.shape)).clip(0, 255).astype(np.uint8)
-    PIL.Image.fromarray(rgb).save(path)
-    return path
-
-
 def ensure_ladder(path: Path | None, preset: str, quants: list[str]) -> Path:
     """The ladder in ``path`` (built there if files are missing), or a fresh temp one."""
-    from gguf_mcv.testing import synthetic
-
     folder = path or Path(tempfile.gettempdir()) / f"gguf_mcv_bench_{preset}"
-    missing = [q for q in quants if not (folder / synthetic.quant_filename(q)).is_file()]
-    if missing or not (folder / synthetic.MMPROJ_NAME).is_file():
-        print(f"building the {preset} ladder in {folder} ...", file=sys.stderr, flush=True)
-        synthetic.build(folder, synthetic.PRESETS[preset], quants)
+    models.build(folder, preset, quants=quants)
     return folder
 
 
 def measure(model: Path, mmproj: Path, image: Path, n_ctx: int, detail: str, timeout: float,
             backend: str = "llama.cpp") -> dict:
-    """Run one child process; its JSON report."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
-           "--mmproj", str(mmproj), "--image", str(image), "--n-ctx", str(n_ctx), "--detail", detail,
-           "--backend", backend]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One run in a fresh process; its report."""
+    run = fresh.call("bench_memory:one_run", {"model": str(model), "mmproj": str(mmproj), "image": str(image),
+                                               "n_ctx": n_ctx, "detail": detail, "backend": backend},
+                     timeout=timeout)
+    if run.returncode != 0 or run.result is None:
+        raise RuntimeError(f"child failed ({run.returncode}): {run.stderr_tail[-2000:]}")
+    return {**run.result, "peak_tree_rss": run.peak_tree_rss}
 
 
 def predict(model: Path, mmproj: Path, n_ctx: int, image_tokens: int, backend: str = "llama.cpp") -> dict:
@@ -252,9 +205,7 @@ def verdict(results: list[dict]) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     from gguf_mcv.testing import synthetic
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ladder", type=Path, default=Path("/tmp/bench"),
-                   help="benchmark-size ladder (synthetic.BENCH); built there if missing")
+    p = options.parser(__doc__, ladder=Path("/tmp/bench"), quant=options.OMIT, threads=options.OMIT)
     p.add_argument("--tiny", type=Path, default=None,
                    help="tiny ladder (default: $TMPDIR/gguf_mcv_bench_tiny, built if missing)")
     p.add_argument("--no-tiny", action="store_true")
@@ -268,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", type=Path, default=None,
                    help=f"default: a generated {IMAGE_SIDE}x{IMAGE_SIDE} PNG")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--json", type=Path, help="write every measurement and prediction here")
     p.add_argument("--reuse", type=Path, help="re-predict the measurements of an earlier --json")
     args = p.parse_args(argv)
     print("$ python tools/bench_memory.py " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.reuse:
-        results = json.loads(args.reuse.read_text())["results"]
+        earlier = json.loads(args.reuse.read_text())["results"]
+        results = earlier["rows"] if isinstance(earlier, dict) else earlier  # a record, or the older layout
         for r in results:
             folder = args.ladder if r["ladder"] == "bench" else args.tiny
             model = Path(r.get("model") or folder / synthetic.quant_filename(r["quant"]))
@@ -282,18 +233,16 @@ def main(argv: list[str] | None = None) -> int:
                                      r.get("backend", "llama.cpp"))
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            image = args.image or make_image(Path(tmp) / "image.png")
+            image = args.image or Path(tmp) / "image.png"
+            if not args.image:
+                image.write_bytes(images.encoded(images.ramps(IMAGE_SIDE, noise_seed=0)))
             results = run_matrix(args, image)
     ok, summary = verdict(results)
     print(markdown(results))
     print(summary)
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "summary": summary}, indent=1))
+    record.write(args.json, "bench_memory", {"rows": results, "summary": summary}, args)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        child(_child_args(sys.argv[2:]))
-    else:
-        sys.exit(main())
+    sys.exit(main())

@@ -28,22 +28,20 @@ slot beyond the first).
 from __future__ import annotations
 
 import argparse
-import base64
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
+from bench import images, options, record
+from bench.memory import MIB, TreeSampler
+from bench.served import planned_peak, read_stream, start_server
+from bench.stats import percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the server tools' shared helpers
-
-from served import MIB, RssSampler, planned_peak, png_bytes, read_stream, start_server  # noqa: E402
-
-import gguf_mcv  # noqa: E402
+import gguf_mcv
 
 GREEDY = dict(temperature=0, repeat_penalty=1.0)
 
@@ -116,13 +114,13 @@ def raw_bound(model: gguf_mcv.Model, sizes: list[int], prompt_tokens: int = 48, 
 
 def image_round(base: str, name: str, n: int, seed: int, side: int, max_tokens: int) -> tuple[float, list[float]]:
     """``n`` clients at once, each asking about its own new image; (answers/s, each TTFT in ms)."""
-    images = [png_bytes(seed + i, side) for i in range(n)]
+    pictures = [images.png_bytes(seed + i, side) for i in range(n)]
     ttft: list[float] = [0.0] * n
     failures: list[str] = []
     go = threading.Barrier(n + 1)
 
     def client(i: int) -> None:
-        url = "data:image/png;base64," + base64.b64encode(images[i]).decode()
+        url = images.data_uri(pictures[i])
         body = {"model": name, "max_tokens": max_tokens, "stream": True, "temperature": 0,
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                           {"type": "text", "text": f"Client {i}: what is it?"}]}]}
@@ -147,7 +145,7 @@ def image_round(base: str, name: str, n: int, seed: int, side: int, max_tokens: 
     return n / wall, ttft
 
 
-def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> None:
+def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> dict[str, Any]:
     """Image questions against a fresh server per slot count; the tables (see the module doc)."""
     sizes = [int(n) for n in args.image_clients.split(",")]
     rows: dict[tuple[int, int], tuple[float, list[float]]] = {}  # (slots, clients) -> result
@@ -157,7 +155,7 @@ def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> None:
         extra = ["--parallel", str(slots), "--ctx", str(args.n_ctx), "--threads", str(args.threads),
                  "--max-queue", str(max(sizes)), "--cache-dir", tempfile.mkdtemp(prefix="gguf_mcv_bench_")]
         server = start_server(model, mmproj, extra)
-        rss = RssSampler(server.model_pid)
+        rss = TreeSampler(server.model_pid, interval=0.5)
         try:
             image_round(server.base, server.name, 1, 1, args.image_side, 2)  # warm-up: first encode, buffers
             for n in sizes if slots == 1 else [slots]:
@@ -183,13 +181,13 @@ def bench_images(args: argparse.Namespace, model: Path, mmproj: Path) -> None:
         print(f"| {slots} | {peak / MIB:.0f} MiB | {plan['predicted'] / MIB:.0f} MiB "
               f"({plan['one_slot'] / MIB:.0f} + {slots - 1} × {plan['slot_bytes'] / MIB:.1f}) | "
               f"{peak / plan['predicted']:.2f} |")
+    return {"rows": [{"slots": slots, "clients": n, "answers_per_s": r[0], "ttft_ms": r[1]}
+                     for (slots, n), r in rows.items()],
+            "memory": [{"parallel": slots, "peak_bytes": peak, **plan} for slots, peak, plan in memory]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
-    ap.add_argument("--quant", default="Q4_K_M")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = options.parser(__doc__, ladder=None)
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-ctx", type=int, default=1024, help="positions per slot")
@@ -199,7 +197,8 @@ def main() -> None:
     args = ap.parse_args()
     ladder = Path(args.ladder)
     if args.images:
-        bench_images(args, ladder / f"ggml-model-{args.quant}.gguf", ladder / "mmproj-model-f16.gguf")
+        found = bench_images(args, ladder / f"ggml-model-{args.quant}.gguf", ladder / "mmproj-model-f16.gguf")
+        record.write(args.json, "bench_parallel --images", found, args)
         return
     files = dict(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=ladder / "mmproj-model-f16.gguf",
                  n_ctx=args.n_ctx, n_threads=args.threads)
@@ -229,11 +228,14 @@ def main() -> None:
         gain = p[2] / single
         print(f"| {n} | {s[2]:.1f} | {p[2]:.1f} | {gain:.2f}× | {bound:.2f}× | {gain / bound:.2f} | "
               f"{_pct(s[3], 50):.0f} / {_pct(s[3], 95):.0f} ms | {_pct(p[3], 50):.0f} / {_pct(p[3], 95):.0f} ms |")
+    record.write(args.json, "bench_parallel", {
+        "raw_decode_s": bound_s,
+        "rows": [{"mode": mode, "clients": n, "tokens_per_s": rate, "ttft_ms": ttft, "tokens": tokens}
+                 for mode, n, rate, ttft, tokens in rows]}, args)
 
 
 def _pct(values: list[float], q: int) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    return percentile(values, q) or 0.0
 
 
 if __name__ == "__main__":

@@ -1,56 +1,30 @@
-"""Helpers the server tools share (tools/load_server.py, tools/soak_server.py,
-tools/bench_parallel.py): a ``gguf-mcv serve`` child process on a free port, its resident
-memory sampled while it works, and the plan's prediction of that memory.
-
-Not a tool itself; the tools import it from their own folder.
-"""
+"""A ``gguf-mcv serve`` child process on a free port, streamed requests to it, and the plan's
+prediction of its memory (the server benchmarks and soaks: load_server, soak_server,
+bench_parallel --images, bench_stream, bench_vs_llama_server)."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import PIL.Image
 import psutil
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-MIB = 2**20
+
+from .fresh import env_for_child
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def model_files(model: str | None, mmproj: str | None) -> tuple[Path, Path]:
-    """(model, mmproj): the given local files (mmproj default: the one mmproj*.gguf beside the
-    model), else the tiny generated Q4_K_M model (built once, in the temp folder)."""
-    if model:
-        path = Path(model)
-        if mmproj:
-            return path, Path(mmproj)
-        found = sorted(path.parent.glob("mmproj*.gguf"))
-        if len(found) != 1:
-            raise SystemExit(f"name the projector with --mmproj ({len(found)} mmproj*.gguf beside {path})")
-        return path, found[0]
-    sys.path.insert(0, str(REPO))
-    from gguf_mcv.testing import synthetic
-
-    built = synthetic.build(Path(tempfile.gettempdir()) / "gguf_mcv_load_model", quants=["Q4_K_M"])
-    return Path(built.quants["Q4_K_M"]), Path(built.mmproj)
 
 
 @dataclass
@@ -110,7 +84,7 @@ def start_server(model: Path, mmproj: Path, extra: list[str], *, log: Path | Non
     """
     port = free_port()
     log = log or Path(tempfile.mkstemp(prefix="gguf_mcv_serve_", suffix=".log")[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = env_for_child()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(model), "--mmproj", str(mmproj),
                                  "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -129,101 +103,17 @@ def start_server(model: Path, mmproj: Path, extra: list[str], *, log: Path | Non
     raise SystemExit(f"the server did not start (exit status {proc.returncode}):\n{server.log_tail()}")
 
 
-class RssSampler:
-    """Samples a process's resident memory every ``interval`` seconds on a thread, until stopped.
-
-    ``peak`` is the largest sample; :meth:`high_water` the kernel's own peak (``VmHWM``), which
-    also sees what happened between samples.
-    """
-
-    def __init__(self, pid: int, interval: float = 0.5) -> None:
-        self.proc = psutil.Process(pid)
-        self.interval = interval
-        self.samples: list[tuple[float, int]] = []
-        self._began = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._sample()
-        self._thread.start()
-
-    def _sample(self) -> None:
-        try:
-            self.samples.append((time.perf_counter() - self._began, self.proc.memory_info().rss))
-        except psutil.Error:  # the process is gone: nothing more to sample
-            self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def stop(self) -> None:
-        self._sample()
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def peak(self) -> int:
-        return max(rss for _, rss in self.samples)
-
-    def high_water(self) -> int | None:
-        """``VmHWM`` from /proc (Linux): the process's peak RSS so far; None elsewhere."""
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-
 def planned_peak(model: Path, mmproj: Path, *, n_ctx: int, parallel: int, kv_cache_type: str = "f16",
                  vision_backend: str = "auto") -> dict[str, int]:
     """The plan's peak RSS for ``parallel`` slots of ``n_ctx`` positions: its memory row for these
     files (``plan_local``, the same options as the server) plus ``slot_bytes`` per slot beyond the
     first, as ``parallel="auto"`` counts them (``memory.slot_bytes``)."""
-    sys.path.insert(0, str(REPO))
     from gguf_mcv.resolver import plan_local
 
     plan = plan_local(model, mmproj, n_ctx=n_ctx, kv_cache_type=kv_cache_type, vision_backend=vision_backend)
     one = plan.estimate.total
     return {"one_slot": one, "slot_bytes": plan.slot_bytes, "predicted": one + (parallel - 1) * plan.slot_bytes,
             "auto_slots": plan.slots}
-
-
-def png_bytes(seed: int, side: int = 96) -> bytes:
-    """A PNG of random pixels (a new seed, a new image: nothing cached can answer for it)."""
-    arr = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
-def photo_bytes(seed: int, width: int = 4032, height: int = 3024) -> bytes:
-    """A camera-sized JPEG (12 MP by default): smooth colour waves plus some noise, a few MB."""
-    rng = np.random.default_rng(seed)
-    small = rng.integers(0, 256, (height // 64 + 1, width // 64 + 1, 3), dtype=np.uint8)
-    image = PIL.Image.fromarray(small).resize((width, height), PIL.Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def gif_bytes(seed: int, frames: int = 3, side: int = 64) -> bytes:
-    """A short animated GIF (one frame a second): a video the server samples into frames."""
-    rng = np.random.default_rng(seed)
-    images = [PIL.Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(frames)]
-    buf = io.BytesIO()
-    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=1000, loop=0)
-    return buf.getvalue()
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank) of ``values``; None when there are none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 class Dropped(Exception):
