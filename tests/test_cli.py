@@ -174,7 +174,12 @@ def test_ask_shows_progress_on_a_terminal_and_not_otherwise(tiny, picture: Path,
 def test_bench_json(tiny, picture: Path) -> None:
     done = run("bench", str(tiny.quants["Q4_K_M"]), str(picture), "--max-tokens", "4", "--json")
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    record = json.loads(done.stdout)
+    # the benchmarks' record: where and how it ran, around the results
+    assert record["benchmark"] == "gguf-mcv bench" and record["command"].split()[:2] == ["gguf-mcv", "bench"]
+    assert record["machine"]["cpu_class"] and record["machine"]["versions"]["llama_cpp_python"]
+    assert record["settings"]["max_tokens"] == 4 and record["date"].startswith("20")
+    out = record["results"]
     assert out["slices_encoded"] >= 1 and out["follow_up_ttft_s"] >= 0
     # predicted next to measured (from the default rates: the suite does not probe)
     assert out["rates_source"] == "defaults"

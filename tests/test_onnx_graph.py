@@ -27,7 +27,7 @@ from gguf_mcv.vision.onnx_graph import (
     vit_positions,
     window_order,
 )
-from gguf_mcv.vision.onnx_vision import OnnxEncoder, _save, token_cosines
+from gguf_mcv.vision.onnx_vision import OnnxEncoder, save_graph, token_cosines
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
@@ -49,7 +49,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     encoders = {}
     for ggml in (True, False):
         model, _ = build_model(weights, ggml=ggml)
-        _save(onnx, model, out / f"fp32-{ggml}.onnx")
+        save_graph(onnx, model, out / f"fp32-{ggml}.onnx")
         encoders[ggml] = OnnxEncoder(out / f"fp32-{ggml}.onnx", weights.projector(), n_threads=2)
     with gguf_mcv.load(GENERATIONS[gen], model_path=files.quants["Q4_K_M"], mmproj_path=files.mmproj,
                        n_ctx=4096, n_threads=2, vision_backend="llama.cpp", embed_cache=EmbeddingCache()) as m:
@@ -145,7 +145,7 @@ def test_int8_scope_blocks_keeps_the_projector_fp32(gen: str, tmp_path: Path) ->
         model, _ = build_model(weights, fold=True, int8=True, int8_scope=scope)
         ops[scope] = [(n.op_type, n.name) for n in model.graph.node
                       if n.op_type in ("MatMul", "DynamicQuantizeMatMul")]
-        _save(onnx, model, tmp_path / f"int8-{scope}.onnx")
+        save_graph(onnx, model, tmp_path / f"int8-{scope}.onnx")
     projector = [name for op, name in ops["all"] if not name.startswith("v.blk.")]
     assert projector and all(op == "DynamicQuantizeMatMul" for op, _ in ops["all"])
     blocks = {name for op, name in ops["blocks"] if op == "DynamicQuantizeMatMul"}
@@ -154,7 +154,7 @@ def test_int8_scope_blocks_keeps_the_projector_fp32(gen: str, tmp_path: Path) ->
     assert plain and all(not name.startswith("v.blk.") for name in plain)
     assert len(plain) >= len(projector)  # the resampler's query projection is in the graph again
     fp32, _ = build_model(weights)
-    _save(onnx, fp32, tmp_path / "fp32.onnx")
+    save_graph(onnx, fp32, tmp_path / "fp32.onnx")
     rgb = np.random.default_rng(3).integers(0, 256, (300, 200, 3), dtype=np.uint8)
     ref = OnnxEncoder(tmp_path / "fp32.onnx", weights.projector()).encode_rgb(rgb, 0)
     for scope in ops:

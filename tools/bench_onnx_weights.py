@@ -20,27 +20,21 @@ embeddings against the fp32 graph's (run stage by stage) on the validation image
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench import fresh, memory, options, record
 
 VARIANTS = {"int8-tower": {"int8": True, "block_bits": 8}, "int8": {"int8": True, "block_bits": 8},
             "int4": {"int8": True, "block_bits": 4}}
 
 
 def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return memory.status().get(key, 0)
 
 
 def convert(mmproj: Path, folder: Path) -> None:
@@ -76,18 +70,17 @@ def convert(mmproj: Path, folder: Path) -> None:
         onnx.save_model(model, str(path))
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """In a fresh process: one variant's session memory, speed and cosine against fp32."""
+def measure(mmproj: str, folder: str, variant: str, threads: int, runs: int, no_prepack: bool) -> dict:
+    """One variant's session memory, speed and cosine against fp32 (run in a fresh process)."""
     import onnxruntime as ort
 
     from gguf_mcv.vision.onnx_graph import Weights
     from gguf_mcv.vision.onnx_vision import OnnxEncoder, token_cosines, validation_images
 
-    folder = Path(args.folder)
-    projector = Weights(args.mmproj).projector()
+    projector = Weights(mmproj).projector()
     images = validation_images()
-    reference = np.load(folder / "reference.npy")
-    if args.no_prepack:
+    reference = np.load(Path(folder) / "reference.npy")
+    if no_prepack:
         original = ort.SessionOptions.__init__
 
         def no_prepack(self, *a, **kw):
@@ -96,34 +89,27 @@ def measure(args: argparse.Namespace) -> dict:
 
         ort.SessionOptions.__init__ = no_prepack
     anon, file_ = _status("RssAnon"), _status("RssFile")
-    encoder = OnnxEncoder(folder / f"{args.worker}.onnx", projector, n_threads=args.threads)
+    encoder = OnnxEncoder(Path(folder) / f"{variant}.onnx", projector, n_threads=threads)
     session = {"anon": _status("RssAnon") - anon, "file": _status("RssFile") - file_}
     outs = [encoder.encode_rgb(rgb, 0) for rgb in images]
     cos = min(float(token_cosines(r, o).mean()) for r, o in zip(reference, outs, strict=True))
     times, busy = [], []
     rng = np.random.default_rng(0)
-    for _ in range(args.runs):
+    for _ in range(runs):
         rgb = rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)
         start, cpu = time.perf_counter(), time.process_time()
         encoder.encode_rgb(rgb, 0)
         times.append((time.perf_counter() - start) * 1000)
-        busy.append((time.process_time() - cpu) * 1000 / args.threads)  # CPU ms per thread: less load-bound
+        busy.append((time.process_time() - cpu) * 1000 / threads)  # CPU ms per thread: less load-bound
     return {"session": session, "cosine": cos, "ms": times, "median_ms": statistics.median(times),
             "busy_ms": statistics.median(busy), "peak": _status("VmHWM")}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant=options.OMIT)
     ap.add_argument("mmproj")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--folder", help=argparse.SUPPRESS)
-    ap.add_argument("--no-prepack", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(measure(args)))
-        return
     from gguf_mcv.vision.mtmd_preprocess import slice_pixels
     from gguf_mcv.vision.onnx_graph import Weights, graph_inputs
     from gguf_mcv.vision.onnx_vision import _params, run_in_stages, validation_images
@@ -144,19 +130,18 @@ def main() -> None:
         for name in VARIANTS:
             size = (folder / f"{name}.onnx.data").stat().st_size
             for prepack in (True, False):
-                cmd = [sys.executable, __file__, args.mmproj, "--worker", name, "--folder", tmp,
-                       "--threads", str(args.threads), "--runs", str(args.runs)] + ([] if prepack else ["--no-prepack"])
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-                if out.returncode:
-                    raise SystemExit(out.stderr[-3000:])
-                r = json.loads(out.stdout.strip().splitlines()[-1])
+                r = fresh.call("bench_onnx_weights:measure", {
+                    "mmproj": args.mmproj, "folder": tmp, "variant": name, "threads": args.threads,
+                    "runs": args.runs, "no_prepack": not prepack}, timeout=3600).checked()
                 rows[(name, prepack)] = r
                 print(f"{name} prepack={prepack}: data {size / 2**20:.1f} MiB, session anon "
                       f"{r['session']['anon'] / 2**20:.1f} MiB file {r['session']['file'] / 2**20:.1f} MiB, "
                       f"{r['median_ms']:.0f} ms/slice {[round(t) for t in r['ms']]} "
                       f"(busy {r.get('busy_ms', 0):.0f}), cosine vs fp32 {r['cosine']:.5f}",
                       flush=True)
-        print(json.dumps({f"{k[0]}:{'prepack' if k[1] else 'no-prepack'}": v for k, v in rows.items()}))
+        found = {f"{k[0]}:{'prepack' if k[1] else 'no-prepack'}": v for k, v in rows.items()}
+        print(json.dumps(found))
+        record.write(args.json, "bench_onnx_weights", found, args)
 
 
 if __name__ == "__main__":

@@ -20,87 +20,66 @@ move much less than wall time when other jobs run.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
-CHILD = r"""
-import json, sys, time
-import gguf_mcv
-from gguf_mcv.selftest import EXAMPLE_IMAGE
-args = json.loads(sys.argv[1])
-cache = gguf_mcv.EmbeddingCache(disk_dir=args["cache"]) if args["cache"] else gguf_mcv.EmbeddingCache()
-model = gguf_mcv.load(model_path=args["model"], mmproj_path=args["mmproj"], n_ctx=4096,
-                      n_threads=args["threads"], embed_cache=cache)
-opts = dict(max_tokens=args["max_tokens"], temperature=0)
-mode = args["mode"]
-if mode == "ask":
-    reply = model.ask("What is in this picture?", str(EXAMPLE_IMAGE), detail=args["detail"], **opts)
-elif mode == "make_chat":
-    chat = model.chat()
-    chat.send("What is in this picture?", str(EXAMPLE_IMAGE), detail=args["detail"], **opts)
-    chat.send("What colours are in it?", **opts)
-    assert chat.save(args["chat"]), "the KV state was not saved"
-    json.dump([{"role": t["role"], "content": t["content"]} for t in chat.history], open(args["chat"] + ".json", "w"))
-    reply = None
-elif mode == "load_chat":
-    reply = model.load_chat(args["chat"]).send("Is it a photo?", **opts)
-else:  # replay: the conversation again, as a client re-sending its history would
-    history = json.load(open(args["chat"] + ".json"))
-    first = history[0]["content"]
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(EXAMPLE_IMAGE),
-                                              "detail": args["detail"]}},
-                                             {"type": "text", "text": first}]}]
-    messages += history[1:] + [{"role": "user", "content": "Is it a photo?"}]
-    reply = model.chat_completion(messages, policy=gguf_mcv.MediaPolicy(allow_files=True), **opts)
-out = {} if reply is None else {"ttft_s": reply.timings.ttft_ms / 1000, "slices_encoded": reply.timings.slices_encoded,
-                                "evaluated_tokens": reply.usage.evaluated_tokens}
-print(json.dumps(out))
-"""
+from bench import fresh, models, options, record
 
 
-def run(mode: str, files: tuple[Path, Path], args, *, cache: Path | None, chat: Path) -> dict:
-    spec = {"mode": mode, "model": str(files[0]), "mmproj": str(files[1]), "threads": args.threads,
-            "cache": str(cache) if cache else None, "chat": str(chat), "detail": args.detail,
-            "max_tokens": args.max_tokens}
-    began, cpu = time.perf_counter(), _children_cpu()
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
-                          env=os.environ, timeout=3600)
-    wall, cpu = time.perf_counter() - began, _children_cpu() - cpu
-    if done.returncode != 0:
-        sys.exit(f"{mode} failed:\n{done.stderr}")
-    return {"wall_s": wall, "cpu_s": cpu, **json.loads(done.stdout.strip().splitlines()[-1])}
+def restarted(mode: str, model: str, mmproj: str, threads: int, cache: str | None, chat: str, detail: str,
+              max_tokens: int) -> dict[str, Any]:
+    """One step of the module doc in this process (run in a fresh one, as after a restart)."""
+    import gguf_mcv
+    from gguf_mcv.selftest import EXAMPLE_IMAGE
+
+    embed_cache = gguf_mcv.EmbeddingCache(disk_dir=cache) if cache else gguf_mcv.EmbeddingCache()
+    loaded = gguf_mcv.load(model_path=model, mmproj_path=mmproj, n_ctx=4096, n_threads=threads,
+                           embed_cache=embed_cache)
+    opts: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0)
+    if mode == "ask":
+        reply = loaded.ask("What is in this picture?", str(EXAMPLE_IMAGE), detail=detail, **opts)
+    elif mode == "make_chat":
+        talk = loaded.chat()
+        talk.send("What is in this picture?", str(EXAMPLE_IMAGE), detail=detail, **opts)
+        talk.send("What colours are in it?", **opts)
+        assert talk.save(chat), "the KV state was not saved"
+        Path(chat + ".json").write_text(json.dumps([{"role": t["role"], "content": t["content"]}
+                                                    for t in talk.history]))
+        return {}
+    elif mode == "load_chat":
+        reply = loaded.load_chat(chat).send("Is it a photo?", **opts)
+    else:  # replay: the conversation again, as a client re-sending its history would
+        history = json.loads(Path(chat + ".json").read_text())
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(EXAMPLE_IMAGE),
+                                                                                   "detail": detail}},
+                                                 {"type": "text", "text": history[0]["content"]}]}]
+        messages += history[1:] + [{"role": "user", "content": "Is it a photo?"}]
+        reply = loaded.chat_completion(messages, policy=gguf_mcv.MediaPolicy(allow_files=True), **opts)
+    return {"ttft_s": reply.timings.ttft_ms / 1000, "slices_encoded": reply.timings.slices_encoded,
+            "evaluated_tokens": reply.usage.evaluated_tokens}
 
 
-def _children_cpu() -> float:
-    """CPU seconds (user + system) used by finished child processes: less sensitive than wall
-    time to other jobs on a shared machine."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def run(mode: str, files: tuple[Path, Path], args: Any, *, cache: Path | None, chat: Path) -> dict:
+    measured = fresh.call("bench_restart:restarted", {
+        "mode": mode, "model": str(files[0]), "mmproj": str(files[1]), "threads": args.threads,
+        "cache": str(cache) if cache else None, "chat": str(chat), "detail": args.detail,
+        "max_tokens": args.max_tokens}, timeout=3600)
+    return {"wall_s": measured.wall_s, "cpu_s": measured.cpu_s, **measured.checked()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--ladder", type=Path, help="folder of tools/make_test_model.py --out")
-    parser.add_argument("--quant", default="Q4_K_M")
     parser.add_argument("--tiny", action="store_true", help="build and use the tiny test model")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--detail", default="low", choices=("low", "auto", "high"))
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.tiny:
-            from gguf_mcv.testing import synthetic
-
-            built = synthetic.build(work / "tiny", quants=[args.quant])
-            files = (built.quants[args.quant], built.mmproj)
+            files = models.pair(work / "tiny", args.quant, "tiny")
         elif args.ladder:
             (mmproj,) = args.ladder.glob("mmproj*.gguf")
             files = (args.ladder / f"ggml-model-{args.quant}.gguf", mmproj)
@@ -126,6 +105,7 @@ def main() -> None:
     for name, r in rows:
         print(f"| {name} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['ttft_s']:.2f} | {r['slices_encoded']} | "
               f"{r['evaluated_tokens']} |")
+    record.write(args.json, "bench_restart", [{"case": name, **r} for name, r in rows], args)
 
 
 if __name__ == "__main__":

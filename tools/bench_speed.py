@@ -18,7 +18,6 @@ published figures (labelled predictions: nothing was run on them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -27,16 +26,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from bench import options, record
 
-from gguf_mcv.models.headers import (  # noqa: E402
-    read_projector_header,
-    read_tensors,
-    read_text_header,
-    tensor_list,  # noqa: E402
-)
-from gguf_mcv.models.quants import classify_gguf, quality_rank  # noqa: E402
-from gguf_mcv.planning import speed  # noqa: E402
+from gguf_mcv.models.headers import read_projector_header, read_tensors, read_text_header, tensor_list
+from gguf_mcv.models.quants import classify_gguf, quality_rank
+from gguf_mcv.planning import speed
 from gguf_mcv.runtime import speed_probe
 
 # Published figures (peak DRAM bandwidth, cores x clock x FP32 FLOPs per cycle per core):
@@ -112,20 +106,18 @@ def board_rates(here: speed.Rates, here_peak_flops: float, board: dict) -> speed
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", type=Path, required=True, help="folder from tools/make_test_model.py")
-    ap.add_argument("--threads", type=int, default=1)
+    ap = options.parser(__doc__, ladder=None, quant=options.OMIT, threads=1)
     ap.add_argument("--quants", help="comma-separated (default: every quant in the folder)")
     ap.add_argument("--no-vision", action="store_true", help="skip the per-slice encoder timings")
     ap.add_argument("--ghz", type=float, default=None,
                     help="this CPU's clock, for scaling to boards (default: from /proc/cpuinfo)")
     ap.add_argument("--flop-per-cycle", type=int, default=32, help="this CPU's FP32 FLOP/cycle/core (AVX-512: 32)")
-    ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--boards-from", type=Path, metavar="JSON",
                     help="only the board predictions, from the last probe in a --json file of an earlier run")
     args = ap.parse_args(argv)
     if args.boards_from:
         data = json.loads(args.boards_from.read_text())
+        data = data.get("results", data)  # a record, or the older layout
         rates = speed.Rates(**data["rows"][-1]["rates"])
         print_boards(rates, args.ghz or _cpu_ghz(), args.flop_per_cycle)
         return 0
@@ -173,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slice {backend:<10} {predicted:6.2f} / {seconds:6.2f} s ({predicted / seconds - 1:+.0%})",
                   flush=True)
     boards = print_boards(last_rates, args.ghz or _cpu_ghz(), args.flop_per_cycle) if last_rates else {}
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "slices": slices, "boards": boards}, indent=1))
+    record.write(args.json, "bench_speed", {"rows": rows, "slices": slices, "boards": boards}, args)
     return 0
 
 

@@ -13,7 +13,6 @@ shared machine the best and the CPU figure are the fairer ones: other work slows
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,10 +23,10 @@ from pathlib import Path
 
 import psutil
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this file
-
-from served import REPO, Server, free_port, model_files, start_server  # noqa: E402
+from bench import options, record
+from bench.fresh import env_for_child
+from bench.models import model_files
+from bench.served import Server, free_port, start_server
 
 IN_PROCESS = """
 import sys, gguf_mcv
@@ -39,7 +38,7 @@ serve(model, port=int(sys.argv[3]), api_key="", log_level="warning")
 
 def in_process(model: Path, mmproj: Path, threads: int) -> Server:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = env_for_child()
     proc = subprocess.Popen([sys.executable, "-c", IN_PROCESS, str(model), str(mmproj), str(port), str(threads)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = Server(proc, f"http://127.0.0.1:{port}", Path(os.devnull))
@@ -83,12 +82,11 @@ def stream(server: Server, max_tokens: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = options.parser(__doc__, quant=options.OMIT)
     ap.add_argument("--model")
     ap.add_argument("--mmproj")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=400)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     model, mmproj = model_files(args.model, args.mmproj)
     servers = {"one process (before)": in_process(model, mmproj, args.threads),
@@ -111,6 +109,8 @@ def main() -> None:
         for what, pick in (("best", max), ("median", statistics.median)):
             before, after = (pick([v[k] for v in values]) for values in rates.values())
             print(f"  {what} change: {100 * (after - before) / before:+.1f} %")
+    record.write(args.json, "bench_stream", {name: [{"tokens_per_s": a, "tokens_per_cpu_s": b} for a, b in values]
+                                             for name, values in rates.items()}, args)
 
 
 if __name__ == "__main__":

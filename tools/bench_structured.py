@@ -15,15 +15,13 @@ in turn, in the same run, and the one-time table for the vocabulary.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from bench import options, record
 
-import gguf_mcv  # noqa: E402
+import gguf_mcv
 
 SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=100, repeat_penalty=1.05)
 NESTED = {
@@ -54,7 +52,7 @@ def measure(model: gguf_mcv.Model, schema: dict | None, runs: int, max_tokens: i
     return statistics.median(speeds), statistics.median(ttfts), statistics.mean(tokens)
 
 
-def mask_cost(model: gguf_mcv.Model, runs: int, max_tokens: int) -> None:
+def mask_cost(model: gguf_mcv.Model, runs: int, max_tokens: int) -> dict[str, list[float]]:
     """Decode tokens/s of the nested schema with and without the UTF-8 mask, interleaved."""
     engine = model.engine
     start = time.perf_counter()
@@ -78,13 +76,11 @@ def mask_cost(model: gguf_mcv.Model, runs: int, max_tokens: int) -> None:
     print(f"| median of {runs} | {on:.1f} | {off:.1f} | {100 * (1 - on / off):+.1f} % |")
     mean_on, mean_off = statistics.mean(speeds["with mask"]), statistics.mean(speeds["without"])
     print(f"| mean of {runs} | {mean_on:.1f} | {mean_off:.1f} | {100 * (1 - mean_on / mean_off):+.1f} % |")
+    return speeds
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", required=True, help="folder of a generated model (tools/make_test_model.py)")
-    ap.add_argument("--quant", default="Q4_K_M")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = options.parser(__doc__, ladder=None)
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--utf8-mask", action="store_true", help="measure the UTF-8 mask's cost instead")
@@ -95,7 +91,7 @@ def main() -> None:
     with model:
         print(f"{ladder.name} {args.quant}: n_vocab {model.engine.llama.n_vocab()}, {args.threads} threads")
         if args.utf8_mask:
-            mask_cost(model, args.runs, args.max_tokens)
+            record.write(args.json, "bench_structured --utf8-mask", mask_cost(model, args.runs, args.max_tokens), args)
             return
         free = measure(model, None, args.runs, args.max_tokens)
         constrained = measure(model, NESTED, args.runs, args.max_tokens)
@@ -105,6 +101,9 @@ def main() -> None:
     print(f"| time to first token (prompt cached) | {free[1]:.1f} ms | {constrained[1]:.1f} ms | "
           f"+{constrained[1] - free[1]:.1f} ms |")
     print(f"| tokens per answer (mean) | {free[2]:.0f} | {constrained[2]:.0f} | |")
+    names = ("decode_tok_s", "ttft_ms", "tokens")
+    record.write(args.json, "bench_structured", {"unconstrained": dict(zip(names, free, strict=True)),
+                                                 "nested_schema": dict(zip(names, constrained, strict=True))}, args)
 
 
 if __name__ == "__main__":

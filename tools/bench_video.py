@@ -18,39 +18,11 @@ video sampled to 16 frames:
 
 from __future__ import annotations
 
-import argparse
-import base64
-import io
-import json
 import sys
 import time
 from pathlib import Path
 
-import cv2
-import numpy as np
-import PIL.Image
-
-
-def write_video(path: Path, *, seconds: int = 30, fps: int = 10, size=(1280, 720),
-                moving_for: float | None = None) -> Path:
-    """A synthetic clip: a drifting background, a moving ball, a scene cut at 2/3.
-
-    ``moving_for`` seconds: after that the picture freezes (a static camera).
-    """
-    w, h = size
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (w, h))
-    rng = np.random.default_rng(0)
-    for i in range(seconds * fps):
-        t = min(i / fps, moving_for) if moving_for is not None else i / fps
-        frame = np.zeros((h, w, 3), dtype=np.uint8)
-        frame[:] = (40 + int(t * 3) % 60, 90, 140) if t < seconds * 2 / 3 else (150, 60, 40)
-        x = int(60 + (w - 120) * (t / seconds))
-        cv2.circle(frame, (x, h // 2 + int(80 * np.sin(t))), 50, (0, 220, 255), -1)
-        cv2.putText(frame, f"{t:5.1f}", (30, 60), cv2.FONT_HERSHEY_SIMPLEX, 1.5, (255, 255, 255), 3)
-        noise = rng.integers(-2, 3, frame.shape, dtype=np.int16)  # sensor noise
-        writer.write(np.clip(frame.astype(np.int16) + noise, 0, 255).astype(np.uint8))
-    writer.release()
-    return path
+from bench import images, models, options, record
 
 
 def naive(model: Path, mmproj: Path, frames, args) -> float:
@@ -63,10 +35,7 @@ def naive(model: Path, mmproj: Path, frames, args) -> float:
                 chat_handler=MiniCPMv26ChatHandler(clip_model_path=str(mmproj), verbose=False))
     parts = []
     for frame in frames:
-        buf = io.BytesIO()
-        PIL.Image.fromarray(frame.rgb).save(buf, format="PNG")
-        parts.append({"type": "image_url", "image_url": {
-            "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}})
+        parts.append({"type": "image_url", "image_url": {"url": images.data_uri(images.encoded(frame.rgb))}})
     parts.append({"type": "text", "text": "What happens in this video?"})
     start = time.perf_counter()
     for chunk in llm.create_chat_completion(messages=[{"role": "user", "content": parts}],
@@ -79,25 +48,19 @@ def naive(model: Path, mmproj: Path, frames, args) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench"))
-    parser.add_argument("--quant", default="Q4_K_M")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = options.parser(__doc__, ladder=Path("/tmp/bench"))
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--naive-ctx", type=int, default=8192, help="n_ctx for the naive path")
     parser.add_argument("--skip-naive", action="store_true")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     import gguf_mcv
-    from gguf_mcv.testing import synthetic
 
-    built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
-    model_path, mmproj = built.quants[args.quant], built.mmproj
+    model_path, mmproj = models.pair(args.ladder, args.quant, "bench")
     folder = args.ladder / "videos"
     folder.mkdir(exist_ok=True)
-    clip = write_video(folder / "moving.avi")
-    static = write_video(folder / "static.avi", moving_for=4.0)
+    clip = images.write_video(folder / "moving.avi")
+    static = images.write_video(folder / "static.avi", moving_for=4.0)
 
     frames = gguf_mcv.sample_frames(clip, max_frames=args.frames, dedupe=False)
     print(f"{len(frames)} frames of {clip.name} ({frames.duration:.0f} s), {args.threads} threads",
@@ -129,8 +92,7 @@ def main() -> int:
               f"| ratio | {ratio:.3f}× | ≤ 0.25× |\n"
               f"| static video: encoded / sampled | {results['static_encoded']} / {results['static_sampled']} "
               "| ≤ 1/2 |")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    record.write(args.json, "bench_video", results, args)
     ok = results.get("ratio", 0) <= 0.25 and results["static_encoded"] * 2 <= results["static_sampled"]
     return 0 if ok else 1
 

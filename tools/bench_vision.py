@@ -37,56 +37,48 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from bench import fresh, memory, options, record
 
 BACKENDS = ("llama.cpp", "llama.cpp-bf16", "onnx-fp32", "onnx-int8")
 
 
-def _vmhwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def worker(args: argparse.Namespace) -> dict:
-    """Run in a fresh process: one backend, or the conversion."""
-    ladder = Path(args.ladder)
-    mmproj = ladder / "mmproj-model-f16.gguf"
-    if args.worker == "convert":
+def worker(name: str, ladder: str, quant: str, threads: int, runs: int, embeddings: str) -> dict[str, Any]:
+    """One backend, or the conversion (``name`` "convert"), in this process (run in a fresh one)."""
+    folder = Path(ladder)
+    mmproj = folder / "mmproj-model-f16.gguf"
+    if name == "convert":
         from gguf_mcv.runtime.engine import file_identity
         from gguf_mcv.vision.onnx_vision import prepare
 
         start = time.perf_counter()
         converted = prepare(mmproj, file_identity(mmproj))
         return {"convert_s": time.perf_counter() - start, "int8_cosine": converted.int8_cosine,
-                "peak_rss": _vmhwm()}
+                "peak_rss": memory.own_peak()}
     import gguf_mcv
     from gguf_mcv.vision.embed_cache import EmbeddingCache
 
-    tree = _TreePeak()
+    tree = memory.TreeSampler(os.getpid(), 0.02, pss=True)  # what a memory cgroup counts
     cache = EmbeddingCache()
     start = time.perf_counter()
-    backend = args.worker.removesuffix("-bf16")
-    precision = "bf16" if args.worker.endswith("-bf16") else "as-is" if backend == "llama.cpp" else "auto"
-    model = gguf_mcv.load(model_path=ladder / f"ggml-model-{args.quant}.gguf", mmproj_path=mmproj, n_ctx=2048,
-                          n_threads=args.threads, vision_backend=backend, mmproj_precision=precision,
+    backend = name.removesuffix("-bf16")
+    precision = "bf16" if name.endswith("-bf16") else "as-is" if backend == "llama.cpp" else "auto"
+    model = gguf_mcv.load(model_path=folder / f"ggml-model-{quant}.gguf", mmproj_path=mmproj, n_ctx=2048,
+                          n_threads=threads, vision_backend=backend, mmproj_precision=precision,
                           embed_cache=cache)
     load_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     fixed = rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)
     model.ask("x", fixed, max_tokens=1, detail="low")  # warm-up, and the fixed image's embeddings
-    (key,) = list(cache._items)
-    np.save(args.embeddings, cache.get(key))
+    (key,) = cache.keys()
+    np.save(embeddings, cache.get(key))
     times = []
-    for _ in range(args.runs):
+    for _ in range(runs):
         reply = model.ask("x", rng.integers(0, 256, (448, 448, 3), dtype=np.uint8), max_tokens=1, detail="low")
         times.append(reply.timings.encode_ms)
     info = model.info
@@ -95,55 +87,26 @@ def worker(args: argparse.Namespace) -> dict:
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"backend": info.vision_backend, "reason": info.vision_backend_reason, "load_s": load_s,
-            "encode_ms": times, "median_ms": statistics.median(times), "peak_rss": _vmhwm(),
-            "children_peak_rss": children, "tree_peak_rss": tree.stop()}
+            "encode_ms": times, "median_ms": statistics.median(times), "peak_rss": memory.own_peak(),
+            "children_peak_rss": children, "tree_peak_rss": _stopped(tree)}
 
 
-class _TreePeak:
-    """The largest memory of this process and its children together (what a memory cgroup
-    counts), sampled every 20 ms: their PSS (a page two processes share counts half in each; a
-    forked child's RSS would count its parent's pages twice)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        import psutil
-
-        self.peak, self._done = 0, threading.Event()
-        me = psutil.Process()
-
-        def sample() -> None:
-            while not self._done.wait(0.02):
-                total = 0
-                for p in [me, *me.children(recursive=True)]:
-                    try:
-                        total += p.memory_full_info().pss
-                    except psutil.Error:
-                        pass
-                self.peak = max(self.peak, total)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return self.peak
+def _stopped(sampler: memory.TreeSampler) -> int:
+    sampler.stop()
+    return sampler.peak
 
 
 def run(name: str, args: argparse.Namespace, env: dict, embeddings: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--ladder", args.ladder, "--quant", args.quant,
-           "--threads", str(args.threads), "--runs", str(args.runs), "--embeddings", str(embeddings)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """:func:`worker` in a fresh process, with ``env``'s variables."""
+    return fresh.call("bench_vision:worker", {
+        "name": name, "ladder": str(args.ladder), "quant": args.quant, "threads": args.threads, "runs": args.runs,
+        "embeddings": str(embeddings)}, env=env, timeout=3600).checked()
 
 
 def first_run(args: argparse.Namespace) -> None:
     """onnx-int8 with an empty cache (the conversion in its load), then from the cache."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "GGUF_MCV_CACHE": tmp}
+        env = {"GGUF_MCV_CACHE": tmp}
         runs = {name: run("onnx-int8", args, env, Path(tmp) / f"{name}.npy") for name in ("first", "cached")}
         manifest = next((Path(tmp) / "onnx").glob("*.json"))
         saved = json.loads(manifest.read_text())
@@ -155,7 +118,9 @@ def first_run(args: argparse.Namespace) -> None:
     sizes = {name: size for name, (size, _) in saved["files"].items()}
     print(f"int8 vs fp32 cosine {saved['int8_cosine']:.5f}; files: " +
           ", ".join(f"{name.split('-')[-1]} {size / 2**20:.1f} MiB" for name, size in sorted(sizes.items())))
-    print(json.dumps({"runs": runs, "files": sizes, "int8_cosine": saved["int8_cosine"]}))
+    found = {"runs": runs, "files": sizes, "int8_cosine": saved["int8_cosine"]}
+    print(json.dumps(found))
+    record.write(args.json, "bench_vision --first-run", found, args)
 
 
 def variants(args: argparse.Namespace) -> None:
@@ -168,7 +133,7 @@ def variants(args: argparse.Namespace) -> None:
     from gguf_mcv.vision.onnx_vision import int8_scope, token_cosines
 
     with tempfile.TemporaryDirectory() as tmp:
-        libmtmd = run("llama.cpp", args, {**os.environ, "GGUF_MCV_CACHE": tmp}, Path(tmp) / "ref.npy")
+        libmtmd = run("llama.cpp", args, {"GGUF_MCV_CACHE": tmp}, Path(tmp) / "ref.npy")
         weights = Weights(Path(args.ladder) / "mmproj-model-f16.gguf")
         p = weights.projector()
         sessions = {}
@@ -178,9 +143,9 @@ def variants(args: argparse.Namespace) -> None:
                                    kernel=kernel, external=path.with_name(path.name + ".data"))
             onnx.save_model(model, str(path))
             del model
-            options = {kernel: {}} if kernel != "u8s8" else {
+            settings = {kernel: {}} if kernel != "u8s8" else {
                 "u8s8": {}, "u8s8 spinning": {"spin": "1"}, "u8s8 basic-opt": {"level": "basic"}}
-            for name, opt in options.items():
+            for name, opt in settings.items():
                 so = ort.SessionOptions()
                 so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if opt.get("level")
                                                else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
@@ -209,25 +174,19 @@ def variants(args: argparse.Namespace) -> None:
     for name, ts in times.items():
         cos = float(token_cosines(outs["u8s8"][0], outs[name][0]).mean())
         print(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.2f}x | {cos:.5f} |")
-    print(json.dumps({"cpu_class": cpu_class(), "libmtmd_s": base, "times": times}))
+    found = {"cpu_class": cpu_class(), "libmtmd_s": base, "times": times}
+    print(json.dumps(found))
+    record.write(args.json, "bench_vision --variants", found, args)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ladder", required=True, help="folder of tools/make_test_model.py --preset bench")
-    ap.add_argument("--quant", default="Q4_K_M")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = options.parser(__doc__, ladder=None)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of "
                     f"{', '.join(BACKENDS)} (llama.cpp is always run: the reference)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--embeddings", help=argparse.SUPPRESS)
     ap.add_argument("--first-run", action="store_true", help="onnx-int8 converting, then from the cache")
     ap.add_argument("--variants", action="store_true", help="the int8 kernels and session options, A B A B")
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return
     if args.variants:
         variants(args)
         return
@@ -238,7 +197,7 @@ def main() -> None:
 
     backends = ["llama.cpp"] + [b for b in BACKENDS[1:] if b in args.backends.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "GGUF_MCV_CACHE": tmp}
+        env = {"GGUF_MCV_CACHE": tmp}
         results = {}
         if any(b.startswith("onnx") for b in backends):
             results["convert"] = run("convert", args, env, Path(tmp) / "none.npy")
@@ -263,6 +222,7 @@ def main() -> None:
         print(f"| {name} | {r['median_ms']:.0f} | {r['median_ms'] / base:.2f}x | {cos.min():.5f} / {cos.mean():.5f} "
               f"| {r['peak_rss'] / 2**20:.0f} MiB |")
     print(json.dumps(results))
+    record.write(args.json, "bench_vision", results, args)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,8 @@ Steps, each with images never seen before in that server's life unless the step 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
-import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,25 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the server tools' shared helpers
-
-from served import free_port, photo_bytes, start_server  # noqa: E402
+from bench import images, options, record, stats
+from bench.served import free_port, start_server
 
 STEPS = ("first_full", "first_default", "follow_up", "new_chat_same_image", "four_images",
          "later_same_image", "text_one", "text_four")
 GREEDY: dict[str, Any] = dict(temperature=0, seed=0)
-
-
-def cpu_class() -> str:
-    """avx512-amx, avx512, avx2 or the machine's architecture, from /proc/cpuinfo's flags."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return platform.machine()
-    if "avx512f" in flags:
-        return "avx512-amx" if "amx_tile" in flags else "avx512"
-    return "avx2" if "avx2" in flags else platform.machine()
 
 
 class Peer:
@@ -95,7 +78,7 @@ class Peer:
 
 
 def image_part(jpeg: bytes, detail: str | None) -> dict[str, Any]:
-    url: dict[str, Any] = {"url": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}
+    url: dict[str, Any] = {"url": images.data_uri(jpeg, "image/jpeg")}
     if detail:
         url["detail"] = detail
     return {"type": "image_url", "image_url": url}
@@ -135,7 +118,7 @@ def one_round(base: str, ours: bool, args: argparse.Namespace, round_no: int) ->
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
     name = client.models.list().data[0].id  # ours refuses another model's name
     side = args.photo_side
-    photos = [photo_bytes(1000 * round_no + i, side, side) for i in range(6)]
+    photos = [images.photo_bytes(1000 * round_no + i, side, side) for i in range(6)]
 
     def ask(messages: list[dict[str, Any]], max_tokens: int = args.image_tokens) -> str:
         out = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens, **GREEDY)
@@ -185,52 +168,50 @@ def cell(row: dict[str, Any], name: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ladder", type=Path, required=True, help="a folder made by tools/make_test_model.py")
-    ap.add_argument("--quant", default="Q4_K_M")
+    ap = options.parser(__doc__, ladder=None)
     ap.add_argument("--llama-server", type=Path, required=True, help="the binary tools/build_llama_server.sh built")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=4096, help="positions per slot")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--photo-side", type=int, default=1344)
     ap.add_argument("--image-tokens", type=int, default=16)
     ap.add_argument("--text-tokens", type=int, default=128)
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     model = next(args.ladder.glob(f"*{args.quant}*.gguf"))
     mmproj = next(args.ladder.glob("mmproj*.gguf"))
-    samples: dict[str, list[dict[str, float]]] = {"ours": [], "llama-server": []}
-    for round_no in range(args.rounds):
-        order = ("ours", "llama-server") if round_no % 2 == 0 else ("llama-server", "ours")
-        for name in order:
-            if name == "ours":
-                server = start_server(model, mmproj, ["--threads", str(args.threads), "--parallel", str(args.parallel),
-                                                      "--ctx", str(args.ctx)])
-                try:
-                    samples[name].append(one_round(server.base, True, args, round_no))
-                finally:
-                    server.stop()
-            else:
-                peer = Peer(args.llama_server, model, mmproj, threads=args.threads, parallel=args.parallel,
-                            n_ctx=args.ctx)
-                try:
-                    samples[name].append(one_round(peer.base, False, args, round_no))
-                finally:
-                    peer.stop()
-            print(f"round {round_no} {name}: " + ", ".join(f"{k} {v:.2f}s" for k, v in samples[name][-1].items()),
-                  flush=True)
+    counter = {"ours": 0, "llama-server": 0}
+
+    def ours() -> dict[str, float]:
+        server = start_server(model, mmproj, ["--threads", str(args.threads), "--parallel", str(args.parallel),
+                                              "--ctx", str(args.ctx)])
+        try:
+            return one_round(server.base, True, args, _next(counter, "ours"))
+        finally:
+            server.stop()
+
+    def theirs() -> dict[str, float]:
+        peer = Peer(args.llama_server, model, mmproj, threads=args.threads, parallel=args.parallel, n_ctx=args.ctx)
+        try:
+            return one_round(peer.base, False, args, _next(counter, "llama-server"))
+        finally:
+            peer.stop()
+
+    def said(i: int, name: str, r: dict[str, float]) -> None:
+        print(f"round {i} {name}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r.items()), flush=True)
+
+    samples = stats.alternate({"ours": ours, "llama-server": theirs}, args.rounds, said, swap=True)
     rows = summary(samples)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    report = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "commit": commit,
-              "cpu_class": cpu_class(), "rounds": samples, "summary": rows}
     print(f"{'step':22} {'ours (s)':>14} {'llama-server (s)':>18} {'ratio':>7}")
     for step, row in rows.items():
         ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
         print(f"{step:22} {cell(row, 'ours'):>14} {cell(row, 'llama-server'):>18} {ratio:>7}")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    record.write(args.json, "bench_vs_llama_server", {"rounds": samples, "summary": rows}, args)
+
+
+def _next(counter: dict[str, int], name: str) -> int:
+    """The round number of ``name``'s next round (its photos' seeds: each round its own)."""
+    counter[name] += 1
+    return counter[name] - 1
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``d
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -39,25 +37,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 import psutil
+from bench import REPO, models, options, record
+from bench.images import noisy, scene
 
 W, H = 1280, 720
-
-
-def scene(seed: int) -> np.ndarray:
-    """A synthetic 1280×720 scene: gradients, a few objects, some text."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:H, 0:W]
-    rgb = np.stack([(x * 200 // W + 20), (y * 180 // H + 40), ((x + y) * 100 // (W + H) + 60)],
-                   axis=2).astype(np.uint8)
-    for _ in range(10):
-        cx, cy, r = int(rng.integers(60, W - 60)), int(rng.integers(60, H - 60)), int(rng.integers(15, 50))
-        cv2.circle(rgb, (cx, cy), r, tuple(int(v) for v in rng.integers(0, 255, 3)), -1)
-    cv2.putText(rgb, f"scene {seed}", (40, 80), cv2.FONT_HERSHEY_SIMPLEX, 2, (255, 255, 255), 4)
-    return rgb
-
-
-def noisy(rgb: np.ndarray, seed: int, sigma: float = 3.0) -> np.ndarray:
-    return np.clip(rgb + np.random.default_rng(seed).normal(0, sigma, rgb.shape), 0, 255).astype(np.uint8)
 
 
 def moved(rgb: np.ndarray, k: int) -> np.ndarray:
@@ -155,7 +138,7 @@ def lag(model, ticks_after_first: int) -> dict:
     it, answered every 2 s: the first tick encodes the whole frame, the next ones what moved."""
     import gguf_mcv
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(REPO / "tests"))  # the test suite's MJPEG server
     from mjpegserver import MjpegServer
 
     base = scene(3)
@@ -241,10 +224,7 @@ def soak(model, n: int, change_every: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ladder", type=Path, default=Path("/tmp/bench"))
-    parser.add_argument("--quant", default="Q4_K_M")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = options.parser(__doc__, ladder=Path("/tmp/bench"))
     parser.add_argument("--vision-backend", default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="full / one-slice pairs timed")
     parser.add_argument("--static-ticks", type=int, default=50)
@@ -254,16 +234,14 @@ def main() -> int:
     parser.add_argument("--soak", type=int, default=2000)
     parser.add_argument("--soak-change-every", type=int, default=200, help="soak: ticks between two moves")
     parser.add_argument("--skip", default="", help="comma-separated phases to skip: full,static,lag,agreement,soak")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     import gguf_mcv
-    from gguf_mcv.testing import synthetic
 
-    built = synthetic.build(args.ladder, synthetic.BENCH, quants=[args.quant])
+    model_path, mmproj = models.pair(args.ladder, args.quant, "bench")
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {}
-    with gguf_mcv.load(model_path=built.quants[args.quant], mmproj_path=built.mmproj, n_ctx=4096,
+    with gguf_mcv.load(model_path=model_path, mmproj_path=mmproj, n_ctx=4096,
                        n_threads=args.threads, vision_backend=args.vision_backend) as model:
         results["vision_backend"] = model.info.vision_backend
         print(f"bench model {args.quant}, {args.threads} threads, vision encoder {model.info.vision_backend}",
@@ -276,8 +254,7 @@ def main() -> int:
         for name, phase in phases:
             if name not in skip:
                 results[name] = phase()
-                if args.json:
-                    args.json.write_text(json.dumps(results, indent=2))
+                record.write(args.json, "bench_watch", results, args)  # after each: an interrupted run keeps it
     ok = True
     if "full" in results:
         ok &= results["full"]["encode_ratio"] <= 0.3

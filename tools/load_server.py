@@ -20,31 +20,25 @@ bodies unread, and the memory of those it took must come back.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import collections
-import io
 import json
 import random
 import sys
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
-import PIL.Image
 import psutil
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this file
-
-from served import model_files, png_bytes, start_server  # noqa: E402
+from bench import images, options, record
+from bench.models import model_files
+from bench.served import start_server
 
 KINDS = ("openai", "ollama", "stream_hangup", "bad_base64", "corrupt_png", "oversize")
 
 
 def png_b64(seed: int, size: int = 96) -> str:
-    return base64.b64encode(png_bytes(seed, size)).decode()
+    return base64.b64encode(images.png_bytes(seed, size)).decode()
 
 
 def request(kind: str, base: str, name: str, rng: random.Random, session: requests.Session) -> str:
@@ -85,10 +79,7 @@ def request(kind: str, base: str, name: str, rng: random.Random, session: reques
 def flood_body(name: str, mib: float) -> bytes:
     """A chat request whose one image (random pixels, so PNG cannot shrink it) makes ~``mib`` MiB."""
     side = int((mib * 2**20 * 3 / 4 / 3) ** 0.5)  # base64 grows by 4/3; ~3 bytes per noisy pixel
-    arr = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL.Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = images.data_uri(images.png_bytes(0, side))
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
     return json.dumps({"model": name, "max_tokens": 4,
                        "messages": [{"role": "user", "content": content}]}).encode()
@@ -125,13 +116,12 @@ def flood(base: str, name: str, proc: psutil.Process, clients: int, mib: float) 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__, quant=options.OMIT, threads=options.OMIT)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--model", help="a local .gguf (default: the tiny generated model)")
     parser.add_argument("--mmproj")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--flood", type=int, metavar="N", help="send N large requests at once instead")
     parser.add_argument("--flood-mib", type=float, default=19.5, help="size of each (default 19.5)")
     args = parser.parse_args()
@@ -146,6 +136,7 @@ def main() -> int:
         finally:
             server.stop()
         print(json.dumps(report, indent=2))
+        record.write(args.json, "load_server --flood", report, args)
         return 0 if report["health"].get("status") == "ok" else 1
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     lock = threading.Lock()
@@ -185,9 +176,8 @@ def main() -> int:
     print(f"server RSS: start {mb[0]:.0f} MB, after 10 s {mb[min(2, len(mb) - 1)]:.0f} MB, "
           f"end {mb[-1]:.0f} MB, max {max(mb):.0f} MB")
     print(f"/health at the end: {health}")
-    if args.json:
-        args.json.write_text(json.dumps({"counts": {f"{k}|{o}": n for (k, o), n in counts.items()},
-                                         "rss": rss, "health": health, "metrics": metrics}, indent=2))
+    record.write(args.json, "load_server", {"counts": {f"{k}|{o}": n for (k, o), n in counts.items()},
+                                            "rss": rss, "health": health, "metrics": metrics}, args)
     return 0 if health.get("status") == "ok" and failures == 0 else 1
 
 

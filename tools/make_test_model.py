@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import bench  # noqa: F401  (a checkout run without installing: gguf_mcv beside tools/)
 
-from gguf_mcv.errors import GgufMcvError  # noqa: E402
-from gguf_mcv.testing.synthetic import LADDER, MANIFEST_NAME, PRESETS, SyntheticSpec, build  # noqa: E402
+from gguf_mcv.errors import GgufMcvError
+from gguf_mcv.testing.synthetic import LADDER, MANIFEST_NAME, PRESETS, SyntheticSpec, build
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

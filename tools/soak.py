@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
-import json
 import os
 import sys
 import tempfile
@@ -41,10 +39,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from bench import images, memory, models, options, record
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-import gguf_mcv  # noqa: E402
+import gguf_mcv
 
 MB = 2**20
 BENCH_DIR = Path("/tmp/bench")
@@ -70,14 +67,8 @@ class Sample:
 
 def _anon_mb() -> float | None:
     """RssAnon (Linux): RSS without file-backed pages such as the memory-mapped weights."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    anon = memory.status().get("RssAnon")
+    return None if anon is None else anon / MB
 
 
 def sample(call: int, cache: gguf_mcv.EmbeddingCache, start: float) -> Sample:
@@ -123,9 +114,7 @@ class Inputs:
             return rgb
         pil = PIL.Image.fromarray(rgb)
         if kind == 1:
-            buf = io.BytesIO()
-            pil.save(buf, "PNG", compress_level=1)
-            return buf.getvalue()
+            return images.encoded(pil, "PNG", compress_level=1)
         if kind == 2:
             self._n += 1
             path = self.folder / f"frame{self._n % 16}.jpg"  # reused names: the folder stays small
@@ -135,12 +124,9 @@ class Inputs:
 
     def broken(self) -> Any:
         """An input that must raise MediaError."""
-        jpeg = io.BytesIO()
-        import PIL.Image
-
-        PIL.Image.fromarray(self.pool[0]).save(jpeg, "JPEG")
+        jpeg = images.encoded(self.pool[0], "JPEG")
         choices: list[Any] = [
-            jpeg.getvalue()[: len(jpeg.getvalue()) // 2],  # truncated JPEG
+            jpeg[: len(jpeg) // 2],  # truncated JPEG
             b"",  # empty
             b"not an image at all",
             str(self.folder / "missing.png"),
@@ -282,16 +268,9 @@ class Workload:
 
 def model_files(name: str, mmproj: str | None) -> tuple[Path, Path]:
     """The (text model, mmproj) pair for ``--model``: tiny, bench or a path."""
-    from gguf_mcv.testing import synthetic
-
     if name in ("tiny", "bench"):
         folder = (Path(tempfile.gettempdir()) / "gguf_mcv_soak_tiny") if name == "tiny" else BENCH_DIR
-        model = folder / synthetic.quant_filename("Q4_K_M")
-        proj = folder / synthetic.MMPROJ_NAME
-        if not (model.is_file() and proj.is_file()):
-            built = synthetic.build(folder, synthetic.PRESETS[name], quants=["Q4_K_M"])
-            model, proj = built.quants["Q4_K_M"], built.mmproj
-        return model, proj
+        return models.pair(folder, "Q4_K_M", name)
     if mmproj is None:
         raise SystemExit("--model PATH needs --mmproj PATH")
     return Path(name), Path(mmproj)
@@ -372,7 +351,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant=options.OMIT, threads=None)
     ap.add_argument("--calls", type=int, default=500, help="calls to make (default: %(default)s)")
     ap.add_argument("--model", default="tiny", help="tiny, bench (/tmp/bench) or a text model path")
     ap.add_argument("--mmproj", default=None, help="the mmproj path, with --model PATH")
@@ -380,14 +359,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="calls between samples (default: %(default)s)")
     ap.add_argument("--baseline", type=int, default=50,
                     help="call from which drift is measured, after warm-up (default: %(default)s)")
-    ap.add_argument("--json", type=Path, default=None, help="write samples and summary here")
     ap.add_argument("--cache-mb", type=float, default=4.0,
                     help="embedding cache bound in MiB (default: %(default)s; small so it fills early)")
     ap.add_argument("--detail", choices=("auto", "low", "high"), default="auto", help="image detail")
     ap.add_argument("--max-tokens", type=int, default=16, help="answer length bound (default: %(default)s)")
     ap.add_argument("--max-side", type=int, default=900, help="largest image side (default: %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: probed)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -395,8 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    record.write(args.json, "soak", result, args)
     return 1 if result["summary"]["unexpected_errors"] else 0
 
 

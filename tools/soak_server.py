@@ -44,34 +44,21 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
-import json
 import random
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this file
-
-from served import (  # noqa: E402
-    MIB,
-    Dropped,
-    RssSampler,
-    StreamError,
-    gif_bytes,
-    model_files,
-    percentile,
-    photo_bytes,
-    planned_peak,
-    png_bytes,
-    read_stream,
-    start_server,
-)
+from bench import options, record
+from bench.images import data_uri, gif_bytes, photo_bytes, png_bytes
+from bench.memory import MIB, TreeSampler
+from bench.models import model_files
+from bench.served import Dropped, StreamError, planned_peak, read_stream, start_server
+from bench.stats import percentile
 
 #: request kinds and their weights in the mix
 KINDS = {"text": 3, "follow_up": 3, "image_new": 1, "image_seen": 2, "photo": 1, "video": 1,
@@ -96,10 +83,6 @@ class Outcome:
     tokens: int = 0  #: completion tokens of a finished answer
 
 
-def data_url(raw: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(raw).decode()
-
-
 class Client:
     """One client thread's state: its random choices, its conversation, its session."""
 
@@ -115,7 +98,7 @@ class Client:
     # -- the kinds ---------------------------------------------------------------------------------
 
     def image_part(self, raw: bytes, mime: str = "image/png", detail: str = "low") -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": data_url(raw, mime), "detail": detail}}
+        return {"type": "image_url", "image_url": {"url": data_uri(raw, mime), "detail": detail}}
 
     def pool_image(self) -> bytes:
         return self.pool[self.rng.randrange(len(self.pool))]
@@ -184,7 +167,7 @@ class Client:
             return ("openai", False, *self.openai([{"role": "user", "content": content}], stream=False))
         if kind == "video":
             video = gif_bytes(self.rng.randrange(4), frames=self.args.video_frames, side=64)
-            content = [{"type": "video_url", "video_url": {"url": data_url(video, "image/gif")}},
+            content = [{"type": "video_url", "video_url": {"url": data_uri(video, "image/gif")}},
                        {"type": "text", "text": question}]
             return ("openai", False, *self.openai([{"role": "user", "content": content}], stream=False))
         if kind == "ollama_stream":
@@ -281,7 +264,7 @@ def _settled_health(base: str, wait_s: float = 15.0) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant=options.OMIT, threads=None)
     ap.add_argument("--model", help="a local .gguf (default: the tiny generated model)")
     ap.add_argument("--mmproj", help="its projector (default: the one mmproj*.gguf beside it)")
     ap.add_argument("--parallel", default="4", help="auto or N (default 4)")
@@ -289,7 +272,6 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--max-queue", type=int, help="the server's --max-queue (default: --clients, all admitted)")
     ap.add_argument("--ctx", type=int, default=2048, help="positions per slot (default 2048)")
-    ap.add_argument("--threads", type=int, help="the server's --threads")
     ap.add_argument("--vision-backend", default="auto", help="the server's (and the plan's) vision backend")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     ap.add_argument("--image-side", type=int, default=96, help="side of the images in pixels (default 96)")
@@ -300,7 +282,6 @@ def main() -> int:
     ap.add_argument("--photo-detail", default="auto", choices=("auto", "low", "high"))
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for gguf-mcv serve (repeatable), e.g. --serve-arg=--truncate")
-    ap.add_argument("--json", type=Path, help="write the summary and every request's outcome here")
     args = ap.parse_args()
     unknown = set(args.only.split(",")) - set(KINDS) if args.only else set()
     if unknown:
@@ -312,7 +293,7 @@ def main() -> int:
              "--cache-dir", cache, "--vision-backend", args.vision_backend,
              *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
     server = start_server(model, mmproj, extra)
-    rss = RssSampler(server.model_pid)
+    rss = TreeSampler(server.model_pid, interval=0.5)
     try:
         at_start = rss.samples[0][1]
         outcomes, wall = run_load(server.base, server.name, args)
@@ -336,9 +317,8 @@ def main() -> int:
         "health_at_end": health, "metrics_ok": metrics_ok, "server_exit_status": status,
     }
     print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps({**report, "rss_samples": rss.samples,
-                                         "outcomes": [asdict(o) for o in outcomes]}, indent=1))
+    record.write(args.json, "soak_server", {**report, "rss_samples": rss.samples,
+                                            "outcomes": [asdict(o) for o in outcomes]}, args)
     failed = summary["errors"] or summary["dropped"] or over_plan or health.get("status") != "ok" or not metrics_ok
     if failed:
         print(f"FAILED. The server's log ends:\n{server.log_tail()}", file=sys.stderr)

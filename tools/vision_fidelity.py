@@ -32,24 +32,25 @@ to fp32's (exact text), and the worst per-token cosine against fp32 over every s
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from bench import options, record
 
 import gguf_mcv
+from gguf_mcv.generations import GENERATIONS
 from gguf_mcv.models.identity import file_identity
 from gguf_mcv.testing import synthetic
 from gguf_mcv.vision import onnx_vision
 from gguf_mcv.vision.embed_cache import EmbeddingCache
 from gguf_mcv.vision.media import Image, load_image
 from gguf_mcv.vision.onnx_graph import Weights, build_model
-from gguf_mcv.vision.onnx_vision import OnnxEncoder, _save, token_cosines
+from gguf_mcv.vision.onnx_vision import OnnxEncoder, save_graph, token_cosines
 
-NAMES = {"2.5": "minicpm-llama3-v-2.5", "2.6": "minicpm-v-2.6", "o-2.6": "minicpm-o-2.6",
-         "4.0": "minicpm-v-4.0", "4.5": "minicpm-v-4.5", "4.6": "minicpm-v-4.6"}
+#: generation key -> its catalog entry, for each generation the catalog lists (the registry's own list)
+NAMES = {key: g.catalog_names[0] for key, g in GENERATIONS.items() if g.catalog_names and g.onnx_encoder}
 
 
 def _load(gen: str, files, backend: str = "llama.cpp", **kw):
@@ -73,7 +74,7 @@ def onnx_slices(files, folder: Path, images: list[Image], ggml: bool, n_slices: 
     weights = Weights(files.mmproj)
     model, _ = build_model(weights, ggml=ggml)
     path = folder / f"fp32-{'ggml' if ggml else 'plain'}.onnx"
-    _save(onnx, model, path)
+    save_graph(onnx, model, path)
     encoder = OnnxEncoder(path, weights.projector(), n_threads=2)
     return [encoder.encode_rgb(im.rgb, i, im.digest) for im, n in zip(images, n_slices, strict=True) for i in range(n)]
 
@@ -208,7 +209,7 @@ def int8_agreement(name: str, text: Path, mmproj: Path, folder: Path, jobs, cont
     return result
 
 
-def run_int8(args) -> None:
+def run_int8(args) -> list:
     runs = [(gen, None) for gen in args.generations.split(",")] if not args.ladder else \
         [(spec.rsplit(":", 1)[1], Path(spec.rsplit(":", 1)[0])) for spec in args.ladder]
     jobs = agreement_images(args.images)
@@ -232,10 +233,11 @@ def run_int8(args) -> None:
         print(f"| {label} | {r['images']} ({r['slices']}) | {r['int8-blocks']} | {r['int8']} | {r['before == now']} "
               f"| {r['int8-blocks cos']:.5f} | {r['int8 cos']:.5f} |"
               + (f" fp32 twice: {r['control']} identical" if "control" in r else ""))
+    return [{"preset": label, **r} for label, r in rows]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = options.parser(__doc__, quant="Q4_0", threads=options.OMIT)
     ap.add_argument("--out", required=True, help="folder for the tiny models and graphs")
     ap.add_argument("--generations", default=",".join(NAMES))
     ap.add_argument("--prompts", type=int, default=6)
@@ -244,11 +246,10 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="greedy agreement of the int8 graphs (before/now) with fp32")
     ap.add_argument("--images", type=int, default=12, help="--int8: images answered")
     ap.add_argument("--ladder", action="append", help="--int8: FOLDER:GENERATION of a bench ladder (repeatable)")
-    ap.add_argument("--quant", default="Q4_0", help="--int8 --ladder: the text model's quant")
     ap.add_argument("--control", action="store_true", help="--int8: the fp32 graph answers twice (a control)")
     args = ap.parse_args()
     if args.int8:
-        run_int8(args)
+        record.write(args.json, "vision_fidelity --int8", run_int8(args), args)
         return
     if args.time:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -289,6 +290,9 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for gen, (fa_off, plain, ggml) in greedy:
         print(f"| {gen} | {fa_off} | {plain} | {ggml} |")
+    record.write(args.json, "vision_fidelity", {gen: dict(zip(("libmtmd_no_flash_attention", "onnx_fp32_plain",
+                                                             "onnx_fp32_ggml_roundings"), counts, strict=True))
+                                                for gen, counts in greedy}, args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""``gguf-mcv bench``: measure this machine and compare with the speed model's predictions."""
+"""``gguf-mcv bench``: measure this machine and compare with the speed model's predictions.
+
+``--json`` writes the benchmarks' record (:mod:`gguf_mcv.testing.bench_record`: command, date,
+commit, machine, then the results), as every script under ``tools/`` does."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from .loading import load_model
@@ -27,7 +31,12 @@ def run_bench(args: argparse.Namespace) -> int:
         }
         result.update(bench_predictions(model.info, first, args))
     if args.json:
-        print(json.dumps(result, indent=2))
+        from ..testing.bench_record import record  # lazy: per command
+
+        settings = {"threads": args.threads, "detail": args.detail, "max_tokens": args.max_tokens,
+                    "image": str(image)}
+        print(json.dumps(record("gguf-mcv bench", result, settings=settings,
+                                argv=["gguf-mcv", *sys.argv[1:]]), indent=2))
     else:
         for key, value in result.items():
             print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")

@@ -104,6 +104,11 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def keys(self) -> list[str]:
+        """The keys held in memory, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
     def get(self, key: str, n_values: int | None = None) -> np.ndarray | None:
         """The embeddings stored under ``key``, or None.
 

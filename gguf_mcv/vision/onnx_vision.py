@@ -438,7 +438,8 @@ def _forget_other_versions(folder: Path, stem: str) -> None:
             f.unlink(missing_ok=True)
 
 
-def _save(onnx: Any, model: Any, path: Path) -> None:
+def save_graph(onnx: Any, model: Any, path: Path) -> None:
+    """Save an ONNX ``model`` at ``path`` with its weights in one file beside it (``<name>.data``)."""
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
 

@@ -34,6 +34,7 @@ class Fresh:
     result: Any  #: the child's result (JSON), None when it gave none
     returncode: int
     wall_s: float  #: from start to exit, imports included
+    cpu_s: float  #: user + system CPU seconds of the child and its waited-for children
     peak_tree_rss: int  #: largest sampled RSS of the child and its descendants, bytes
     child_vmhwm: int | None  #: the child's own high-water mark (``VmHWM``), when it reported one
     stderr_tail: str  #: the last 4,000 characters it wrote to stderr
@@ -66,7 +67,7 @@ def run(argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: floa
     seconds; its :data:`RESULT` line parsed. A run past ``timeout`` seconds is killed (returncode
     -9, no result)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), _children_cpu()
         proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=env_for_child(env),
                                 preexec_fn=preexec_fn)
         sampler = TreeSampler(proc.pid, interval)
@@ -77,7 +78,7 @@ def run(argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: floa
             proc.wait()
         finally:
             sampler.stop()
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, _children_cpu() - cpu
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
@@ -87,8 +88,18 @@ def run(argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: floa
             payload = json.loads(line[len(RESULT):])
             break
     return Fresh(result=None if payload is None else payload["result"], returncode=proc.returncode,
-                 wall_s=wall, peak_tree_rss=sampler.peak,
+                 wall_s=wall, cpu_s=cpu, peak_tree_rss=sampler.peak,
                  child_vmhwm=None if payload is None else payload["vmhwm"], stderr_tail=stderr[-4000:])
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: on a shared machine it
+    moves much less than wall time when other jobs run. (One fresh run at a time: a child
+    finishing meanwhile would count too.)"""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def call(target: str, kwargs: dict[str, Any] | None = None, **options: Any) -> Fresh:

@@ -123,7 +123,7 @@ def write_video(path: Path, *, seconds: int = 30, fps: int = 10, size: tuple[int
             frame[:] = (40 + int(t * 3) % 60, 90, 140) if t < seconds * 2 / 3 else (150, 60, 40)
         else:
             frame[:] = (40 + int(t * 5) % 80, 90, 140)
-        cv2.circle(frame, (int(60 + (w - 120) * t / seconds), h // 2 + int(80 * np.sin(t))), 50, (0, 220, 255), -1)
+        cv2.circle(frame, (int(60 + (w - 120) * (t / seconds)), h // 2 + int(80 * np.sin(t))), 50, (0, 220, 255), -1)
         if clock:
             cv2.putText(frame, f"{t:5.1f}", (30, 60), cv2.FONT_HERSHEY_SIMPLEX, 1.5, (255, 255, 255), 3)
         if sensor_noise:
@@ -132,3 +132,24 @@ def write_video(path: Path, *, seconds: int = 30, fps: int = 10, size: tuple[int
         writer.write(frame)
     writer.release()
     return path
+
+
+def scene(seed: int, size: tuple[int, int] = (1280, 720)) -> np.ndarray:
+    """A synthetic camera scene (720p by default): gradients, ten circles and a caption naming it."""
+    import cv2  # lazy: only the camera benchmarks
+
+    w, h = size
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([(x * 200 // w + 20), (y * 180 // h + 40), ((x + y) * 100 // (w + h) + 60)],
+                   axis=2).astype(np.uint8)
+    for _ in range(10):
+        cx, cy, r = int(rng.integers(60, w - 60)), int(rng.integers(60, h - 60)), int(rng.integers(15, 50))
+        cv2.circle(rgb, (cx, cy), r, tuple(int(v) for v in rng.integers(0, 255, 3)), -1)
+    cv2.putText(rgb, f"scene {seed}", (40, 80), cv2.FONT_HERSHEY_SIMPLEX, 2, (255, 255, 255), 4)
+    return rgb
+
+
+def noisy(rgb: np.ndarray, seed: int, sigma: float = 3.0) -> np.ndarray:
+    """``rgb`` with Gaussian sensor noise of ``sigma`` levels (a new seed, a new draw)."""
+    return np.clip(rgb + np.random.default_rng(seed).normal(0, sigma, rgb.shape), 0, 255).astype(np.uint8)

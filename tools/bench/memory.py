@@ -42,8 +42,10 @@ def own_peak() -> int:
     return peak
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    """Resident bytes of ``proc`` and all its descendants now (those gone meanwhile count 0)."""
+def tree_rss(proc: psutil.Process, pss: bool = False) -> int:
+    """Resident bytes of ``proc`` and all its descendants now (those gone meanwhile count 0); with
+    ``pss``, their proportional share instead (a page two processes share counts half in each, so
+    a forked child does not count its parent's pages twice: what a memory cgroup charges)."""
     total = 0
     try:
         members = [proc, *proc.children(recursive=True)]
@@ -51,7 +53,7 @@ def tree_rss(proc: psutil.Process) -> int:
         return 0
     for member in members:
         try:
-            total += member.memory_info().rss
+            total += member.memory_full_info().pss if pss else member.memory_info().rss
         except psutil.Error:
             pass
     return total
@@ -61,13 +63,14 @@ class TreeSampler:
     """Samples the RSS of a process and its descendants every ``interval`` seconds on a thread,
     until stopped.
 
-    ``peak`` is the largest sample of the whole tree; :meth:`high_water` the kernel's own peak
-    of the root process (``VmHWM``), which also sees what happened between samples.
+    ``peak`` is the largest sample of the whole tree (of PSS with ``pss``: see :func:`tree_rss`);
+    :meth:`high_water` the kernel's own peak of the root process (``VmHWM``), which also sees what
+    happened between samples.
     """
 
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
+    def __init__(self, pid: int, interval: float = 0.2, *, pss: bool = False) -> None:
         self.proc = psutil.Process(pid)
-        self.interval = interval
+        self.interval, self.pss = interval, pss
         self.samples: list[tuple[float, int]] = []
         self._began = time.perf_counter()
         self._stop = threading.Event()
@@ -79,7 +82,7 @@ class TreeSampler:
         if not self.proc.is_running():
             self._stop.set()
             return
-        self.samples.append((time.perf_counter() - self._began, tree_rss(self.proc)))
+        self.samples.append((time.perf_counter() - self._began, tree_rss(self.proc, self.pss)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -17,7 +17,6 @@ from typing import Any
 import psutil
 import requests
 
-
 from .fresh import env_for_child
 
 

@@ -23,15 +23,17 @@ def summary(values: Sequence[float]) -> dict[str, float | int | None]:
 
 
 def alternate(runs: Mapping[str, Callable[[], Any]], rounds: int,
-              on_sample: Callable[[int, str, Any], None] | None = None) -> dict[str, list[Any]]:
-    """Each of ``runs`` once per round, in the order given, for ``rounds`` rounds (A B A B ...);
-    every result by run name, in round order. ``on_sample(round, name, result)`` sees each as it
-    comes (to print progress)."""
+              on_sample: Callable[[int, str, Any], None] | None = None, *, swap: bool = False) -> dict[str, list[Any]]:
+    """Each of ``runs`` once per round, in the order given, for ``rounds`` rounds (A B A B ...;
+    with ``swap`` every other round in reverse, A B B A, so neither always goes first); every
+    result by run name, in round order. ``on_sample(round, name, result)`` sees each as it comes
+    (to print progress)."""
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     samples: dict[str, list[Any]] = {name: [] for name in runs}
     for i in range(rounds):
-        for name, run in runs.items():
+        order = list(runs.items())
+        for name, run in order[::-1] if swap and i % 2 else order:
             result = run()
             samples[name].append(result)
             if on_sample is not None:
