@@ -316,3 +316,15 @@ def test_a_broken_block_fails_and_a_marked_one_is_skipped(tmp_path: Path) -> Non
     assert commands(found[2]) == [["serve", "--help"], ["models", "--json"]]
     assert commands(found[3]) == [["plan", "m", "--ram", "1GB"]]
     assert commands(found[4]) == []
+
+
+def test_the_changelog_is_by_version_newest_first_and_leads_with_the_packages() -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    headings = re.findall(r"^## (\S+) — ", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert headings and headings[0] == version.split(".dev")[0], (headings[:1], version)
+    numbers = [tuple(int(x) for x in h.split(".")) for h in headings]
+    assert numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers), headings
