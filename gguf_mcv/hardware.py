@@ -103,6 +103,10 @@ class Hardware:
     free_disk: int | None  #: free bytes on cache_dir's file system, None if unknown
     #: The host's (or VM's) free RAM where a cgroup memory limit applies, else None.
     host_available_ram: int | None = None
+    #: The CPU's repack family, from its feature flags (a key of
+    #: :data:`gguf_mcv.planning.calibration.REPACKED_TYPES`); None: assumed from ``machine``
+    #: (:func:`cpu_family`), as for a machine described by hand.
+    repack_family: str | None = None
 
     @property
     def gpu(self) -> Gpu | None:
@@ -199,6 +203,7 @@ def probe(root: str | Path | None = None, *, cache_dir: Path | None = None) -> H
         cache_dir=cache,
         free_disk=_free_disk(cache),
         host_available_ram=host_available,
+        repack_family=repack_family(machine, cpu_flags(root)),
     )
 
 
@@ -478,10 +483,15 @@ def cpu_family(machine: str) -> str:
     return "none"
 
 def local_repack_family(root: str | Path | None = None) -> str:
-    """This CPU's repack family, a key of :data:`gguf_mcv.planning.calibration.REPACKED_TYPES`: from the
-    machine's architecture (:func:`cpu_family`) refined by its feature flags."""
-    family = cpu_family(platform.machine())
-    flags = cpu_flags(root)
+    """This CPU's repack family, a key of :data:`gguf_mcv.planning.calibration.REPACKED_TYPES`
+    (:func:`repack_family` of this machine's architecture and feature flags)."""
+    return repack_family(platform.machine(), cpu_flags(root))
+
+
+def repack_family(machine: str, flags: frozenset[str]) -> str:
+    """The repack family of a CPU: from its architecture (:func:`cpu_family`) refined by its
+    feature flags (none known: the architecture's assumption)."""
+    family = cpu_family(machine)
     if family == "x86-avx2" and flags:
         return "x86-avx512" if "avx512f" in flags else "x86-avx2" if "avx2" in flags else "none"
     if family == "arm-dotprod" and flags and "asimddp" not in flags:

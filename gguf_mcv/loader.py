@@ -17,14 +17,13 @@ from typing import Any
 
 from . import environment, llama_log
 from .errors import ConfigError, CorruptModelError, EngineError, ModelNotFoundError
-from .hardware import probe
 from .model import Model, ModelInfo
 from .models.catalog import CatalogEntry, lookup
 from .models.headers import ProjectorHeader, TextHeader, check_pair, read_projector_header, read_text_header
 from .options import LoadOptions, Sampling
 from .planning.planner import LoadChoices, Plan, check_request
 from .prompt.templates import FAMILIES, ChatTemplate, choose_template
-from .resolver import check_plan, check_revision, plan_local, pull, vision_inputs
+from .resolver import check_plan, check_revision, plan_local, pull, this_machine, vision_inputs
 from .runtime import native_check
 from .runtime.engine import Engine, VisionEncoder, file_identity
 from .runtime.slots import Scheduler
@@ -107,7 +106,7 @@ def load(
                         n_gpu_layers=options.n_gpu_layers, vision_gpu=options.vision_gpu, parallel=options.parallel)
     settings: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, kv_cache_type=kv_cache_type,
                                     vision_backend=vision_backend, vision_weights=vision_weights,
-                                    hardware=probe(), given=given)  # the one probe of this load
+                                    hardware=this_machine(), given=given)  # the one probe of this load
     local = model_path is not None
     planned: Plan | None = None
     if local:

@@ -128,11 +128,14 @@ def extra_bufts_known_to_crash() -> bool:
 
 
 
-def loads_repack_family() -> str:
-    """The repack family loads on this machine get: its CPU's (:func:`gguf_mcv.hardware.local_repack_family`),
-    or ``"none"`` where a kept verdict found the extra buffer types crashing, so that loads leave them
-    off (:func:`extra_bufts_known_to_crash`). Runs no check."""
-    return "none" if extra_bufts_known_to_crash() else local_repack_family()
+def loads_repack_family(family: str | None = None) -> str:
+    """The repack family loads on this machine get: its CPU's (``family``, default
+    :func:`gguf_mcv.hardware.local_repack_family`), or ``"none"`` where a kept verdict found the
+    extra buffer types crashing, so that loads leave them off (:func:`extra_bufts_known_to_crash`).
+    Runs no check."""
+    if extra_bufts_known_to_crash():
+        return "none"
+    return family if family is not None else local_repack_family()
 
 def fingerprint() -> str:
     """A digest of what a verdict depends on: CPU, kernel, Python, builds, native libraries

@@ -134,7 +134,7 @@ def plan(
     _check_given(hardware=(hardware, Hardware), rates=(rates, Rates), given=(given, LoadChoices))
     if speed_probe is not None and not isinstance(speed_probe, bool):
         raise ConfigError(f"speed_probe must be True, False or None, not {speed_probe!r}.")
-    hw = hardware or probe()
+    hw = hardware or this_machine()
     options: dict[str, Any] = dict(ram_budget=ram_budget, n_ctx=n_ctx, quant=quant, prefer=prefer,
                                    kv_cache_type=kv_cache_type, hardware=hw, detail=detail,
                                    min_tokens_per_s=min_tokens_per_s, max_first_answer_s=max_first_answer_s,
@@ -150,6 +150,13 @@ def plan(
             raise
         listing = None  # plan from the catalog's own file list
     return _plan_listing(model, listing, entry, **options)
+
+
+def this_machine() -> Hardware:
+    """This machine's probe (:func:`gguf_mcv.hardware.probe`), with the repack family its loads
+    get: none where the native check found llama.cpp's extra buffer types crashing here."""
+    hw = probe()
+    return replace(hw, repack_family=loads_repack_family(hw.repack_family))
 
 
 def _check_given(**values: tuple[Any, type]) -> None:
@@ -224,7 +231,7 @@ def plan_local(model_path: str | os.PathLike, mmproj_path: str | os.PathLike, *,
     weights = weight_profile(text.size, text.shape, quant, tensor_list(read_tensors(model_path)))
     candidate = QuantCandidate(quant, os.fspath(model_path), text.size, weights=weights)
     result = choose([candidate], arch=text.shape, vision=projector.shape, mmproj_size=projector.size,
-                    mmproj_file=os.fspath(mmproj_path), hardware=hardware or probe(),
+                    mmproj_file=os.fspath(mmproj_path), hardware=hardware or this_machine(),
                     **{"model": _generation(projector), **options, **vision_inputs(vision_backend, mmproj_path),
                        "quant": quant})
     return replace(result, model=os.fspath(model_path))
@@ -297,7 +304,7 @@ def pull(
     repo, entry = resolve(model)
     listing = list_files(repo, revision)
     if quant is None:
-        hw = hardware or probe()
+        hw = hardware or this_machine()
         planned = _plan_listing(model, listing, entry, ram_budget=ram_budget, n_ctx=n_ctx,
                                 kv_cache_type=kv_cache_type, hardware=hw,
                                 rates=machine_rates(hw) if limited else None, vision_weights=vision_weights,

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -196,6 +197,44 @@ def test_local_cpu_family_is_known() -> None:
     assert local_repack_family() in memory.REPACKED_TYPES
     assert cpu_family("aarch64") == "arm-dotprod"
     assert cpu_family("riscv64") == "none"
+
+
+def test_the_repack_family_comes_from_the_flags_and_the_probe_carries_it(tmp_path: Path) -> None:
+    from gguf_mcv.hardware import probe, repack_family
+
+    assert repack_family("x86_64", frozenset({"avx2", "avx512f"})) == "x86-avx512"
+    assert repack_family("x86_64", frozenset({"avx2"})) == "x86-avx2"
+    assert repack_family("x86_64", frozenset({"sse4_2"})) == "none"
+    assert repack_family("x86_64", frozenset()) == "x86-avx2"  # no flags known: the architecture's assumption
+    assert repack_family("aarch64", frozenset({"asimd"})) == "none"
+    assert repack_family("aarch64", frozenset({"asimd", "asimddp"})) == "arm-dotprod"
+    for name, text in {"proc/meminfo": "MemTotal: 8000000 kB\nMemAvailable: 6000000 kB\n",
+                       "proc/cpuinfo": "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    hw = probe(tmp_path, cache_dir=tmp_path)
+    assert hw.repack_family == repack_family(hw.machine, frozenset({"fpu", "avx2", "avx512f", "avx512bw"}))
+
+
+def test_the_plan_counts_the_repacked_copies_of_its_cpu_family() -> None:
+    """Q2_K tensors are repacked on AVX-512 and not on AVX2: a plan for each counts what its loads copy."""
+    from dataclasses import replace
+
+    from gguf_mcv.hardware import Hardware
+    from gguf_mcv.planning.planner import QuantCandidate, choose
+
+    base = Hardware(system="Linux", machine="x86_64", total_ram=2**35, available_ram=2**34,
+                    memory_limit_source=None, physical_cores=4, performance_cores=None, cpu_quota=None,
+                    allowed_cpus=None, board=None, board_kind=None, gpus=(), gpu_offload=False,
+                    gpu_offload_note=None, cache_dir=Path("/tmp"), free_disk=None)
+    shape = TextShape(n_layers=24, n_embd=896, n_head=14, n_head_kv=2, head_dim=64, n_vocab=151936, n_ff=4864)
+    repacked = {}
+    for family in ("x86-avx2", "x86-avx512", None):
+        plan = choose([QuantCandidate("Q2_K", "m-Q2_K.gguf", 412_642_528)], mmproj_size=864_329_248, arch=shape,
+                      vision=VisionShape(), hardware=replace(base, repack_family=family), quant="Q2_K")
+        repacked[family] = plan.estimate.repacked
+    assert repacked["x86-avx2"] < repacked["x86-avx512"]  # its Q2_K layers, repacked on AVX-512 only
+    assert repacked[None] == repacked["x86-avx2"]  # a machine described by hand: x86 assumed AVX2
 
 
 # --- one real measurement ---------------------------------------------------------------

@@ -87,7 +87,7 @@ def estimate_setup(c: QuantCandidate, ctx: Context, setup: Setup, n_ctx: int | N
         quant=c.quant, n_ctx=n_ctx or ctx.n_ctx, kv_cache_type=kv_cache_type or ctx.kv_cache_type,
         image_tokens=ctx.image_tokens, n_gpu_layers=setup.n_gpu_layers,
         vision_on_gpu=setup.vision_on_gpu, gpu_backend=setup.backend,
-        unified_memory=setup.unified, cpu=cpu_family(ctx.hardware.machine),
+        unified_memory=setup.unified, cpu=ctx.hardware.repack_family or cpu_family(ctx.hardware.machine),
         vision_backend=setup.vision_backend,
         # the photo decoded as ``detail`` cuts it on this encoder (auto: 4 slices on a CPU)
         image_slices=speed.slice_budget(ctx.detail, vision_on_gpu=setup.vision_on_gpu),
