@@ -203,6 +203,54 @@ def test_schema_answers_carry_parsed_and_serialise(model) -> None:
                          "frames_skipped", "ticks_skipped", "reconnects"}
 
 
+def test_events_come_on_the_observations_with_snapshots_that_decode(model, tmp_path: Path) -> None:
+    """Two scenes, three ticks each: a repeated frame never completes an event; the first tick
+    starts one when something is there; the second scene's first tick changes the value or not."""
+    import PIL.Image
+
+    from gguf_mcv.watch.events import something
+
+    schema = {"type": "object", "properties": {"present": {"type": "boolean"}}, "required": ["present"]}
+    frames = [_scene(448, 336, seed=11)] * 3 + [_scene(448, 336, seed=12)] * 3
+    seen = _run(model, frames, schema=schema, max_tokens=24, event_on="present", snapshots=tmp_path / "snaps")
+    values = [o.parsed["present"] for o in seen]
+    assert [o.event is not None for o in seen] == [
+        something(values[0]), False, False, values[3] != values[0], False, False]
+    for o in seen:
+        if o.event is not None:
+            assert o.event.after == values[o.frame_index] and o.event.kind in ("started", "ended")
+            with PIL.Image.open(o.event.snapshot) as image:
+                assert image.size == (448, 336)
+            line = o.to_dict()
+            assert line["event"]["event"] == o.event.kind and line["event"]["snapshot"] == o.event.snapshot
+        else:
+            assert "event" not in o.to_dict()
+    assert len(list((tmp_path / "snaps").glob("snapshot-*.jpg"))) == sum(o.event is not None for o in seen)
+
+
+def test_an_event_is_yielded_under_only_changes_and_a_missing_field_says_so(model) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}},
+              "required": ["n"]}
+    seen = _run(model, [_scene(448, 336, seed=13)] * 2, schema=schema, max_tokens=24, event_on="n",
+                only_changes=True)
+    assert len(seen) == 1 and seen[0].event is not None and seen[0].event.kind == "started"  # n >= 1: something
+    missing = _run(model, [_scene(448, 336, seed=13)], schema=schema, max_tokens=24, event_on="people")
+    assert missing[0].event is None and "has no field 'people'" in (missing[0].event_warning or "")
+    assert missing[0].to_dict()["event_warning"] == missing[0].event_warning
+
+
+def test_a_region_encodes_only_what_changes_inside_it(model) -> None:
+    """A change outside the region costs no encoder call; one inside re-encodes the region's slices."""
+    base = _scene(896, 448, seed=21)
+    outside, inside = base.copy(), base.copy()
+    outside[100:200, 100:200] = 255  # in the left half
+    inside[100:200, 600:700] = 255  # in the right half: the region
+    seen = _run(model, [base, outside, inside], region=(0.5, 0.0, 0.5, 1.0), detail="high")
+    assert seen[0].slices_encoded >= 1
+    assert seen[1].slices_encoded == 0 and seen[1].changed == 0.0 and not seen[1].asked
+    assert seen[2].slices_encoded >= 1 and seen[2].asked
+
+
 def test_a_changing_scene_leaves_one_frame_in_the_embedding_cache(model) -> None:
     cache = model.engine.embed_cache
     held = len(cache)
@@ -262,6 +310,10 @@ def test_a_corrupt_frame_ends_the_watch_with_a_clear_error(model) -> None:
     ({"temperature": -1}, "temperature"), ({"only_changes": "yes"}, "only_changes"),
     ({"answer_unchanged": 1}, "answer_unchanged"), ({"give_up_s": 0}, "give_up_s"), ({"seed": 1.5}, "seed"),
     ({"schema": {"type": "no such type"}}, "schema|type"), ({"system": 5}, "system"),
+    ({"event_on": "present"}, "give schema="), ({"event_on": "answer", "hold": 0}, "hold"),
+    ({"event_on": "answer", "cooldown_s": -1}, "cooldown_s"), ({"hold": 3}, "give event_on"),
+    ({"snapshots": "/tmp/x"}, "give event_on"), ({"event_on": ["answer"]}, "event_on"),
+    ({"region": (0, 0, 0, 0)}, "region"), ({"region": "left"}, "region"),
 ])
 def test_wrong_arguments_are_refused_before_anything_opens(model, change: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

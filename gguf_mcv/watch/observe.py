@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,9 @@ from ..reply import Reply, parsed_as_json
 from ..vision.media import Image
 from ..vision.slicing import MAX_SLICES, slice_grid
 from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, colour_cells
+from .events import Event, EventDetector, EventRule, check_event_rule
+from .regions import Region, check_region
+from .snapshots import SnapshotFolder
 from .sources import (
     DEFAULT_GIVE_UP_S,
     NETWORK_TIMEOUT_S,
@@ -66,7 +70,9 @@ class Observation:
     counts as a slice). ``frames_skipped``: frames the source delivered since the previous
     observation's frame that no observation looked at; ``ticks_skipped``: ticks missed because
     the previous answer took longer than ``every_s``; ``reconnects``: times the source dropped
-    and was reopened so far.
+    and was reopened so far. ``event``: the :class:`~gguf_mcv.watch.events.Event` this tick
+    completed, under ``event_on=`` (None otherwise); ``event_warning``: why this tick's value
+    could not be read (a field missing from the parsed answer).
     """
 
     time: float  #: when the frame was read (``time.time()``)
@@ -81,21 +87,33 @@ class Observation:
     frames_skipped: int
     ticks_skipped: int
     reconnects: int
+    event: Event | None = None
+    event_warning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The observation as JSON data (one line of ``gguf-mcv watch``)."""
-        return {"time": round(self.time, 3), "frame": self.frame_index, "changed": round(self.changed, 4),
-                "slices_encoded": self.slices_encoded, "slices_reused": self.slices_reused,
-                "asked": self.asked, "answer": str(self.answer), "parsed": parsed_as_json(self.parsed),
-                "latency_s": round(self.latency_s, 3), "frames_skipped": self.frames_skipped,
-                "ticks_skipped": self.ticks_skipped, "reconnects": self.reconnects}
+        """The observation as JSON data (one line of ``gguf-mcv watch``): with ``event`` (its kind,
+        values, snapshot and warning) when the tick completed one."""
+        out = {"time": round(self.time, 3), "frame": self.frame_index, "changed": round(self.changed, 4),
+               "slices_encoded": self.slices_encoded, "slices_reused": self.slices_reused,
+               "asked": self.asked, "answer": str(self.answer), "parsed": parsed_as_json(self.parsed),
+               "latency_s": round(self.latency_s, 3), "frames_skipped": self.frames_skipped,
+               "ticks_skipped": self.ticks_skipped, "reconnects": self.reconnects}
+        if self.event is not None:
+            e = self.event.to_dict()
+            out["event"] = {k: e[k] for k in ("event", "on", "before", "after", "snapshot", "warning")}
+        if self.event_warning is not None:
+            out["event_warning"] = self.event_warning
+        return out
 
 
 def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 2.0,
           threshold: float = DEFAULT_THRESHOLD, only_changes: bool = False, answer_unchanged: bool = False,
           schema: Any = None, detail: str = "auto", max_slices: int | None = None,
           max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = 0.0, seed: int | None = None,
-          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S) -> "Watch":
+          system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S, event_on: str | None = None,
+          hold: int = 1, cooldown_s: float = 0.0,
+          snapshots: str | os.PathLike | SnapshotFolder | None = None,
+          region: tuple[float, float, float, float] | Region | None = None) -> "Watch":
     """Ask ``prompt`` about ``source`` every ``every_s`` seconds; a :class:`Watch`, an iterator of
     :class:`Observation` that any thread may stop.
 
@@ -112,6 +130,18 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     :class:`~gguf_mcv.errors.SourceLostError`. The watch ends when a file or iterable does;
     closing the iterator releases the source (as does leaving a ``for`` loop over ``watch(...)`` itself);
     :meth:`Watch.stop` and :meth:`Watch.close` work from any thread.
+
+    ``event_on`` turns answers into events (:mod:`gguf_mcv.watch.events`): ``"answer"`` follows
+    the answer's text, a field name (``"present"``, ``"door.open"``) that field of the answer
+    parsed under ``schema``. A new value that holds ``hold`` ticks, at least ``cooldown_s``
+    seconds after the previous event, is an :class:`~gguf_mcv.watch.events.Event` on that tick's
+    observation (``observation.event``), which is yielded even under ``only_changes``. With
+    ``snapshots`` (a folder, or a :class:`~gguf_mcv.watch.snapshots.SnapshotFolder` for other
+    bounds) each event's frame is written there as a JPEG, its path in the event.
+
+    ``region`` (``x, y, w, h``: ints in pixels, or floats in [0, 1] as fractions of the frame;
+    :mod:`gguf_mcv.watch.regions`) asks about that rectangle of each frame only: only it is
+    compared, encoded and written as a snapshot, so a change outside it costs nothing.
 
     Arguments are checked here, before anything is opened (:class:`ConfigError`,
     :class:`~gguf_mcv.errors.SourceError` for a missing file).
@@ -134,9 +164,16 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     model.sampling.with_overrides(temperature=temperature, seed=seed)  # a bad value, before anything runs
     if schema is not None:
         model.constraint(schema)
+    rule = None if event_on is None else check_event_rule(event_on, hold, cooldown_s, structured=schema is not None)
+    if event_on is None and (hold != 1 or cooldown_s != 0.0 or snapshots is not None):
+        raise ConfigError("hold, cooldown_s and snapshots shape events: give event_on too ('answer', or a field "
+                          "of the parsed answer).")
+    folder = snapshots if isinstance(snapshots, SnapshotFolder) or snapshots is None else SnapshotFolder(snapshots)
+    zone = check_region(region)
     spec = check_source(source)
     run = _Watch(model, prompt, options, ChangeTracker(check_threshold(threshold)), detail=detail,
-                 max_slices=max_slices, answer_unchanged=answer_unchanged)
+                 max_slices=max_slices, answer_unchanged=answer_unchanged, events=rule, snapshots=folder,
+                 region=zone)
     stop = threading.Event()
     return Watch(run.observations(spec, every_s=every_s, only_changes=only_changes,
                                   give_up_s=check_give_up(give_up_s), stop=stop), stop)
@@ -196,8 +233,13 @@ class _Watch:
     """One watch's state: what each box was last encoded from, and its embeddings."""
 
     def __init__(self, model: "Model", prompt: str, options: dict[str, Any], tracker: ChangeTracker, *,
-                 detail: str, max_slices: int | None, answer_unchanged: bool) -> None:
+                 detail: str, max_slices: int | None, answer_unchanged: bool, events: EventRule | None = None,
+                 snapshots: SnapshotFolder | None = None, region: Region | None = None) -> None:
         self.model = model
+        self.region = region
+        self.rule = events
+        self.detector = None if events is None else EventDetector(events)
+        self.snapshots = snapshots
         self.prompt = prompt
         self.options = options
         self.tracker = tracker
@@ -225,14 +267,17 @@ class _Watch:
                     return
                 skipped_frames = grab.index - after - 1
                 after = grab.index
-                changed, encoded, reused, asked = self._answer(grab.rgb)
+                rgb = grab.rgb if self.region is None else self.region.crop(grab.rgb)
+                changed, encoded, reused, asked = self._answer(rgb)
                 assert self.last is not None
                 seen = Observation(time=grab.time, frame_index=grab.index, changed=changed, slices_encoded=encoded,
                                    slices_reused=reused, answer=self.last, parsed=self.last.parsed, asked=asked,
                                    latency_s=max(0.0, time.time() - grab.time), frames_skipped=skipped_frames,
                                    ticks_skipped=skipped_ticks, reconnects=frames.reconnects)
+                if self.detector is not None:
+                    seen = self._event(seen, rgb)
                 key = _answer_key(self.last, self.options["schema"] is not None)
-                if not only_changes or key != shown:
+                if not only_changes or key != shown or seen.event is not None:
                     shown = key
                     yield seen
                 # the next tick: the first one still ahead; those passed meanwhile are skipped
@@ -243,6 +288,17 @@ class _Watch:
                 stop.wait(max(0.0, start + upcoming * every_s - time.monotonic()))
         finally:
             frames.close()
+
+    def _event(self, seen: Observation, rgb: np.ndarray) -> Observation:
+        """``seen`` with the event it completes (and its snapshot), or the reason its value could not be read."""
+        assert self.detector is not None and self.rule is not None
+        change = self.detector.update(seen)
+        if change is None:
+            return replace(seen, event_warning=self.detector.warning) if self.detector.warning else seen
+        kind, before, after = change
+        path, warning = (None, None) if self.snapshots is None else self.snapshots.save(
+            rgb, time_s=seen.time, frame=seen.frame_index)
+        return replace(seen, event=Event(kind, before, after, seen, on=self.rule.on, snapshot=path, warning=warning))
 
     def _answer(self, rgb: np.ndarray) -> tuple[float, int, int, bool]:
         """Answer about one frame: (fraction changed, slices encoded, slices reused, model asked)."""
