@@ -467,6 +467,40 @@ def test_watch_prints_one_json_line_per_observation(tiny, tmp_path: Path) -> Non
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
 
 
+def test_watch_sends_its_events_to_a_webhook_and_keeps_their_snapshots(tiny, tmp_path: Path) -> None:
+    from test_watch_sources import write_avi
+    from test_watch_webhook import Receiver
+
+    clip = write_avi(tmp_path / "clip.avi", n=8, fps=20.0, size=(320, 240))
+    schema = tmp_path / "count.json"  # a count of at least 1: the first tick always starts an event
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 3}}, "required": ["n"]}))
+    receiver = Receiver()
+    try:
+        done = run("watch", str(tiny.quants["Q4_K_M"]), str(clip), "--prompt", "How many?", "--every", "0.2",
+                   "--max-tokens", "24", "--vision-backend", "llama.cpp", "--schema", str(schema), "--event-on", "n",
+                   "--snapshots", str(tmp_path / "snaps"), "--webhook", receiver.url)
+    finally:
+        receiver.close()
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    events = [line for line in lines if "event" in line]
+    assert events and events[0]["frame"] == 0 and events[0]["event"]["event"] == "started"
+    assert [b["frame"] for b in receiver.bodies] == [e["frame"] for e in events]  # each once, in order
+    for body, line in zip(receiver.bodies, events, strict=True):
+        assert body["event"] == line["event"]["event"] and body["snapshot"] == line["event"]["snapshot"]
+        assert Path(body["snapshot"]).is_file()
+
+
+def test_watch_refuses_event_options_without_events_before_loading(tiny, tmp_path: Path) -> None:
+    for extra, match in ((["--hold", "3"], "give --event-on"), (["--webhook", "http://x"], "give --event-on"),
+                         (["--event-on", "present"], "give schema="),
+                         (["--event-on", "answer", "--webhook", "ftp://x"], "webhook"),
+                         (["--event-on", "answer", "--snapshots", str(tiny.mmproj)], "not a folder")):
+        done = run("watch", str(tiny.quants["Q4_K_M"]), "0", "--prompt", "?", *extra)
+        assert done.returncode == 1 and match in done.stderr, (extra, done.stderr)
+
+
 def test_watch_refuses_a_missing_source_before_loading(tiny, tmp_path: Path) -> None:
     done = run("watch", str(tiny.quants["Q4_K_M"]), str(tmp_path / "none.mp4"), "--prompt", "?")
     assert done.returncode == 1 and "does not exist" in done.stderr and len(done.stderr.splitlines()) == 1

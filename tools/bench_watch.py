@@ -11,6 +11,8 @@ vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``d
   the whole tick's ratio is reported beside it (the prefill is the same in both). Wall time and this
   process's CPU time (all threads) are both reported: on a shared machine the CPU time is the
   steadier measure of the work a tick does.
+* **zone**: a tick after a change everywhere with a quarter-frame ``region`` (the top left) against
+  the whole frame, taking turns (``--rounds`` each);
 * **static**: noisy frames of an unchanged scene; the default (no model call) and
   ``answer_unchanged=True`` (prefill served by the KV cache, 4 tokens). Target: ≤ 50 ms a tick.
 * **lag**: a 10 fps MJPEG-over-HTTP stream served on 127.0.0.1 (a static scene with an object
@@ -37,7 +39,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import psutil
-from bench import REPO, models, options, record
+from bench import REPO, models, options, record, stats
 from bench.images import noisy, scene
 
 W, H = 1280, 720
@@ -79,6 +81,30 @@ class Ticks:
 
     def close(self) -> None:
         self.watching.close()
+
+
+def zone_vs_frame(model, rounds: int) -> dict:
+    """The cost of a tick after a change everywhere: a quarter-frame region (the top left) against
+    the whole frame, the two taking turns (A B A B)."""
+    import itertools
+
+    import gguf_mcv
+
+    seeds = itertools.count(300)
+
+    def tick(region) -> float:
+        frames = [scene(next(seeds)), scene(next(seeds))]  # the second tick: every slice changed
+        seen = list(gguf_mcv.watch(model, frames, "What is in the picture?", every_s=0.001, max_tokens=2,
+                                   detail="high", region=region))
+        return seen[1].latency_s
+
+    samples = stats.alternate({"whole frame": lambda: tick(None),
+                               "quarter-frame region": lambda: tick((0.0, 0.0, 0.5, 0.5))}, rounds,
+                              on_sample=lambda i, name, t: print(f"  zone round {i}: {name} {t:.2f} s", flush=True))
+    ratio = stats.ratio(samples["quarter-frame region"], samples["whole frame"])
+    print(f"  quarter-frame region / whole frame, tick after a change: {ratio['median']:.3f}× "
+          f"(range {ratio['min']:.3f}–{ratio['max']:.3f})", flush=True)
+    return {"ticks_s": samples, "ratio": ratio}
 
 
 def full_vs_slice(model, rounds: int) -> dict:
@@ -233,7 +259,8 @@ def main() -> int:
     parser.add_argument("--agreement-detail", default="high", help="detail of the agreement phase")
     parser.add_argument("--soak", type=int, default=2000)
     parser.add_argument("--soak-change-every", type=int, default=200, help="soak: ticks between two moves")
-    parser.add_argument("--skip", default="", help="comma-separated phases to skip: full,static,lag,agreement,soak")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated phases to skip: full,zone,static,lag,agreement,soak")
     args = parser.parse_args()
 
     import gguf_mcv
@@ -247,6 +274,7 @@ def main() -> int:
         print(f"bench model {args.quant}, {args.threads} threads, vision encoder {model.info.vision_backend}",
               flush=True)
         phases = [("full", lambda: full_vs_slice(model, args.rounds)),
+                  ("zone", lambda: zone_vs_frame(model, args.rounds)),
                   ("static", lambda: static(model, args.static_ticks)),
                   ("soak", lambda: soak(model, args.soak, args.soak_change_every)),
                   ("lag", lambda: lag(model, args.lag_ticks)),

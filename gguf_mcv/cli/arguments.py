@@ -174,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the source gives no frame for S seconds, reconnecting meanwhile (default 30)")
     p.add_argument("--jsonl", metavar="OUT", help="also append each line to this file")
     p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.add_argument("--region", metavar="X,Y,W,H", help="ask about this rectangle of each frame only: pixels, or "
+                   "fractions of the frame such as 0.5,0,0.5,1 (the right half)")
+    events = p.add_argument_group("events (docs/watch.md)")
+    events.add_argument("--event-on", metavar="FIELD|answer",
+                        help="follow the answer ('answer') or a field of the parsed answer (with --schema): a new "
+                             "value that holds is an event (started, changed or ended)")
+    events.add_argument("--hold", type=int, default=1, metavar="N",
+                        help="ticks a new value must hold before it is an event (default 1)")
+    events.add_argument("--cooldown", type=float, default=0.0, metavar="S",
+                        help="seconds after an event before the next one (default 0)")
+    events.add_argument("--snapshots", metavar="DIR", help="write each event's frame here as a JPEG (oldest "
+                                                           "removed beyond 200 files or 200 MiB)")
+    events.add_argument("--webhook", metavar="URL", help="POST each event as JSON to this http(s) URL")
     p.set_defaults(func=run_watch)
 
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")
