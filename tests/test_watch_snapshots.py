@@ -3,8 +3,10 @@ a full or read-only folder costs the snapshot, never the watch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -67,19 +69,23 @@ def test_bad_folders_and_bounds_are_refused(tmp_path: Path) -> None:
             SnapshotFolder(tmp_path, **kw)  # type: ignore[arg-type]
 
 
-def _mount(where: Path, options: str) -> bool:
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                          capture_output=True).returncode == 0
+@contextlib.contextmanager
+def _tmpfs(tmp_path: Path, options: str, why: str) -> Iterator[Path]:
+    """A tmpfs mounted with ``options`` under ``tmp_path``, unmounted after; the test skips
+    (saying ``why``) where it cannot be mounted."""
+    where = tmp_path / "mount"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip(f"{why} needs root and mount(8)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
 
 
 def test_a_full_folder_is_a_warning_and_leaves_no_partial_file(tmp_path: Path) -> None:
-    where = tmp_path / "small"
-    where.mkdir()
-    if not _mount(where, "size=16k"):
-        pytest.skip("a full tmpfs needs root and mount(8)")
-    try:
+    with _tmpfs(tmp_path, "size=16k", "a full tmpfs") as where:
         folder = SnapshotFolder(where, max_bytes=10**9)
         results = [folder.save(picture(i, 256), time_s=100.0 + i, frame=i) for i in range(4)]
         warnings = [w for _, w in results if w]
@@ -88,17 +94,9 @@ def test_a_full_folder_is_a_warning_and_leaves_no_partial_file(tmp_path: Path) -
         for p in folder.files():  # whatever was written is whole
             with PIL.Image.open(p) as image:
                 image.load()
-    finally:
-        subprocess.run(["umount", str(where)], check=False)
 
 
 def test_a_read_only_folder_is_a_warning(tmp_path: Path) -> None:
-    where = tmp_path / "ro"
-    where.mkdir()
-    if not _mount(where, "size=1m,ro"):
-        pytest.skip("a read-only mount needs root and mount(8)")
-    try:
+    with _tmpfs(tmp_path, "size=1m,ro", "a read-only mount") as where:
         path, warning = SnapshotFolder(where).save(picture(0), time_s=1, frame=1)
         assert path is None and warning is not None and "could not take it" in warning
-    finally:
-        subprocess.run(["umount", str(where)], check=False)

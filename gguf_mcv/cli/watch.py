@@ -8,7 +8,6 @@ import sys
 from typing import TYPE_CHECKING
 
 from .. import progress
-from ..errors import ConfigError
 from ..options import (
     check_max_tokens,
     check_sampling,
@@ -33,7 +32,7 @@ def run_watch(args: argparse.Namespace) -> int:
 
         schema = load_schema(args.schema)
     from ..watch.changes import check_threshold  # lazy: per command
-    from ..watch.events import check_event_rule  # lazy: per command
+    from ..watch.events import check_events  # lazy: per command
     from ..watch.observe import check_every  # lazy: per command
     from ..watch.regions import parse_region  # lazy: per command
     from ..watch.snapshots import SnapshotFolder  # lazy: per command
@@ -41,10 +40,9 @@ def run_watch(args: argparse.Namespace) -> int:
     from ..watch.webhook import WebhookSink  # lazy: per command
 
     check_source(args.source)  # a missing file, a bad URL or number, before minutes of loading
-    if args.event_on is not None:
-        check_event_rule(args.event_on, args.hold, args.cooldown, structured=schema is not None)
-    elif args.hold != 1 or args.cooldown != 0.0 or args.snapshots or args.webhook:
-        raise ConfigError("--hold, --cooldown, --snapshots and --webhook act on events: give --event-on too.")
+    check_events(args.event_on, args.hold, args.cooldown, structured=schema is not None, on_name="--event-on",
+                 shaping={"--hold": args.hold != 1, "--cooldown": args.cooldown != 0.0,
+                          "--snapshots": bool(args.snapshots), "--webhook": bool(args.webhook)})
     snapshots = SnapshotFolder(args.snapshots) if args.snapshots else None
     region = parse_region(args.region) if args.region else None
     check_every(args.every)

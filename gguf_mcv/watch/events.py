@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,19 @@ def check_event_rule(on: Any, hold: Any = 1, cooldown_s: Any = 0.0, *, structure
     if not (math.isfinite(cooldown) and 0 <= cooldown <= MAX_COOLDOWN_S):
         raise ConfigError(f"cooldown_s must be between 0 and {MAX_COOLDOWN_S:g} seconds, not {cooldown_s!r}.")
     return EventRule(on, hold, cooldown)
+
+
+def check_events(on: Any, hold: Any = 1, cooldown_s: Any = 0.0, *, structured: bool = False,
+                 shaping: Mapping[str, bool] | None = None, on_name: str = "event_on") -> EventRule | None:
+    """The rule of a watch's events (:func:`check_event_rule`), or None without ``on``: then a
+    setting that only acts on events (``shaping``: its name, whether it is set) is refused."""
+    if on is None:
+        given = [name for name, is_set in (shaping or {}).items() if is_set]
+        if given:
+            raise ConfigError(f"{', '.join(given)} act on events: give {on_name} too ('answer', or a field of "
+                              "the parsed answer).")
+        return None
+    return check_event_rule(on, hold, cooldown_s, structured=structured)
 
 
 @dataclass(frozen=True)

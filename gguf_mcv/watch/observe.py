@@ -33,7 +33,7 @@ from ..reply import Reply, parsed_as_json
 from ..vision.media import Image
 from ..vision.slicing import MAX_SLICES, slice_grid
 from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, colour_cells
-from .events import Event, EventDetector, EventRule, check_event_rule
+from .events import Event, EventDetector, EventRule, check_events
 from .regions import Region, check_region
 from .snapshots import SnapshotFolder
 from .sources import (
@@ -164,10 +164,9 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     model.sampling.with_overrides(temperature=temperature, seed=seed)  # a bad value, before anything runs
     if schema is not None:
         model.constraint(schema)
-    rule = None if event_on is None else check_event_rule(event_on, hold, cooldown_s, structured=schema is not None)
-    if event_on is None and (hold != 1 or cooldown_s != 0.0 or snapshots is not None):
-        raise ConfigError("hold, cooldown_s and snapshots shape events: give event_on too ('answer', or a field "
-                          "of the parsed answer).")
+    rule = check_events(event_on, hold, cooldown_s, structured=schema is not None,
+                        shaping={"hold": hold != 1, "cooldown_s": cooldown_s != 0.0,
+                                 "snapshots": snapshots is not None})
     folder = snapshots if isinstance(snapshots, SnapshotFolder) or snapshots is None else SnapshotFolder(snapshots)
     zone = check_region(region)
     spec = check_source(source)
