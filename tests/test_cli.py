@@ -492,6 +492,92 @@ def test_watch_sends_its_events_to_a_webhook_and_keeps_their_snapshots(tiny, tmp
         assert Path(body["snapshot"]).is_file()
 
 
+def test_watch_zone_events_reach_the_webhook_and_the_broker_as_the_log_says(tiny, tmp_path: Path) -> None:
+    """The issue's run: two zones of one clip, something appearing in "door" at frame 10. Each
+    zone's events follow its values; the webhook and the broker get exactly the JSONL's events,
+    each once, in order, with snapshots that decode; ticks without a change in a zone encode
+    nothing there. The random weights choose the values, so the events are read from the log;
+    a count of at least 1 is followed, so each zone's first tick starts exactly one event."""
+    import cv2
+    import PIL.Image
+    from mqttbroker import Broker, Subscriber, mosquitto
+    from test_watch_webhook import Receiver
+
+    from gguf_mcv.watch.events import something
+
+    if mosquitto() is None:
+        pytest.skip("no MQTT broker: install Debian's mosquitto (apt-get install mosquitto) to run this test")
+    clip = tmp_path / "door.avi"
+    writer = cv2.VideoWriter(str(clip), cv2.VideoWriter_fourcc(*"MJPG"), 10.0, (640, 240))
+    scene = cv2.resize(np.random.default_rng(5).integers(0, 255, (15, 40, 3), dtype=np.uint8), (640, 240),
+                       interpolation=cv2.INTER_NEAREST)  # the two halves differ: no embedding shared by content
+    for i in range(20):
+        frame = scene.copy()
+        if i >= 10:
+            frame[60:180, 80:240] = 250  # appears in the left half: the door
+        writer.write(frame)
+    writer.release()
+    schema = tmp_path / "count.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 3}}, "required": ["n"]}))
+    broker = Broker(tmp_path).start()
+    receiver = Receiver()
+    sub = Subscriber(broker.port, "door", "homeassistant/#")
+    try:
+        done = run("watch", str(tiny.quants["Q4_K_M"]), str(clip), "--prompt", "How many are there?", "--every", "0.25",
+                   "--max-tokens", "32", "--vision-backend", "llama.cpp", "--schema", str(schema),
+                   "--zone", "door=0,0,0.5,1:Is someone at the door?", "--zone", "wall=320,0,320,240",
+                   "--event-on", "n", "--snapshots", str(tmp_path / "snaps"), "--webhook", receiver.url,
+                   "--mqtt", f"mqtt://127.0.0.1:{broker.port}/door", "--mqtt-discovery",
+                   "--jsonl", str(tmp_path / "log.jsonl"))
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+        events = [line for line in lines if "event" in line]
+        for zone in ("door", "wall"):
+            mine = [line for line in lines if line["zone"] == zone]
+            expected, current = [], None  # hold 1, no cooldown: each new value, "started" from nothing
+            for k, line in enumerate(mine):
+                if line["parsed"] is None:  # cut short: no value this tick
+                    continue
+                value = line["parsed"]["n"]
+                if (current is None and something(value)) or (current is not None and value != current):
+                    expected.append(line["frame"])
+                current = value
+            assert [line["frame"] for line in mine if "event" in line] == expected, zone
+            assert [line["event"]["event"] for line in mine if "event" in line].count("started") == 1
+            frames = [line["frame"] for line in mine]
+            encoded = [line["frame"] for line in mine if line["slices_encoded"]]
+            changed_at = min((f for f in frames if f >= 10), default=None)
+            assert encoded == ([frames[0]] + ([changed_at] if zone == "door" and changed_at is not None else []))
+            published = [json.loads(p) for p in sub.wait_for(f"door/{zone}/event", len(expected))]
+            assert [(b["frame"], b["event"]) for b in published] == [(e["frame"], e["event"]["event"])
+                                                                      for e in events if e["zone"] == zone]
+        assert [(b["zone"], b["frame"], b["event"], b["snapshot"]) for b in receiver.bodies] == [
+            (e["zone"], e["frame"], e["event"]["event"], e["event"]["snapshot"]) for e in events]
+        for e in events:
+            with PIL.Image.open(e["event"]["snapshot"]) as image:
+                assert image.size == (320, 240)
+        for zone in ("door", "wall"):  # a count: a sensor, announced once
+            config = sub.wait_for(f"homeassistant/sensor/gguf_mcv_door_{zone}/config", 1)
+            assert len(config) == 1 and json.loads(config[0])["state_topic"] == f"door/{zone}/state"
+        assert sub.wait_for("door/availability", 2)[-1] == "offline"
+    finally:
+        sub.close()
+        receiver.close()
+        broker.stop()
+
+
+def test_watch_refuses_zone_and_mqtt_mistakes_before_loading(tiny) -> None:
+    for extra, match in ((["--mqtt", "mqtt://127.0.0.1/d"], "give --event-on"),
+                         (["--event-on", "answer", "--mqtt", "mqtt://127.0.0.1"], "needs a topic"),
+                         (["--event-on", "answer", "--mqtt-discovery"], "give --mqtt too"),
+                         (["--zone", "a=0,0,1,1", "--region", "0,0,1,1"], "not both"),
+                         (["--zone", "a=0,0,1,1", "--zone", "a=1,1,2,2"], "must differ"),
+                         (["--zone", "a b=0,0,1,1"], "NAME="), (["--zone", "a=0,0,1"], "--zone needs")):
+        done = run("watch", str(tiny.quants["Q4_K_M"]), "0", "--prompt", "?", *extra)
+        assert done.returncode == 1 and match in done.stderr, (extra, done.stderr)
+
+
 def test_watch_refuses_event_options_without_events_before_loading(tiny, tmp_path: Path) -> None:
     for extra, match in ((["--hold", "3"], "give --event-on"), (["--webhook", "http://x"], "give --event-on"),
                          (["--event-on", "present"], "give schema="),

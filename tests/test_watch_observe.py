@@ -251,6 +251,45 @@ def test_a_region_encodes_only_what_changes_inside_it(model) -> None:
     assert seen[2].slices_encoded >= 1 and seen[2].asked
 
 
+def test_two_zones_encode_and_follow_their_own_changes(model, tmp_path: Path) -> None:
+    """One source, two named zones: each tick answers each zone in order; a change in one zone
+    encodes that zone's slices only; each zone's events are its own, with a snapshot of its crop."""
+    import PIL.Image
+
+    base = _scene(896, 448, seed=31)
+    right = base.copy()
+    right[100:200, 600:700] = 255  # inside "right" only
+    both = right.copy()
+    both[300:400, 100:200] = 0  # then inside "left" too
+    zones = {"left": (0, 0, 448, 448), "right": ((0.5, 0.0, 0.5, 1.0), "Is anything white here?")}
+    seen = _run(model, [base, right, both], zones=zones, detail="high", event_on="answer",
+                snapshots=tmp_path / "snaps")
+    assert [(o.frame_index, o.zone) for o in seen] == [(0, "left"), (0, "right"), (1, "left"), (1, "right"),
+                                                        (2, "left"), (2, "right")]
+    by = {(o.frame_index, o.zone): o for o in seen}
+    assert by[0, "left"].slices_encoded >= 1 and by[0, "right"].slices_encoded >= 1
+    assert by[1, "left"].slices_encoded == 0 and not by[1, "left"].asked and by[1, "left"].event is None
+    assert by[1, "right"].slices_encoded >= 1 and by[1, "right"].asked
+    assert by[2, "right"].slices_encoded == 0 and by[2, "left"].slices_encoded >= 1
+    for o in seen:
+        assert o.to_dict()["zone"] == o.zone
+        if o.event is not None:
+            assert o.event.zone == o.zone and o.event.to_dict()["zone"] == o.zone
+            assert o.event.snapshot is not None and o.event.snapshot.endswith(f"-{o.zone}.jpg")
+            with PIL.Image.open(o.event.snapshot) as image:
+                assert image.size == (448, 448)
+    # the first tick of each zone starts its own event (a non-empty answer is something there)
+    assert by[0, "left"].event is not None and by[0, "right"].event is not None
+
+
+def test_overlapping_zones_each_see_the_change_in_their_common_part(model) -> None:
+    base = _scene(896, 448, seed=32)
+    changed = base.copy()
+    changed[100:200, 400:500] = 255  # in both zones' overlap
+    seen = _run(model, [base, changed], zones={"a": (0, 0, 512, 448), "b": (384, 0, 512, 448)}, detail="high")
+    assert [o.asked and o.slices_encoded >= 1 for o in seen[2:]] == [True, True]
+
+
 def test_a_changing_scene_leaves_one_frame_in_the_embedding_cache(model) -> None:
     cache = model.engine.embed_cache
     held = len(cache)
@@ -314,6 +353,11 @@ def test_a_corrupt_frame_ends_the_watch_with_a_clear_error(model) -> None:
     ({"event_on": "answer", "cooldown_s": -1}, "cooldown_s"), ({"hold": 3}, "give event_on"),
     ({"snapshots": "/tmp/x"}, "give event_on"), ({"event_on": ["answer"]}, "event_on"),
     ({"region": (0, 0, 0, 0)}, "region"), ({"region": "left"}, "region"),
+    ({"zones": {}}, "zones"), ({"zones": [(0, 0, 1, 1)]}, "zones"), ({"zones": {"a b": (0, 0, 1, 1)}}, "zone name"),
+    ({"zones": {"a": (0, 0, 0, 0)}}, "zone a"), ({"zones": {"a": ((0, 0, 1, 1), "")}}, "zone a"),
+    ({"zones": {"a": ((0, 0, 1, 1), 5)}}, "zone a"), ({"zones": {"a": None}}, "zone a"),
+    ({"zones": {f"z{i}": (0, 0, 1, 1) for i in range(17)}}, "at most 16"),
+    ({"zones": {"a": (0, 0, 1, 1)}, "region": (0, 0, 1, 1)}, "not both"),
 ])
 def test_wrong_arguments_are_refused_before_anything_opens(model, change: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

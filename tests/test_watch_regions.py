@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gguf_mcv.errors import ConfigError, SourceError
-from gguf_mcv.watch.regions import Region, check_region, parse_region
+from gguf_mcv.watch.regions import MAX_ZONES, Region, Zone, check_region, check_zones, parse_region, parse_zone
 
 
 def frame(w: int = 640, h: int = 480) -> np.ndarray:
@@ -65,3 +65,33 @@ def test_any_fraction_region_crops_inside_the_frame_or_says_it_is_outside(w: int
     except SourceError:
         return
     assert 0 <= left < right <= w and 0 <= top < bottom <= h
+
+
+def test_zones_keep_their_order_prompts_and_regions() -> None:
+    zones = check_zones({"door": (0, 0, 10, 10), "shelf": ((0.5, 0.0, 0.5, 1.0), "Is it empty?"),
+                         "desk": Zone("ignored", check_region((1, 1, 2, 2)), "Anyone?")})  # type: ignore[arg-type]
+    assert zones is not None
+    assert [(z.name, z.prompt) for z in zones] == [("door", None), ("shelf", "Is it empty?"), ("desk", "Anyone?")]
+    assert zones[1].region == check_region((0.5, 0.0, 0.5, 1.0)) and check_zones(None) is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ({}, "non-empty mapping"), ([("a", (0, 0, 1, 1))], "mapping"), ({"": (0, 0, 1, 1)}, "zone name"),
+    ({"-a": (0, 0, 1, 1)}, "zone name"), ({"a/b": (0, 0, 1, 1)}, "zone name"), ({"x" * 33: (0, 0, 1, 1)}, "zone name"),
+    ({3: (0, 0, 1, 1)}, "zone name"), ({"a": (0, 0, 1)}, "zone a: region"), ({"a": ((0, 0, 1, 1), " ")}, "prompt"),
+    ({"a": None}, "zone a needs a region"), ({f"z{i}": (0, 0, 1, 1) for i in range(MAX_ZONES + 1)}, "at most"),
+])
+def test_bad_zones_are_refused(value: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_zones(value)
+
+
+def test_the_command_lines_zone() -> None:
+    assert parse_zone("door=0,0,0.5,1:Is the door open?") == ("door", (check_region((0.0, 0.0, 0.5, 1.0)),
+                                                                      "Is the door open?"))
+    assert parse_zone("shelf=10,20,30,40") == ("shelf", (check_region((10, 20, 30, 40)), None))
+    assert parse_zone("a=0,0,1,1:What: this?")[1][1] == "What: this?"  # only the first ':' splits
+    for bad, match in (("door", "NAME="), ("a b=0,0,1,1", "NAME="), ("a=0,0,1", "--zone needs x,y,w,h"),
+                       ("a=0,0,1,1:", "empty"), ("a=x,0,1,1", "four numbers")):
+        with pytest.raises(ConfigError, match=match):
+            parse_zone(bad)

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.add_argument("--region", metavar="X,Y,W,H", help="ask about this rectangle of each frame only: pixels, or "
                    "fractions of the frame such as 0.5,0,0.5,1 (the right half)")
+    p.add_argument("--zone", action="append", metavar="NAME=X,Y,W,H[:QUESTION]",
+                   help="a named region with its own question (default --prompt) and events; repeat for several "
+                        "zones of one source (not with --region)")
     events = p.add_argument_group("events (docs/watch.md)")
     events.add_argument("--event-on", metavar="FIELD|answer",
                         help="follow the answer ('answer') or a field of the parsed answer (with --schema): a new "
@@ -187,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--snapshots", metavar="DIR", help="write each event's frame here as a JPEG (oldest "
                                                            "removed beyond 200 files or 200 MiB)")
     events.add_argument("--webhook", metavar="URL", help="POST each event as JSON to this http(s) URL")
+    events.add_argument("--mqtt", metavar="mqtt://HOST[:PORT]/TOPIC",
+                        help="publish each event on TOPIC/event and the value, retained, on TOPIC/state "
+                             "(TOPIC/ZONE/... for zones); mqtts:// for TLS")
+    events.add_argument("--mqtt-discovery", nargs="?", const="homeassistant", metavar="PREFIX",
+                        help="announce each value to Home Assistant's MQTT discovery (prefix default homeassistant)")
     p.set_defaults(func=run_watch)
 
     p = sub.add_parser("selftest", help="check the install offline with a tiny generated model")

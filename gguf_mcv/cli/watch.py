@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .. import progress
+from ..errors import ConfigError
 from ..options import (
     check_max_tokens,
     check_sampling,
@@ -17,7 +18,9 @@ from .loading import checked_load_kwargs, load_model
 from .watch_status import describe_tick
 
 if TYPE_CHECKING:
-    from ..watch.webhook import SinkCounts
+    from collections.abc import Sequence
+
+    from ..watch.sink_queue import QueuedSink
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -33,8 +36,9 @@ def run_watch(args: argparse.Namespace) -> int:
         schema = load_schema(args.schema)
     from ..watch.changes import check_threshold  # lazy: per command
     from ..watch.events import check_events  # lazy: per command
+    from ..watch.mqtt import MqttSink  # lazy: per command
     from ..watch.observe import check_every  # lazy: per command
-    from ..watch.regions import parse_region  # lazy: per command
+    from ..watch.regions import check_zones, parse_region, parse_zone  # lazy: per command
     from ..watch.snapshots import SnapshotFolder  # lazy: per command
     from ..watch.sources import check_give_up  # lazy: per command
     from ..watch.webhook import WebhookSink  # lazy: per command
@@ -42,9 +46,21 @@ def run_watch(args: argparse.Namespace) -> int:
     check_source(args.source)  # a missing file, a bad URL or number, before minutes of loading
     check_events(args.event_on, args.hold, args.cooldown, structured=schema is not None, on_name="--event-on",
                  shaping={"--hold": args.hold != 1, "--cooldown": args.cooldown != 0.0,
-                          "--snapshots": bool(args.snapshots), "--webhook": bool(args.webhook)})
+                          "--snapshots": bool(args.snapshots), "--webhook": bool(args.webhook),
+                          "--mqtt": bool(args.mqtt)})
+    if args.mqtt_discovery is not None and not args.mqtt:
+        raise ConfigError("--mqtt-discovery announces what --mqtt publishes: give --mqtt too.")
+    if args.zone and args.region:
+        raise ConfigError("give --region or --zone, not both: a zone is a named region with its own question.")
     snapshots = SnapshotFolder(args.snapshots) if args.snapshots else None
     region = parse_region(args.region) if args.region else None
+    zones = None
+    if args.zone:
+        named = [parse_zone(text) for text in args.zone]
+        if len({name for name, _ in named}) < len(named):
+            raise ConfigError(f"--zone names must differ: {', '.join(name for name, _ in named)}.")
+        zones = dict(named)
+        check_zones(zones)
     check_every(args.every)
     check_give_up(args.give_up)
     if args.threshold is not None:
@@ -56,7 +72,17 @@ def run_watch(args: argparse.Namespace) -> int:
     out = LinesFile(args.jsonl).open() if args.jsonl else None  # a FIFO or a JPEG refused before loading
     if out is not None and out.repaired_bytes:
         print(f"{args.jsonl}: cut a torn last line ({out.repaired_bytes} bytes)", file=sys.stderr)
-    webhook = WebhookSink(args.webhook) if args.webhook else None  # a bad URL, before loading
+    sinks: list[WebhookSink | MqttSink] = []
+    try:  # a bad URL, before loading
+        if args.webhook:
+            sinks.append(WebhookSink(args.webhook))
+        if args.mqtt:
+            sinks.append(MqttSink(args.mqtt, discovery=args.mqtt_discovery))
+    except BaseException:
+        _close_sinks(sinks)
+        if out is not None:
+            out.close()
+        raise
     lines = 0
     try:
         with load_model(args) as model:
@@ -65,7 +91,7 @@ def run_watch(args: argparse.Namespace) -> int:
                              threshold=DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
                              detail=args.detail, max_tokens=args.max_tokens, temperature=args.temperature,
                              seed=args.seed, give_up_s=args.give_up, event_on=args.event_on, hold=args.hold,
-                             cooldown_s=args.cooldown, snapshots=snapshots, region=region)
+                             cooldown_s=args.cooldown, snapshots=snapshots, region=region, zones=zones)
             status = progress.status_line(False if args.quiet else None)  # after loading: its bars come first
             try:
                 for seen in watching:
@@ -74,8 +100,10 @@ def run_watch(args: argparse.Namespace) -> int:
                         out.write(line)  # first: every line printed is in the file
                     with status.external_write_mode():
                         print(line, flush=True)
-                    if webhook is not None and seen.event is not None:
-                        webhook.send(seen.event.to_dict())
+                    if seen.event is not None:
+                        event = seen.event.to_dict()
+                        for sink in sinks:
+                            sink.send(event)
                     lines += 1
                     status.set_description_str(describe_tick(seen, lines))
             except KeyboardInterrupt:
@@ -88,13 +116,14 @@ def run_watch(args: argparse.Namespace) -> int:
     finally:
         if out is not None:
             out.close()
-        if webhook is not None:
-            _report_sink("webhook", webhook.close())
+        _close_sinks(sinks)
     return 0
 
 
-def _report_sink(name: str, counts: "SinkCounts") -> None:
-    """One stderr line when a sink lost events (dropped from its full queue, or given up)."""
-    if counts.dropped or counts.failed:
-        print(f"{name}: {counts.sent} event(s) sent, {counts.dropped} dropped (queue full or unsent at the end), "
-              f"{counts.failed} given up ({counts.last_error})", file=sys.stderr)
+def _close_sinks(sinks: "Sequence[QueuedSink]") -> None:
+    """Deliver what each sink holds (10 s at most), then one stderr line for a sink that lost events."""
+    for sink in sinks:
+        counts = sink.close()
+        if counts.dropped or counts.failed:
+            print(f"{sink.name}: {counts.sent} event(s) sent, {counts.dropped} dropped (queue full or unsent at the "
+                  f"end), {counts.failed} given up ({counts.last_error})", file=sys.stderr)

@@ -34,7 +34,7 @@ from ..vision.media import Image
 from ..vision.slicing import MAX_SLICES, slice_grid
 from .changes import DEFAULT_THRESHOLD, ChangeTracker, check_threshold, colour_cells
 from .events import Event, EventDetector, EventRule, check_events
-from .regions import Region, check_region
+from .regions import Region, check_region, check_zones
 from .snapshots import SnapshotFolder
 from .sources import (
     DEFAULT_GIVE_UP_S,
@@ -48,6 +48,8 @@ from .sources import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..model import Model
 
 #: Longest ``every_s`` accepted (a day): a longer wait looks like a hang.
@@ -72,7 +74,8 @@ class Observation:
     the previous answer took longer than ``every_s``; ``reconnects``: times the source dropped
     and was reopened so far. ``event``: the :class:`~gguf_mcv.watch.events.Event` this tick
     completed, under ``event_on=`` (None otherwise); ``event_warning``: why this tick's value
-    could not be read (a field missing from the parsed answer).
+    could not be read (a field missing from the parsed answer). ``zone``: the name of the zone
+    asked about, under ``zones=`` (None otherwise).
     """
 
     time: float  #: when the frame was read (``time.time()``)
@@ -89,6 +92,7 @@ class Observation:
     reconnects: int
     event: Event | None = None
     event_warning: str | None = None
+    zone: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The observation as JSON data (one line of ``gguf-mcv watch``): with ``event`` (its kind,
@@ -98,6 +102,8 @@ class Observation:
                "asked": self.asked, "answer": str(self.answer), "parsed": parsed_as_json(self.parsed),
                "latency_s": round(self.latency_s, 3), "frames_skipped": self.frames_skipped,
                "ticks_skipped": self.ticks_skipped, "reconnects": self.reconnects}
+        if self.zone is not None:
+            out = {"zone": self.zone, **out}
         if self.event is not None:
             e = self.event.to_dict()
             out["event"] = {k: e[k] for k in ("event", "on", "before", "after", "snapshot", "warning")}
@@ -113,7 +119,8 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
           system: str | None = None, give_up_s: float = DEFAULT_GIVE_UP_S, event_on: str | None = None,
           hold: int = 1, cooldown_s: float = 0.0,
           snapshots: str | os.PathLike | SnapshotFolder | None = None,
-          region: tuple[float, float, float, float] | Region | None = None) -> "Watch":
+          region: tuple[float, float, float, float] | Region | None = None,
+          zones: "Mapping[str, Any] | None" = None) -> "Watch":
     """Ask ``prompt`` about ``source`` every ``every_s`` seconds; a :class:`Watch`, an iterator of
     :class:`Observation` that any thread may stop.
 
@@ -142,6 +149,11 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
     ``region`` (``x, y, w, h``: ints in pixels, or floats in [0, 1] as fractions of the frame;
     :mod:`gguf_mcv.watch.regions`) asks about that rectangle of each frame only: only it is
     compared, encoded and written as a snapshot, so a change outside it costs nothing.
+    ``zones`` names several regions of one source, each asked its own question: a mapping of
+    name to a region, or to ``(region, prompt)`` (``prompt`` is asked where a zone has none).
+    Every tick then yields one observation per zone, in the mapping's order, with its name in
+    ``observation.zone``; each zone keeps its own slice embeddings, changes and events, so a
+    change in one zone encodes only that zone's slices.
 
     Arguments are checked here, before anything is opened (:class:`ConfigError`,
     :class:`~gguf_mcv.errors.SourceError` for a missing file).
@@ -168,14 +180,23 @@ def watch(model: "Model", source: SourceInput, prompt: str, *, every_s: float = 
                         shaping={"hold": hold != 1, "cooldown_s": cooldown_s != 0.0,
                                  "snapshots": snapshots is not None})
     folder = snapshots if isinstance(snapshots, SnapshotFolder) or snapshots is None else SnapshotFolder(snapshots)
-    zone = check_region(region)
+    named = check_zones(zones)
+    if named is not None and region is not None:
+        raise ConfigError("give region= or zones=, not both: a zone is a named region with its own question.")
+    for z in named or []:
+        if z.prompt is not None:
+            check_text(f"zone {z.name}'s prompt", z.prompt)
+    areas: list[tuple[str | None, Region | None, str]] = (
+        [(z.name, z.region, z.prompt or prompt) for z in named] if named is not None
+        else [(None, check_region(region), prompt)])
+    threshold = check_threshold(threshold)
     spec = check_source(source)
-    run = _Watch(model, prompt, options, ChangeTracker(check_threshold(threshold)), detail=detail,
-                 max_slices=max_slices, answer_unchanged=answer_unchanged, events=rule, snapshots=folder,
-                 region=zone)
+    runs = [_Watch(model, asked, options, ChangeTracker(threshold), detail=detail, max_slices=max_slices,
+                   answer_unchanged=answer_unchanged, events=rule, snapshots=folder, region=area, zone=name)
+            for name, area, asked in areas]
     stop = threading.Event()
-    return Watch(run.observations(spec, every_s=every_s, only_changes=only_changes,
-                                  give_up_s=check_give_up(give_up_s), stop=stop), stop)
+    return Watch(_observations(runs, spec, every_s=every_s, only_changes=only_changes,
+                               give_up_s=check_give_up(give_up_s), stop=stop), stop)
 
 
 def check_every(value: Any) -> float:
@@ -228,14 +249,53 @@ class Watch(Iterator[Observation]):
         self.close()
 
 
+def _observations(runs: "list[_Watch]", spec: Any, *, every_s: float, only_changes: bool, give_up_s: float,
+                  stop: threading.Event) -> Generator[Observation, None, None]:
+    """The watch's loop: one frame a tick from the source, asked about in each zone in turn."""
+    if stop.is_set():
+        return
+    frames: FrameSource = start_source(spec, give_up_s=give_up_s)
+    try:
+        start = time.monotonic()
+        served = 0  # the tick number last served
+        after, skipped_ticks = -1, 0
+        shown: list[Any] = [_NOTHING] * len(runs)
+        while not stop.is_set():
+            grab = frames.newest(after, timeout=give_up_s + NETWORK_TIMEOUT_S, stop=stop)
+            if grab is None:
+                return
+            skipped_frames = grab.index - after - 1
+            after = grab.index
+            for i, run in enumerate(runs):
+                if stop.is_set():
+                    return
+                seen = run.observe(grab, frames_skipped=skipped_frames, ticks_skipped=skipped_ticks,
+                                   reconnects=frames.reconnects)
+                key = _answer_key(seen.answer, run.options["schema"] is not None)
+                if not only_changes or key != shown[i] or seen.event is not None:
+                    shown[i] = key
+                    yield seen
+            # the next tick: the first one still ahead; those passed meanwhile are skipped
+            now = time.monotonic()
+            upcoming = max(served + 1, math.floor((now - start) / every_s) + 1)
+            skipped_ticks = upcoming - served - 1
+            served = upcoming
+            stop.wait(max(0.0, start + upcoming * every_s - time.monotonic()))
+    finally:
+        frames.close()
+
+
 class _Watch:
-    """One watch's state: what each box was last encoded from, and its embeddings."""
+    """One zone's state (the whole frame's, without zones): what each box was last encoded from,
+    its embeddings, and its events."""
 
     def __init__(self, model: "Model", prompt: str, options: dict[str, Any], tracker: ChangeTracker, *,
                  detail: str, max_slices: int | None, answer_unchanged: bool, events: EventRule | None = None,
-                 snapshots: SnapshotFolder | None = None, region: Region | None = None) -> None:
+                 snapshots: SnapshotFolder | None = None, region: Region | None = None,
+                 zone: str | None = None) -> None:
         self.model = model
         self.region = region
+        self.zone = zone
         self.rule = events
         self.detector = None if events is None else EventDetector(events)
         self.snapshots = snapshots
@@ -250,43 +310,16 @@ class _Watch:
         self.reference: Image | None = None  # the image last asked about
         self.last: Reply | None = None
 
-    def observations(self, spec: Any, *, every_s: float, only_changes: bool, give_up_s: float,
-                     stop: threading.Event) -> Generator[Observation, None, None]:
-        if stop.is_set():
-            return
-        frames: FrameSource = start_source(spec, give_up_s=give_up_s)
-        try:
-            start = time.monotonic()
-            served = 0  # the tick number last served
-            after, skipped_ticks = -1, 0
-            shown: Any = _NOTHING
-            while not stop.is_set():
-                grab = frames.newest(after, timeout=give_up_s + NETWORK_TIMEOUT_S, stop=stop)
-                if grab is None:
-                    return
-                skipped_frames = grab.index - after - 1
-                after = grab.index
-                rgb = grab.rgb if self.region is None else self.region.crop(grab.rgb)
-                changed, encoded, reused, asked = self._answer(rgb)
-                assert self.last is not None
-                seen = Observation(time=grab.time, frame_index=grab.index, changed=changed, slices_encoded=encoded,
-                                   slices_reused=reused, answer=self.last, parsed=self.last.parsed, asked=asked,
-                                   latency_s=max(0.0, time.time() - grab.time), frames_skipped=skipped_frames,
-                                   ticks_skipped=skipped_ticks, reconnects=frames.reconnects)
-                if self.detector is not None:
-                    seen = self._event(seen, rgb)
-                key = _answer_key(self.last, self.options["schema"] is not None)
-                if not only_changes or key != shown or seen.event is not None:
-                    shown = key
-                    yield seen
-                # the next tick: the first one still ahead; those passed meanwhile are skipped
-                now = time.monotonic()
-                upcoming = max(served + 1, math.floor((now - start) / every_s) + 1)
-                skipped_ticks = upcoming - served - 1
-                served = upcoming
-                stop.wait(max(0.0, start + upcoming * every_s - time.monotonic()))
-        finally:
-            frames.close()
+    def observe(self, grab: Any, *, frames_skipped: int, ticks_skipped: int, reconnects: int) -> Observation:
+        """Answer about this zone of one frame (the whole frame without a region)."""
+        rgb = grab.rgb if self.region is None else self.region.crop(grab.rgb)
+        changed, encoded, reused, asked = self._answer(rgb)
+        assert self.last is not None
+        seen = Observation(time=grab.time, frame_index=grab.index, changed=changed, slices_encoded=encoded,
+                           slices_reused=reused, answer=self.last, parsed=self.last.parsed, asked=asked,
+                           latency_s=max(0.0, time.time() - grab.time), frames_skipped=frames_skipped,
+                           ticks_skipped=ticks_skipped, reconnects=reconnects, zone=self.zone)
+        return seen if self.detector is None else self._event(seen, rgb)
 
     def _event(self, seen: Observation, rgb: np.ndarray) -> Observation:
         """``seen`` with the event it completes (and its snapshot), or the reason its value could not be read."""
@@ -296,8 +329,9 @@ class _Watch:
             return replace(seen, event_warning=self.detector.warning) if self.detector.warning else seen
         kind, before, after = change
         path, warning = (None, None) if self.snapshots is None else self.snapshots.save(
-            rgb, time_s=seen.time, frame=seen.frame_index)
-        return replace(seen, event=Event(kind, before, after, seen, on=self.rule.on, snapshot=path, warning=warning))
+            rgb, time_s=seen.time, frame=seen.frame_index, zone=self.zone)
+        return replace(seen, event=Event(kind, before, after, seen, on=self.rule.on, zone=self.zone, snapshot=path,
+                                         warning=warning))
 
     def _answer(self, rgb: np.ndarray) -> tuple[float, int, int, bool]:
         """Answer about one frame: (fraction changed, slices encoded, slices reused, model asked)."""

@@ -5,11 +5,17 @@ as fractions of the frame.
 fractions of the frame's width and height (``(0.5, 0.0, 0.5, 1.0)``: the right half, whatever the
 camera's resolution). A region reaching past the frame is cut at its edges; one with nothing
 inside the frame is a :class:`~gguf_mcv.errors.SourceError` at the first frame.
+
+A :class:`Zone` is a named region with a question of its own: a watch with several zones asks
+each of them about the same frame, each compared, encoded and followed for events on its own.
+Zones may overlap; each keeps its own slice embeddings.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,10 @@ from ..errors import ConfigError, SourceError
 
 #: Largest pixel coordinate or size accepted (far beyond any camera; keeps arithmetic small).
 MAX_PIXELS = 1 << 20
+#: Most zones on one watch: each one is a question at every tick.
+MAX_ZONES = 16
+#: A zone's name: what file names, MQTT topics and JSON keys can all carry.
+ZONE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 
 
 @dataclass(frozen=True)
@@ -82,18 +92,74 @@ def check_region(value: Any) -> Region | None:
     return Region(floats[0], floats[1], floats[2], floats[3], fractions=True)
 
 
-def parse_region(text: str) -> Region:
+def parse_region(text: str, *, flag: str = "--region") -> Region:
     """``x,y,w,h`` from the command line: ints are pixels, numbers with a point fractions."""
     pieces = [p.strip() for p in str(text).split(",")]
     if len(pieces) != 4:
-        raise ConfigError(f"--region must be x,y,w,h (pixels, or fractions such as 0.5,0,0.5,1), not {text!r}.")
+        raise ConfigError(f"{flag} needs x,y,w,h (pixels, or fractions such as 0.5,0,0.5,1), not {_shown(text)}.")
     try:
         numbers = [float(p) if any(c in p for c in ".eE") else int(p) for p in pieces]
     except ValueError:
-        raise ConfigError(f"--region must be four numbers x,y,w,h, not {text!r}.") from None
+        raise ConfigError(f"{flag} needs four numbers x,y,w,h, not {_shown(text)}.") from None
     region = check_region(numbers)
     assert region is not None
     return region
+
+
+@dataclass(frozen=True)
+class Zone:
+    """A named :class:`Region` of the frame, asked its own ``prompt`` (None: the watch's)."""
+
+    name: str
+    region: Region
+    prompt: str | None = None
+
+
+def check_zones(value: Any) -> list[Zone] | None:
+    """``zones`` (None, or a mapping of name to a region, to ``(region, prompt)`` or to a
+    :class:`Zone`) as a list of zones in the mapping's order; ConfigError saying what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(f"zones must be a non-empty mapping of name to region (x, y, w, h) or to (region, "
+                          f"prompt), not {_shown(value)}.")
+    if len(value) > MAX_ZONES:
+        raise ConfigError(f"zones: {len(value)} given, at most {MAX_ZONES} (each is a question at every tick).")
+    zones = []
+    for name, spec in value.items():
+        if not isinstance(name, str) or not ZONE_NAME.fullmatch(name):
+            raise ConfigError(f"zone name {_shown(name)}: use 1 to 32 letters, digits, '_' or '-', starting with a "
+                              "letter or digit.")
+        prompt = None
+        if isinstance(spec, Zone):
+            region, prompt = spec.region, spec.prompt
+        elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+            region, prompt = spec
+        else:
+            region = spec
+        if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+            raise ConfigError(f"zone {name}: its prompt must be a non-empty string, not {_shown(prompt)}.")
+        try:
+            checked = check_region(region)
+        except ConfigError as exc:
+            raise ConfigError(f"zone {name}: {exc}") from None
+        if checked is None:
+            raise ConfigError(f"zone {name} needs a region (x, y, w, h).")
+        zones.append(Zone(name, checked, prompt))
+    return zones
+
+
+def parse_zone(text: str) -> tuple[str, tuple[Region, str | None]]:
+    """``NAME=x,y,w,h[:QUESTION]`` from the command line: the zone's name and (region, question)."""
+    name, sep, rest = str(text).partition("=")
+    if not sep or not ZONE_NAME.fullmatch(name.strip()):
+        raise ConfigError(f"--zone must be NAME=x,y,w,h[:QUESTION] (NAME: letters, digits, '_' or '-'), "
+                          f"not {_shown(text)}.")
+    box, colon, question = rest.partition(":")
+    if colon and not question.strip():
+        raise ConfigError(f"--zone {name}: the question after ':' is empty; leave out ':' to ask --prompt.")
+    region = parse_region(box, flag="--zone")
+    return name.strip(), (region, question.strip() or None)
 
 
 def _shown(value: Any) -> str:

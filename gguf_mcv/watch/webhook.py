@@ -1,8 +1,8 @@
 """The webhook sink: each event POSTed as JSON to a URL, from a thread of its own.
 
 :meth:`WebhookSink.send` only puts the event in a bounded queue and returns: a tick never waits
-for the receiver. When the queue is full the oldest event waiting goes, and is counted
-(``dropped``). A POST that fails (no connection, a timeout, a 5xx or 429 answer) is tried again
+for the receiver (:mod:`.sink_queue`: the oldest event goes when it is full, counted). A POST
+that fails (no connection, a timeout, a 5xx or 429 answer) is tried again
 after a backoff that doubles up to :data:`MAX_BACKOFF_S`, ``retries`` times, then given up and
 counted (``failed``); another 4xx is given up at once. No redirect is followed (a 3xx is a
 failure: an event is never sent to a host the user did not name). User info in the URL is sent
@@ -12,25 +12,23 @@ as HTTP basic authentication and, like query values, masked wherever the URL is 
 from __future__ import annotations
 
 import base64
-import collections
 import http.client
 import json
 import logging
 import socket
-import threading
-import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
 from ..options import check_int
+from .sink_queue import DEFAULT_QUEUE, QueuedSink, SinkCounts
 from .sources import redact
+
+__all__ = ["SinkCounts", "WebhookSink"]
 
 log = logging.getLogger("gguf_mcv.watch")
 
-#: Events kept waiting by default (the oldest go first when more come).
-DEFAULT_QUEUE = 256
 #: Seconds a POST may take.
 DEFAULT_TIMEOUT_S = 10.0
 #: Tries after the first before an event is given up.
@@ -41,85 +39,28 @@ MAX_BACKOFF_S = 30.0
 MAX_ANSWER_BYTES = 64 * 1024
 
 
-@dataclass
-class SinkCounts:
-    """What a sink did with the events it was given."""
-
-    sent: int = 0
-    dropped: int = 0  #: pushed out of a full queue before they were sent
-    failed: int = 0  #: given up after their tries
-    last_error: str | None = None
-
-
-class WebhookSink:
+class WebhookSink(QueuedSink):
     """POST each event to ``url`` (``http`` or ``https``); see the module's doc."""
+
+    name = "webhook"
 
     def __init__(self, url: str, *, queue_size: int = DEFAULT_QUEUE, timeout_s: float = DEFAULT_TIMEOUT_S,
                  retries: int = DEFAULT_RETRIES, first_backoff_s: float = FIRST_BACKOFF_S) -> None:
         self.target = _checked_url(url)
         self.shown = redact(url)
-        self.queue_size = check_int("webhook queue_size", queue_size, low=1, high=10**6)
         self.retries = check_int("webhook retries", retries, low=0, high=100)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and 0 < timeout_s <= 600):
             raise ConfigError(f"webhook timeout_s must be a number of seconds in (0, 600], not {timeout_s!r}.")
         self.timeout_s = float(timeout_s)
         self.first_backoff_s = float(first_backoff_s)
-        self.counts = SinkCounts()
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._lock = threading.Condition()
-        self._closing = False
-        self._busy = False
-        self._thread = threading.Thread(target=self._run, name="gguf_mcv-webhook", daemon=True)
-        self._thread.start()
+        super().__init__(queue_size=queue_size)
+        self._start()
 
-    def send(self, event: dict[str, Any]) -> None:
-        """Queue ``event`` (JSON data) to be POSTed; returns at once."""
+    def _stop_grace_s(self) -> float:
+        return self.timeout_s
+
+    def _deliver(self, event: dict[str, Any]) -> None:
         body = json.dumps(event, ensure_ascii=False, default=str).encode()
-        with self._lock:
-            if self._closing:
-                return
-            if len(self._queue) >= self.queue_size:
-                self._queue.popleft()
-                self.counts.dropped += 1
-            self._queue.append(body)
-            self._lock.notify()
-
-    def pending(self) -> int:
-        """Events queued or being sent."""
-        with self._lock:
-            return len(self._queue) + (1 if self._busy else 0)
-
-    def close(self, timeout_s: float = 10.0) -> SinkCounts:
-        """Send what is queued for up to ``timeout_s`` seconds, then stop; what was left is dropped
-        and counted. The counts."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while (self._queue or self._busy) and time.monotonic() < deadline:
-                self._lock.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            self._closing = True
-            self.counts.dropped += len(self._queue)
-            self._queue.clear()
-            self._lock.notify_all()
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + self.timeout_s)
-        return self.counts
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if self._closing:
-                    return
-                body = self._queue.popleft()
-                self._busy = True
-            try:
-                self._deliver(body)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._lock.notify_all()
-
-    def _deliver(self, body: bytes) -> None:
         backoff = self.first_backoff_s
         for attempt in range(self.retries + 1):
             error, again = self._post(body)
@@ -129,9 +70,8 @@ class WebhookSink:
             self.counts.last_error = error
             if not again or attempt == self.retries:
                 break
-            with self._lock:  # close() ends the wait
-                if self._lock.wait_for(lambda: self._closing, timeout=backoff):
-                    break
+            if self._wait_closing(backoff):
+                break
             backoff = min(MAX_BACKOFF_S, backoff * 2)
         self.counts.failed += 1
         log.warning("webhook %s: an event was given up (%s)", self.shown, self.counts.last_error)
