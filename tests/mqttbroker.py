@@ -5,8 +5,8 @@ persistence) and ``start()`` runs ``mosquitto -c`` in a child process; ``stop()`
 broker goes away), ``start()`` again serves on the same port (it comes back). ``mosquitto()``
 is the executable's path, or None where it is not installed (the tests then skip, saying why).
 
-``Subscriber(port, topic)`` collects every message under ``topic/#`` (with its retain flag) on a
-paho client of its own.
+``Subscriber(port, topic)`` collects every message under ``topic/#`` (with its retain flag, and
+when it arrived) on a paho client of its own.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Subscriber:
 
     def __init__(self, port: int, topic: str, *extra: str) -> None:
         self.messages: list[tuple[str, str, bool]] = []
+        self.arrived: list[float] = []  #: when each message arrived (time.time())
         self._arrived = threading.Condition()
         self._ready = threading.Event()
         self._filters = [f"{topic}/#", *extra]
@@ -94,6 +95,7 @@ class Subscriber:
     def _on_message(self, client, userdata, message) -> None:
         with self._arrived:
             self.messages.append((message.topic, message.payload.decode(), bool(message.retain)))
+            self.arrived.append(time.time())
             self._arrived.notify_all()
 
     def on(self, topic: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ class Receiver:
 
     def __init__(self, answer: Callable[[int], Any] = lambda n: 200) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.arrived: list[float] = []  #: when each accepted body arrived (time.time())
         self.headers: list[dict[str, str]] = []
         self.answer = answer
         self.release = threading.Event()
@@ -41,6 +43,7 @@ class Receiver:
                     return
                 if what == 200:
                     receiver.bodies.append(json.loads(body))
+                    receiver.arrived.append(time.time())
                 self.send_response(what)
                 self.send_header("Content-Length", "0")
                 self.end_headers()

@@ -13,6 +13,11 @@ vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``d
   steadier measure of the work a tick does.
 * **zone**: a tick after a change everywhere with a quarter-frame ``region`` (the top left) against
   the whole frame, taking turns (``--rounds`` each);
+* **events**: ``--event-ticks`` watches of one new scene each, following a count of at least 1
+  (so each first tick starts an event whatever the random weights answer), the event sent to a
+  webhook receiver and to a mosquitto broker on 127.0.0.1: the time from the frame's reading
+  (the change in the picture) to the event's arrival at each, split into the tick (frame to
+  observation) and the delivery (observation to arrival);
 * **static**: noisy frames of an unchanged scene; the default (no model call) and
   ``answer_unchanged=True`` (prefill served by the KV cache, 4 tokens). Target: ≤ 50 ms a tick.
 * **lag**: a 10 fps MJPEG-over-HTTP stream served on 127.0.0.1 (a static scene with an object
@@ -31,6 +36,7 @@ vision shape, Qwen2-0.5B-size text model) and a 1280×720 synthetic scene at ``d
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -105,6 +111,76 @@ def zone_vs_frame(model, rounds: int) -> dict:
     print(f"  quarter-frame region / whole frame, tick after a change: {ratio['median']:.3f}× "
           f"(range {ratio['min']:.3f}–{ratio['max']:.3f})", flush=True)
     return {"ticks_s": samples, "ratio": ratio}
+
+
+def events(model, n: int) -> dict:
+    """Change to arrival: ``n`` new scenes, each answer an event, sent to a webhook receiver and a
+    mosquitto broker (the test suite's, tests/test_watch_webhook.py and tests/mqttbroker.py)."""
+    import itertools
+    import tempfile
+
+    import gguf_mcv
+    from gguf_mcv.watch import MqttSink, WebhookSink
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from mqttbroker import Broker, Subscriber, mosquitto
+    from test_watch_webhook import Receiver
+
+    if mosquitto() is None:
+        print("  events: no mosquitto (apt-get install mosquitto): the broker is left out", flush=True)
+    seeds = itertools.count(500)  # every scene new: nothing comes from the embedding cache
+    with tempfile.TemporaryDirectory() as folder:
+        broker = Broker(Path(folder)).start() if mosquitto() else None
+        receiver = Receiver()
+        sub = Subscriber(broker.port, "bench") if broker else None
+        hook = WebhookSink(receiver.url)
+        mqtt = MqttSink(f"mqtt://127.0.0.1:{broker.port}/bench") if broker else None
+        sinks = [s for s in (hook, mqtt) if s is not None]
+        seen = []
+        count = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}},
+                 "required": ["n"]}
+        try:
+            for _ in range(n):  # a watch's first value, a count of at least 1, is a started event
+                for o in gguf_mcv.watch(model, [scene(next(seeds))], "How many things are there?", every_s=0.001,
+                                        max_tokens=16, detail="high", schema=count, event_on="n"):
+                    if o.event is not None:
+                        for sink in sinks:
+                            sink.send(o.event.to_dict())
+                        seen.append((o, time.time()))
+                        print(f"  event {len(seen)}: tick {o.latency_s:.2f} s", flush=True)
+            for sink in sinks:
+                sink.close(timeout_s=60)
+        finally:
+            receiver.close()
+            if sub is not None:
+                sub.close()
+            if broker is not None:
+                broker.stop()
+    at = {round(o.time, 3): (o, yielded) for o, yielded in seen}  # the event's "time" names its frame
+
+    def arrivals(times_and_arrivals) -> dict:
+        change, delivery = [], []
+        for frame_time, arrived in times_and_arrivals:
+            o, yielded = at[frame_time]
+            change.append(arrived - o.time)
+            delivery.append(arrived - yielded)
+        return {"events": len(change), "change_to_arrival_s": stats.summary(change),
+                "delivery_s": stats.summary(delivery)}
+
+    out = {"events": len(seen), "tick_s": stats.summary([o.latency_s for o, _ in seen]),
+           "webhook": arrivals((b["time"], t) for b, t in zip(receiver.bodies, receiver.arrived, strict=True))}
+    if sub is not None:
+        out["mqtt"] = arrivals((json.loads(payload)["time"], t)
+                               for (topic, payload, _), t in zip(sub.messages, sub.arrived, strict=True)
+                               if topic == "bench/event")
+    for name in ("webhook", "mqtt"):
+        if name in out:
+            r = out[name]
+            change, delivery = r["change_to_arrival_s"]["median"], r["delivery_s"]["median"]
+            if change is not None:
+                print(f"  {name}: {r['events']} events, change to arrival median {change:.3f} s, delivery median "
+                      f"{delivery * 1000:.1f} ms", flush=True)
+    return out
 
 
 def full_vs_slice(model, rounds: int) -> dict:
@@ -254,13 +330,14 @@ def main() -> int:
     parser.add_argument("--vision-backend", default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="full / one-slice pairs timed")
     parser.add_argument("--static-ticks", type=int, default=50)
+    parser.add_argument("--event-ticks", type=int, default=8, help="events: new scenes watched")
     parser.add_argument("--lag-ticks", type=int, default=5, help="lag: ticks timed after the first")
     parser.add_argument("--agreement-scenes", type=int, default=4)
     parser.add_argument("--agreement-detail", default="high", help="detail of the agreement phase")
     parser.add_argument("--soak", type=int, default=2000)
     parser.add_argument("--soak-change-every", type=int, default=200, help="soak: ticks between two moves")
     parser.add_argument("--skip", default="",
-                        help="comma-separated phases to skip: full,zone,static,lag,agreement,soak")
+                        help="comma-separated phases to skip: full,zone,events,static,lag,agreement,soak")
     args = parser.parse_args()
 
     import gguf_mcv
@@ -275,6 +352,7 @@ def main() -> int:
               flush=True)
         phases = [("full", lambda: full_vs_slice(model, args.rounds)),
                   ("zone", lambda: zone_vs_frame(model, args.rounds)),
+                  ("events", lambda: events(model, args.event_ticks)),
                   ("static", lambda: static(model, args.static_ticks)),
                   ("soak", lambda: soak(model, args.soak, args.soak_change_every)),
                   ("lag", lambda: lag(model, args.lag_ticks)),
