@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .sink_queue import DEFAULT_QUEUE, QueuedSink
+from .sink_queue import DEFAULT_QUEUE, QueuedSink, split_url
 from .sources import redact
 
 if TYPE_CHECKING:
@@ -203,15 +203,8 @@ def _valid_topic(topic: str) -> bool:
 
 
 def _checked_url(url: Any) -> _Broker:
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"mqtt must be a URL mqtt://host[:port]/topic, not {url!r}.")
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"mqtt URL {redact(url)} cannot be read ({exc}).") from None
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-        raise ConfigError(f"mqtt must be a URL mqtt://host[:port]/topic (or mqtts:// for TLS), not {redact(url)}.")
+    parts = split_url(url, sink="mqtt", schemes=("mqtt", "mqtts"),
+                      form="a URL mqtt://host[:port]/topic (mqtts:// for TLS)")
     if "?" in url or "#" in url:
         raise ConfigError(f"mqtt URL {redact(url)}: a topic has no '?' or '#' part; give mqtt://host/topic.")
     topic = urllib.parse.unquote(parts.path.strip("/"))
@@ -221,4 +214,5 @@ def _checked_url(url: Any) -> _Broker:
     tls = parts.scheme == "mqtts"
     username = None if parts.username is None else urllib.parse.unquote(parts.username)
     password = None if parts.password is None else urllib.parse.unquote(parts.password)
-    return _Broker(tls, parts.hostname, port or (8883 if tls else 1883), topic, username, password)
+    assert parts.hostname is not None
+    return _Broker(tls, parts.hostname, parts.port or (8883 if tls else 1883), topic, username, password)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConfigError
 from ..options import check_int
+from .sources import redact
 
 #: Events kept waiting by default (the oldest go first when more come).
 DEFAULT_QUEUE = 256
@@ -116,3 +119,18 @@ class QueuedSink:
                 with self._lock:
                     self._busy = False
                     self._lock.notify_all()
+
+
+def split_url(url: Any, *, sink: str, schemes: tuple[str, ...], form: str) -> urllib.parse.SplitResult:
+    """A sink's ``url`` split (its port read), with one of ``schemes`` and a host; ConfigError
+    otherwise, saying ``form`` and showing the URL masked."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"{sink} must be {form}, not {url!r}.")
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018  (reading it checks it)
+    except ValueError as exc:
+        raise ConfigError(f"{sink} URL {redact(url)} cannot be read ({exc}).") from None
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ConfigError(f"{sink} must be {form} with a host, not {redact(url)}.")
+    return parts

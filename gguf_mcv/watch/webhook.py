@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..options import check_int
-from .sink_queue import DEFAULT_QUEUE, QueuedSink, SinkCounts
+from .sink_queue import DEFAULT_QUEUE, QueuedSink, SinkCounts, split_url
 from .sources import redact
 
 __all__ = ["SinkCounts", "WebhookSink"]
@@ -107,18 +107,11 @@ class _Target:
 
 
 def _checked_url(url: Any) -> _Target:
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"webhook must be an http:// or https:// URL, not {url!r}.")
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"webhook URL {redact(url)} cannot be read ({exc}).") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"webhook must be an http:// or https:// URL with a host, not {redact(url)}.")
+    parts = split_url(url, sink="webhook", schemes=("http", "https"), form="an http:// or https:// URL")
     auth = {}
     if parts.username is not None:
         pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         auth["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return _Target(parts.scheme, parts.hostname, port, path, auth)
+    assert parts.hostname is not None
+    return _Target(parts.scheme, parts.hostname, parts.port, path, auth)
