@@ -41,6 +41,7 @@ import gguf_mcv  # noqa: E402  (after the importorskips)
 from gguf_mcv import server
 from gguf_mcv.runtime import native_check  # noqa: E402
 from gguf_mcv.server import answering, naming  # noqa: E402
+from gguf_mcv.server.app import HTTP_PARSER  # noqa: E402
 from gguf_mcv.vision import remote  # noqa: E402
 
 KEY = "test-key"
@@ -55,7 +56,8 @@ class Running:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
+                                                    http=HTTP_PARSER))  # as serve() runs it
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -328,7 +330,7 @@ def test_requests_queued_when_the_server_stops_get_a_503_in_their_api_shape(mode
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     uv = uvicorn.Server(uvicorn.Config(server.build_app(model, api_key=""), log_level="info",
-                                       timeout_graceful_shutdown=1))
+                                       timeout_graceful_shutdown=1, http=HTTP_PARSER))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     records = _Records()
     logging.getLogger("uvicorn.error").addHandler(records)
@@ -871,6 +873,7 @@ def test_serve_binds_loopback_and_warns_when_exposed_without_a_key(model, monkey
     with caplog.at_level(logging.WARNING, logger="gguf_mcv.server"):
         server.serve(model, port=9999)
         assert calls[-1]["host"] == "127.0.0.1" and calls[-1]["port"] == 9999
+        assert calls[-1]["http"] == "h11"  # whatever parsers are installed (httptools refuses odd methods)
         assert "without an API key" not in caplog.text
         server.serve(model, host="0.0.0.0")
     assert "without an API key" in caplog.text

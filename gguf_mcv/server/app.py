@@ -41,6 +41,12 @@ DEFAULT_MAX_QUEUE = 8
 DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
+#: uvicorn's HTTP parser, named rather than left to what is installed: with httptools (uvicorn[standard],
+#: which ray[serve] pulls in) a request whose method llhttp does not know gets a bare 400 before the app
+#: sees it, so the same server answered 405 or 400 depending on other packages.
+HTTP_PARSER = "h11"
+
+
 def build_app(
     model: Model,
     *,
@@ -171,7 +177,7 @@ def serve(
                     "Set %s or pass api_key.", host, API_KEY_ENV)
     try:  # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
         uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=logging_config,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, http=HTTP_PARSER)
     except SystemExit as exc:  # uvicorn exits when it cannot start, having logged why
         if exc.code:
             raise ConfigError(f"The server could not start on {host}:{port} (see the log above).") from None

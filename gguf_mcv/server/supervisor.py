@@ -56,7 +56,7 @@ from ..errors import ConfigError, GgufMcvError, ServerWorkerError
 from ..model import Model
 from ..runtime import native_check
 from . import http_errors
-from .app import API_KEY_ENV, addresses_to_bind, bind_failure, build_app, is_loopback
+from .app import API_KEY_ENV, HTTP_PARSER, addresses_to_bind, bind_failure, build_app, is_loopback
 from .logs import log_config
 from .malloc import return_large_buffers_to_os
 from .standby import standby_app
@@ -119,7 +119,7 @@ def serve_supervised(load_model: Callable[[], Model], *, host: str = "127.0.0.1"
             # a graceful-shutdown limit: an endless stream must not keep Ctrl-C waiting
             config = Config(functools.partial(_worker_app, worker, WorkerInfo()), factory=True,
                             log_level=log_level, log_config=log_config(log_level), timeout_graceful_shutdown=5,
-                            timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S)
+                            timeout_worker_healthcheck=HEALTHCHECK_TIMEOUT_S, http=HTTP_PARSER)
             key = os.environ.get(API_KEY_ENV) if options.get("api_key") is None else options["api_key"]
             if not key and not is_loopback(host):
                 log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
