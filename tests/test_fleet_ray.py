@@ -10,6 +10,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +61,26 @@ def fleet(request: pytest.FixtureRequest, tiny) -> str:
                                  timeout=180)
         if started.returncode != 0:
             pytest.skip("A local Ray cluster could not start here: " + (started.stdout + started.stderr)[-800:])
-    from gguf_mcv.fleet import deploy
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]), "--mmproj",
+                               str(tiny.mmproj), "--ctx", "2048", "--threads", "1", "--ray", address,
+                               "--replicas", "2", "--port", str(port), "--api-key", ""],
+                              env=env, stderr=subprocess.PIPE, text=True)
+    request.addfinalizer(server.kill)
+    seen: list[str] = []
+    ready = threading.Event()
 
-    load = dict(model_path=str(tiny.quants["Q4_K_M"]), mmproj_path=str(tiny.mmproj), n_ctx=2048, n_threads=1)
-    return deploy(address, load, replicas=2, port=_free_port(), app_kwargs={"api_key": ""})
+    def drain() -> None:  # deploy() returns, and says so, once both replicas have loaded
+        for line in server.stderr or ():
+            seen.append(line)
+            if "Serving on" in line:
+                ready.set()
+        ready.set()
 
+    threading.Thread(target=drain, daemon=True).start()
+    ready.wait()
+    assert server.poll() is None, "".join(seen[-40:])
+    return f"http://127.0.0.1:{port}"
 
 def test_a_three_turn_image_conversation_stays_on_one_replica_and_reuses_its_cache(fleet: str) -> None:
     import openai
@@ -82,3 +100,66 @@ def test_a_three_turn_image_conversation_stays_on_one_replica_and_reuses_its_cac
     assert len(set(replicas)) == 1, replicas
     assert all(u.prompt_tokens_details.cached_tokens > 0 for u in usages[1:]), usages
 
+
+
+def _replicas(fleet: str, answers: int) -> dict[str, dict]:
+    """``/health``'s replicas by name, once their reports count ``answers`` answers in all."""
+    import requests
+
+    while True:  # the replicas report every second
+        listed = {r["replica"]: r for r in requests.get(fleet + "/health", timeout=60).json()["replicas"]}
+        if sum(r["answers"] for r in listed.values()) >= answers:
+            return listed
+        time.sleep(0.5)
+
+
+def test_the_same_conversation_through_the_ollama_client(fleet: str) -> None:
+    import ollama
+    import requests
+
+    before = {r["replica"]: r for r in requests.get(fleet + "/health", timeout=60).json()["replicas"]}
+    done = sum(r["answers"] for r in before.values())
+    client = ollama.Client(host=fleet)
+    image = base64.b64decode(_data_uri(2).split(",", 1)[1])
+    messages: list = [{"role": "user", "content": "What is it?", "images": [image]}]
+    for turn in range(3):
+        reply = client.chat(model="ggml-model-Q4_K_M", messages=messages, options={"num_predict": 3, "temperature": 0})
+        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": f"{turn}?"}]
+    after = _replicas(fleet, done + 3)
+    gained = {name: r["answers"] - before.get(name, {"answers": 0})["answers"] for name, r in after.items()}
+    answered = [name for name, n in gained.items() if n]
+    assert len(answered) == 1 and gained[answered[0]] == 3, gained  # every turn on one replica
+    cached = after[answered[0]]["cached_tokens"] - before.get(answered[0], {"cached_tokens": 0})["cached_tokens"]
+    assert cached > 100  # the follow-ups' prompts, the image's 64 positions among them, were not evaluated again
+
+
+def test_eight_concurrent_new_conversations_use_both_replicas_and_health_lists_them(fleet: str) -> None:
+    import requests
+
+    def ask(seed: int) -> str:
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Which colour?"},
+                                                          {"type": "image_url", "image_url": {"url": _data_uri(seed)}}]}],
+                "max_tokens": 4}
+        answered = requests.post(fleet + "/v1/chat/completions", json=body, timeout=300)
+        assert answered.status_code == 200, answered.text
+        return answered.headers[REPLICA_HEADER]
+
+    with ThreadPoolExecutor(8) as pool:
+        used = set(pool.map(ask, range(10, 18)))
+    health = requests.get(fleet + "/health", timeout=60).json()
+    assert used == {r["replica"] for r in health["replicas"]} and len(used) == 2
+    assert len({r["pid"] for r in health["replicas"]}) == 2 and len({r["node"] for r in health["replicas"]}) == 2
+    assert len({r["quant"] for r in health["replicas"]}) == 1 and health["restarts"] == 0  # one quant (None: local files)
+
+
+@pytest.mark.parametrize("headers, body, status", [
+    ({"Content-Type": "text/plain"}, b'{"messages": []}', 415),
+    ({"Content-Type": "application/json"}, b"{not json", 400),
+    ({"Content-Type": "application/json"}, b"x" * (20 * 1024 * 1024 + 1), 413),
+])
+def test_bad_bodies_get_the_single_servers_answers(fleet: str, headers: dict, body: bytes, status: int) -> None:
+    import requests
+
+    answered = requests.post(fleet + "/v1/chat/completions", data=body, headers=headers, timeout=120)
+    assert answered.status_code == status, answered.text
+    assert "error" in answered.json() and REPLICA_HEADER in answered.headers

@@ -15,8 +15,9 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -26,11 +27,13 @@ from ..server.http_errors import HTTPError, error_response, openai_error
 from .asgi import answer
 from .keys import route_key
 from .policy import DEFAULT_IMBALANCE
+from .registry import keep_reporting, registry
 from .router import ROUTER_PATH
 
 log = logging.getLogger("gguf_mcv.fleet")
 
 REPLICA_HEADER = "x-gguf-mcv-replica"
+_TRIES = 3  # a request no replica started is sent again: Serve routes it to a live one
 _HOP_BY_HOP = {"connection", "transfer-encoding", "keep-alive"}
 
 front_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -45,17 +48,26 @@ class Replica:
         self.model = load(**load_kwargs)
         self.app = build_app(self.model, **app_kwargs)
         self.name = serve.get_replica_context().replica_id.unique_id
+        self.registry = keep_reporting(self.info)
 
     async def __call__(self, request: dict[str, Any]) -> AsyncIterator[Any]:
+        held = None  # one piece behind: the report of this answer lands before the client sees its end
         async for piece in answer(self.app, request, [(REPLICA_HEADER, self.name)]):
-            yield piece
+            if held is not None:
+                yield held
+            held = piece
+        await self.registry.report.remote(self.info())
+        if held is not None:
+            yield held
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs and what it holds (the fleet's ``/health`` lists these)."""
         state = self.app.state.gguf
-        return {"replica": self.name, "node": os.uname().nodename, "host": socket.gethostname(),
+        return {"replica": self.name, "node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
                 "pid": os.getpid(), "quant": self.model.info.quant, "slots": state.gate.capacity,
-                "in_flight": state.gate.active, "queue_length": state.gate.waiting}
+                "in_flight": state.gate.active, "queue_length": state.gate.waiting,
+                "answers": state.metrics.answers, "prompt_tokens": state.metrics.prompt_tokens,
+                "cached_tokens": state.metrics.cached_tokens}
 
 
 # before the ingress class: serve.ingress serializes it as it is decorated
@@ -81,26 +93,44 @@ class Front:
     def __init__(self, replica: DeploymentHandle, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.replica = replica
         self.max_body_bytes = max_body_bytes
+        self.registry = registry()
+
+    @front_app.get("/health", include_in_schema=False)
+    async def health(self, request: Request) -> Response:
+        """A replica's own ``/health``, with every replica listed and the restarts counted."""
+        answered = await self.forward(request, "health")
+        if answered.status_code != 200 or not isinstance(answered, StreamingResponse):
+            return answered
+        body = b"".join([chunk async for chunk in answered.body_iterator])  # type: ignore[misc]
+        health = {**json.loads(body), **await self.registry.listing.remote()}
+        health["worker_restarts"] = health["restarts"]
+        return JSONResponse(health, headers={REPLICA_HEADER: answered.headers.get(REPLICA_HEADER, "")})
 
     @front_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"],
                          include_in_schema=False)
     async def forward(self, request: Request, path: str) -> Response:
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:  # the replica answers 413 as the single server does
-                break
+        declared = request.headers.get("content-length", "")
+        # over the limit: the replica answers 413 as the single server does, from what it is sent
+        if not (declared.isdigit() and int(declared) > self.max_body_bytes):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    break
         forwarded = {"method": request.method, "path": request.url.path, "query": request.url.query,
                      "headers": list(request.headers.items()), "body": bytes(body),
                      "client": (request.client.host, request.client.port) if request.client else None,
                      "route": route_key(request.url.path, bytes(body))}
-        pieces: Any = self.replica.options(stream=True).remote(forwarded)  # a DeploymentResponseGenerator
-        try:
-            start = await pieces.__anext__()
-        except Exception as exc:  # the replica died before answering; Serve has dropped it
-            log.warning("A replica failed before answering %s: %s", request.url.path, exc)
+        for attempt in range(1, _TRIES + 1):
+            pieces: Any = self.replica.options(stream=True).remote(forwarded)  # a DeploymentResponseGenerator
+            try:
+                start = await pieces.__anext__()
+                break
+            except Exception as exc:  # noqa: BLE001 - the replica died before answering: nothing was done
+                log.warning("A replica failed before answering %s (try %d): %s", request.url.path, attempt, exc)
+        else:
             return error_response(request, HTTPError(
-                503, "The replica answering this request stopped; send it again.", headers={"Retry-After": "1"}))
+                503, "The replicas answering this request stopped; send it again.", headers={"Retry-After": "1"}))
         headers = {k: v for k, v in start["headers"] if k.lower() not in _HOP_BY_HOP}
         return StreamingResponse(_rest(pieces, headers.get("content-type", "")), status_code=start["status"],
                                  headers=headers)

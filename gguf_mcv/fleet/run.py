@@ -30,6 +30,8 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
     cannot be reached or the replicas cannot start; :class:`ConfigError` for bad settings.
     """
     check_replicas(replicas)
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"Port {port} is out of range: use a port from 1 to 65535.")
     app_kwargs = dict(app_kwargs or {})
     if app_kwargs.get("allowed_hosts") is None and not is_loopback(host):
         app_kwargs["allowed_hosts"] = ["*"]  # as the single server: bound for the network, any Host
@@ -63,6 +65,7 @@ def serve_on_ray(address: str, load_kwargs: dict[str, Any], **options: Any) -> N
     from ray import serve
 
     url = deploy(address, load_kwargs, **options)
+    # a warning, so it shows at the default level: the line a script waits for
     log.warning("Serving on %s (Ray Serve, %d replicas); Ctrl-C stops.", url, options.get("replicas", 1))
     try:
         while True:
