@@ -6,6 +6,7 @@ import base64
 import io
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -163,3 +164,29 @@ def test_bad_bodies_get_the_single_servers_answers(fleet: str, headers: dict, bo
     answered = requests.post(fleet + "/v1/chat/completions", data=body, headers=headers, timeout=120)
     assert answered.status_code == status, answered.text
     assert "error" in answered.json() and REPLICA_HEADER in answered.headers
+
+
+def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_restarted(fleet: str) -> None:
+    """Last in the module: it kills a replica."""
+    import requests
+
+    pids = {r["replica"]: r["pid"] for r in requests.get(fleet + "/health", timeout=60).json()["replicas"]}
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
+    with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
+        assert streamed.status_code == 200
+        lines = streamed.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data: "))
+        assert b"choices" in first
+        os.kill(pids[streamed.headers[REPLICA_HEADER]], signal.SIGKILL)
+        rest = [line for line in lines if line.startswith(b"data: ")]
+    assert rest and b'"replica_lost"' in rest[-1] and b"[DONE]" not in b"".join(rest), rest[-3:]
+
+    again = requests.post(fleet + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=300)
+    assert again.status_code == 200, again.text
+
+    while True:  # Serve starts the replica again; its predecessor's reports stop, counted as a restart
+        health = requests.get(fleet + "/health", timeout=60).json()
+        if health["restarts"] >= 1 and len(health["replicas"]) == 2:
+            break
+        time.sleep(0.5)
+    assert health["restarts"] == 1 and streamed.headers[REPLICA_HEADER] in {r["replica"] for r in health["lost"]}
