@@ -111,3 +111,16 @@ def test_property_the_choice_is_live_the_holder_first_exactly_within_the_imbalan
     assert (ranks[0] == [holder]) == keeps
     if not keeps:  # the less loaded of two candidates first
         assert len(ranks) == 1 and ranks[0] == sorted(ranks[0], key=lambda r: loads[r])
+
+
+def test_replicas_expositions_merge_into_one_family_each_with_a_replica_label() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gguf_mcv.fleet.metrics import merged
+
+    one = '# HELP x_total Things.\n# TYPE x_total counter\nx_total{kind="a"} 2.0\n'
+    text = merged({"r1": one, "r2": one.replace("2.0", "5.0")}).decode()
+    families = list(text_string_to_metric_families(text))
+    assert [f.name for f in families] == ["x"] and text.count("# TYPE") == 1
+    assert {(s.labels["replica"], s.labels["kind"], s.value) for s in families[0].samples} == {
+        ("r1", "a", 2.0), ("r2", "a", 5.0)}

@@ -166,6 +166,20 @@ def test_bad_bodies_get_the_single_servers_answers(fleet: str, headers: dict, bo
     assert "error" in answered.json() and REPLICA_HEADER in answered.headers
 
 
+
+def test_metrics_carry_every_replicas_families_with_a_replica_label(fleet: str) -> None:
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    listed = _replicas(fleet, 0)
+    scraped = requests.get(fleet + "/metrics", timeout=60)
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    samples = [s for f in text_string_to_metric_families(scraped.text) for s in f.samples]
+    assert {s.labels.get("replica") for s in samples} == set(listed)
+    answers = {s.labels["replica"]: s.value for s in samples
+               if s.name == "gguf_mcv_answers_total" and s.labels["outcome"] == "completed"}
+    assert answers == {name: r["answers"] for name, r in listed.items()}
+
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_restarted(fleet: str) -> None:
     """Last in the module: it kills a replica."""
     import requests

@@ -24,8 +24,10 @@ from ray.serve.handle import DeploymentHandle
 
 from ..server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from ..server.http_errors import HTTPError, error_response, openai_error
+from ..server.prometheus import CONTENT_TYPE, exposition
 from .asgi import answer
 from .keys import route_key
+from .metrics import merged
 from .policy import DEFAULT_IMBALANCE
 from .registry import keep_reporting, registry
 from .router import ROUTER_PATH
@@ -67,7 +69,8 @@ class Replica:
                 "pid": os.getpid(), "quant": self.model.info.quant, "slots": state.gate.capacity,
                 "in_flight": state.gate.active, "queue_length": state.gate.waiting,
                 "answers": state.metrics.answers, "prompt_tokens": state.metrics.prompt_tokens,
-                "cached_tokens": state.metrics.cached_tokens}
+                "cached_tokens": state.metrics.cached_tokens,
+                "exposition": exposition(state.registry).decode() if state.registry is not None else ""}
 
 
 # before the ingress class: serve.ingress serializes it as it is decorated
@@ -102,9 +105,25 @@ class Front:
         if answered.status_code != 200 or not isinstance(answered, StreamingResponse):
             return answered
         body = b"".join([chunk async for chunk in answered.body_iterator])  # type: ignore[misc]
-        health = {**json.loads(body), **await self.registry.listing.remote()}
+        listing = await self.registry.listing.remote()
+        for replica in [*listing["replicas"], *listing["lost"]]:
+            replica.pop("exposition", None)  # /metrics shows those
+        health = {**json.loads(body), **listing}
         health["worker_restarts"] = health["restarts"]
         return JSONResponse(health, headers={REPLICA_HEADER: answered.headers.get(REPLICA_HEADER, "")})
+
+    @front_app.get("/metrics", include_in_schema=False)
+    async def metrics(self, request: Request) -> Response:
+        """Every replica's families with a ``replica`` label (the JSON view: the answering replica's)."""
+        answered = await self.forward(request, "metrics")
+        if answered.status_code != 200 or not answered.headers.get("content-type", "").startswith("text/plain"):
+            return answered
+        async for _ in answered.body_iterator:  # type: ignore[attr-defined]
+            pass  # the answering replica's own, in the listing too
+        listing = await self.registry.listing.remote()
+        texts = {r["replica"]: r.get("exposition", "") for r in listing["replicas"]}
+        return Response(merged(texts), media_type=CONTENT_TYPE,
+                        headers={REPLICA_HEADER: answered.headers.get(REPLICA_HEADER, "")})
 
     @front_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"],
                          include_in_schema=False)
