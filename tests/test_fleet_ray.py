@@ -204,3 +204,19 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_resta
             break
         time.sleep(0.5)
     assert health["restarts"] == 1 and streamed.headers[REPLICA_HEADER] in {r["replica"] for r in health["lost"]}
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--replicas", "2"], "--replicas needs --ray"),
+    (["--ray", "127.0.0.1:{dead}", "--replicas", "0"], "--replicas must be a whole number >= 1"),
+    (["--ray", "127.0.0.1:{dead}", "--port", "70000"], "out of range"),
+    (["--ray", "127.0.0.1:{dead}"], "127.0.0.1:{dead}"),  # nothing listens there: refused fast, not waited on
+])
+def test_serve_on_ray_refuses_bad_settings_in_one_line_before_loading(tiny, extra: list[str], words: str) -> None:
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed here (pip install 'gguf-mcv[cluster]')")
+    dead = str(_free_port())
+    done = subprocess.run([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]), "--mmproj",
+                           str(tiny.mmproj), *[a.format(dead=dead) for a in extra]],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1 and words.format(dead=dead) in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
