@@ -156,12 +156,13 @@ class Front:
 
 
 def application(load_kwargs: dict[str, Any], *, replicas: int = 1, app_kwargs: dict[str, Any] | None = None,
-                imbalance: int = DEFAULT_IMBALANCE, spread: bool = True, num_cpus: float | None = None
-                ) -> serve.Application:
+                imbalance: int = DEFAULT_IMBALANCE, spread: bool = True, num_cpus: float | None = None,
+                affinity: bool = True) -> serve.Application:
     """The fleet as a Serve application (bind it yourself, or run it with :func:`~.serve_on_ray`).
 
     ``load_kwargs`` are :func:`gguf_mcv.load`'s keywords for every replica; ``app_kwargs``
     :func:`gguf_mcv.server.build_app`'s. ``spread``: one replica per node while nodes last.
+    ``affinity=False`` routes with Serve's default router instead (for comparison).
     """
     app_kwargs = dict(app_kwargs or {})
     threads = load_kwargs.get("n_threads") or 1
@@ -173,7 +174,8 @@ def application(load_kwargs: dict[str, Any], *, replicas: int = 1, app_kwargs: d
         max_ongoing_requests=parallel + queue,
         ray_actor_options={"num_cpus": threads if num_cpus is None else num_cpus},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH,  # type: ignore[arg-type]
-                                                  request_router_kwargs={"imbalance": imbalance}),
+                                                  request_router_kwargs={"imbalance": imbalance})
+        if affinity else RequestRouterConfig(),
         health_check_period_s=2, health_check_timeout_s=30)
     if spread:
         options["max_replicas_per_node"] = 1

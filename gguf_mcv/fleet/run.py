@@ -23,7 +23,7 @@ def check_replicas(replicas: object) -> int:
 
 def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host: str = "127.0.0.1",
            port: int = 8080, app_kwargs: dict[str, Any] | None = None, imbalance: int = DEFAULT_IMBALANCE,
-           spread: bool = True) -> str:
+           spread: bool = True, affinity: bool = True) -> str:
     """Deploy the fleet on the cluster at ``address`` (``"auto"``: this machine's); its base URL.
 
     Returns once every replica has loaded its model. :class:`ClusterError` when the cluster
@@ -48,10 +48,11 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
         ray.init(address=address, log_to_driver=False, configure_logging=False, ignore_reinit_error=True)
     except (ConnectionError, RuntimeError) as exc:
         raise ClusterError(f"Cannot reach the Ray cluster at {address}: {exc}") from None
+    _fresh_registry(ray)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     try:
         serve.run(application(load_kwargs, replicas=replicas, app_kwargs=app_kwargs, imbalance=imbalance,
-                              spread=spread), name=APP_NAME, route_prefix="/")
+                              spread=spread, affinity=affinity), name=APP_NAME, route_prefix="/")
     except (RuntimeError, ray.exceptions.RayError) as exc:
         raise ClusterError(f"The fleet could not start on the Ray cluster: {exc}") from exc
     if not app_kwargs.get("api_key") and not is_loopback(host):
@@ -74,3 +75,13 @@ def serve_on_ray(address: str, load_kwargs: dict[str, Any], **options: Any) -> N
         pass
     finally:
         serve.delete(APP_NAME)
+
+
+def _fresh_registry(ray: Any) -> None:
+    """A new deployment lists its own replicas only: an earlier one's registry is stopped."""
+    from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE
+
+    try:
+        ray.kill(ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE))
+    except ValueError:  # none yet
+        pass
