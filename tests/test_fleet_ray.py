@@ -180,6 +180,39 @@ def test_metrics_carry_every_replicas_families_with_a_replica_label(fleet: str) 
                if s.name == "gguf_mcv_answers_total" and s.labels["outcome"] == "completed"}
     assert answers == {name: r["answers"] for name, r in listed.items()}
 
+
+def test_the_page_and_the_listing_routes_come_through_the_front(fleet: str) -> None:
+    import requests
+
+    page = requests.get(fleet + "/", headers={"Accept": "text/html"}, timeout=60)
+    assert page.status_code == 200 and "<html" in page.text.lower() and REPLICA_HEADER in page.headers
+    assert requests.get(fleet + "/api/tags", timeout=60).json()["models"]
+    assert requests.get(fleet + "/v1/models", timeout=60).json()["data"][0]["id"] == "ggml-model-Q4_K_M"
+
+
+def _answers(fleet: str) -> dict[str, float]:
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(fleet + "/metrics", timeout=60).text
+    out: dict[str, float] = {}
+    for sample in (s for f in text_string_to_metric_families(text) for s in f.samples):
+        if sample.name == "gguf_mcv_answers_total":
+            out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0) + sample.value
+    return out
+
+
+def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> None:
+    import requests
+
+    before = _answers(fleet)
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
+    with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
+        next(line for line in streamed.iter_lines() if line.startswith(b"data: "))
+    while (now := _answers(fleet))["cancelled"] == before["cancelled"] and now["completed"] == before["completed"]:
+        time.sleep(0.5)  # the replicas report every second
+    assert now["cancelled"] == before["cancelled"] + 1 and now["completed"] == before["completed"]
+
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_restarted(fleet: str) -> None:
     """Last in the module: it kills a replica."""
     import requests
