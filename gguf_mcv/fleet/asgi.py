@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message
 
 
-async def answer(app: ASGIApp, request: dict[str, Any], extra_headers: Sequence[tuple[str, str]] = ()
-                 ) -> AsyncIterator[Any]:
-    """Run ``request`` (method, path, query, headers, body, client) through ``app``; its response."""
+async def answer(app: ASGIApp, request: dict[str, Any], extra_headers: Sequence[tuple[str, str]] = (),
+                 before_end: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[Any]:
+    """Run ``request`` (method, path, query, headers, body, client) through ``app``; its response.
+
+    ``before_end`` is awaited before the body's last chunk is passed on.
+    """
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
              "method": request["method"], "path": request["path"], "raw_path": request["path"].encode(),
              "query_string": request.get("query", "").encode(), "root_path": "",
@@ -51,9 +54,12 @@ async def answer(app: ASGIApp, request: dict[str, Any], extra_headers: Sequence[
                 headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
                 yield {"status": message["status"], "headers": headers + list(extra_headers)}
             elif message["type"] == "http.response.body":
+                last = not message.get("more_body", False)
+                if last and before_end is not None:
+                    await before_end()
                 if message.get("body"):
                     yield bytes(message["body"])
-                if not message.get("more_body", False):
+                if last:
                     break
         await task
     finally:

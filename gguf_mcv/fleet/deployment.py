@@ -53,14 +53,11 @@ class Replica:
         self.registry = keep_reporting(self.info)
 
     async def __call__(self, request: dict[str, Any]) -> AsyncIterator[Any]:
-        held = None  # one piece behind: the report of this answer lands before the client sees its end
-        async for piece in answer(self.app, request, [(REPLICA_HEADER, self.name)]):
-            if held is not None:
-                yield held
-            held = piece
-        await self.registry.report.remote(self.info())
-        if held is not None:
-            yield held
+        async def report() -> None:  # this answer counted in /health before the client sees its end
+            await self.registry.report.remote(self.info())
+
+        async for piece in answer(self.app, request, [(REPLICA_HEADER, self.name)], before_end=report):
+            yield piece
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs and what it holds (the fleet's ``/health`` lists these)."""
