@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "call the API (repeatable; default: only the server's own page)")
     p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
                    help="a request body must arrive within S seconds, else 408 (default 60)")
+    p.add_argument("--ray", metavar="ADDRESS", help="serve on this Ray cluster with Ray Serve (e.g. 10.0.0.5:6379 "
+                   "or 'auto'; --host/--port are then the head node's); needs pip install 'gguf-mcv[cluster]' "
+                   "and the files visible on every node")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="with --ray: model copies, one per node (default 1)")
     cache_args(p)
     p.set_defaults(func=run_serve)
 
