@@ -2,7 +2,7 @@
 
 Serve still queues, probes queue lengths, backs off and restarts replicas; this class only ranks
 the candidates (:class:`~gguf_mcv.fleet.policy.Policy`) and learns which replica answered what.
-The key travels as the request's first argument (:class:`~gguf_mcv.fleet.front.Front` puts it there).
+The key travels as the request's first argument (:class:`~gguf_mcv.fleet.deployment.Front` puts it there).
 """
 
 from __future__ import annotations
