@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import pytest
+import raycluster  # tests/ is on sys.path
+from raycluster import free_port
 
 from gguf_mcv.jobs import batch
 from gguf_mcv.jobs.batch_ray import Answerer, item_from, records
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is it?", "Which colours?"]
 
 
@@ -71,34 +68,13 @@ def test_answerer_returns_rows_and_error_rows(tiny, folder: Path) -> None:
     assert all(isinstance(a, str) for a in out["answer"][1:4])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> str:
     """A real local Ray cluster: a head node and one worker node, one CPU each; stopped at the end."""
     pytest.importorskip("ray", reason="Ray is not installed here (pip install 'gguf-mcv[ray]'); "
                                       "the Ray batch job cannot be tested")
-    ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-    def stop() -> None:
-        subprocess.run([*ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
-
-    request.addfinalizer(stop)
-    address = f"127.0.0.1:{_free_port()}"
-    node = ["--num-cpus=1", f"--temp-dir={temp}", "--object-store-memory=80000000", "--disable-usage-stats"]
-    for args in (["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1",
-                  "--include-dashboard=false"], [f"--address={address}", "--node-ip-address=127.0.0.1"]):
-        started = subprocess.run([*ray_cli, "start", *args, *node], env=env, capture_output=True, text=True,
-                                 timeout=180)
-        assert started.returncode == 0, started.stdout + started.stderr
+    address, _ = raycluster.start(request, "ray")
     return address
 
 
@@ -148,7 +124,7 @@ def test_unreachable_or_bad_address_is_refused_fast_before_writing(folder: Path,
     out = tmp_path / "out.jsonl"
     with pytest.raises(ClusterError):
         # nothing listens on a port whose probe socket was closed; Ray itself would wait minutes
-        batch_ray.run_items(address.format(dead=_free_port()), {"model": "x"}, items, out, progress=False)
+        batch_ray.run_items(address.format(dead=free_port()), {"model": "x"}, items, out, progress=False)
     assert not out.exists()  # refused before the results file was touched
 
 

@@ -5,29 +5,21 @@ from __future__ import annotations
 import base64
 import io
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import pytest
+import raycluster  # tests/ is on sys.path
+from raycluster import free_port
 
-REPO = Path(__file__).resolve().parent.parent
 REPLICA_HEADER = "x-gguf-mcv-replica"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _data_uri(seed: int) -> str:
@@ -41,28 +33,8 @@ def fleet(request: pytest.FixtureRequest, tiny) -> str:
     """A head node and a worker node (one CPU each), the fleet deployed on them; its base URL."""
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed here (pip install 'gguf-mcv[cluster]'); "
                                             "the fleet cannot be tested")
-    ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
-    temp = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-    def stop() -> None:
-        import ray
-
-        ray.shutdown()
-        subprocess.run([*ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
-
-    request.addfinalizer(stop)
-    address = f"127.0.0.1:{_free_port()}"
-    node = ["--num-cpus=1", f"--temp-dir={temp}", "--object-store-memory=80000000", "--disable-usage-stats"]
-    for args in (["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1",
-                  "--include-dashboard=false"], [f"--address={address}", "--node-ip-address=127.0.0.1"]):
-        started = subprocess.run([*ray_cli, "start", *args, *node], env=env, capture_output=True, text=True,
-                                 timeout=180)
-        if started.returncode != 0:
-            pytest.skip("A local Ray cluster could not start here: " + (started.stdout + started.stderr)[-800:])
-    port = _free_port()
+    address, env = raycluster.start(request, "rayf", skip_why="A local Ray cluster could not start here: ")
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]), "--mmproj",
                                str(tiny.mmproj), "--ctx", "2048", "--threads", "1", "--ray", address,
                                "--replicas", "2", "--port", str(port), "--api-key", ""],
@@ -247,7 +219,7 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_resta
 ])
 def test_serve_on_ray_refuses_bad_settings_in_one_line_before_loading(tiny, extra: list[str], words: str) -> None:
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed here (pip install 'gguf-mcv[cluster]')")
-    dead = str(_free_port())
+    dead = str(free_port())
     done = subprocess.run([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]), "--mmproj",
                            str(tiny.mmproj), *[a.format(dead=dead) for a in extra]],
                           capture_output=True, text=True, timeout=180)
