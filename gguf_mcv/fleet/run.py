@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -27,8 +28,10 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
            spread: bool = True, affinity: bool = True) -> str:
     """Deploy the fleet on the cluster at ``address`` (``"auto"``: this machine's); its base URL.
 
-    Returns once every replica has loaded its model. :class:`ClusterError` when the cluster
-    cannot be reached or the replicas cannot start; :class:`ConfigError` for bad settings.
+    Every replica loads one quant: ``load_kwargs["quant"]``, else the best every node allows
+    (:func:`fleet_quant`, before any replica starts). Returns once every replica has loaded its
+    model. :class:`ClusterError` when the cluster cannot be reached or the replicas cannot start
+    (:class:`~.quant.FleetQuantError` when no quant fits a node); :class:`ConfigError` for bad settings.
     """
     check_replicas(replicas)
     if not isinstance(port, int) or not 1 <= port <= 65535:
@@ -135,8 +138,6 @@ def node_allowance(load_kwargs: dict[str, Any]) -> NodeAllowance:
                        speed_probe=None if limited else False, vision_backend=k.get("vision_backend", "auto"),
                        vision_weights=k.get("vision_weights"), given=given)
     except NoQuantFitsError as exc:
-        import socket
-
         return NodeAllowance(node, socket.gethostname(), None, (), str(exc).splitlines()[0])
     return allowance(node, planned)
 
