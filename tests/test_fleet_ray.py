@@ -23,6 +23,7 @@ import raycluster  # tests/ is on sys.path
 from raycluster import free_port
 
 REPLICA_HEADER = "x-gguf-mcv-replica"
+REPORT_PERIOD_S = 1.0  # gguf_mcv.fleet.registry's (imported there, it would import Ray here)
 
 
 
@@ -216,10 +217,21 @@ def _answers(fleet: str) -> dict[str, float]:
     return out
 
 
+def _settled_answers(fleet: str) -> dict[str, float]:
+    """:func:`_answers` once two reads a few report periods apart agree: the replicas report every
+    second, so an earlier test's last answer can still be on its way into ``/metrics``."""
+    last = _answers(fleet)
+    while True:
+        time.sleep(3 * REPORT_PERIOD_S)
+        if (now := _answers(fleet)) == last:
+            return now
+        last = now
+
+
 def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> None:
     import requests
 
-    before = _answers(fleet)
+    before = _settled_answers(fleet)
     body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
     with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
         next(line for line in streamed.iter_lines() if line.startswith(b"data: "))
