@@ -1,7 +1,9 @@
 """A real local Ray cluster for tests: a head node and one worker node, one CPU each.
 
 ``start(request, prefix)`` starts it with Ray's own CLI and stops it (``ray stop --force``) when
-the requesting fixture ends; (its address, the environment its child processes need). Where a
+the requesting fixture ends; (its address, the environment its child processes need).
+``extra_env`` is added to both nodes' environment (their workers inherit it), ``worker_env`` to the
+worker node's only (e.g. ``GGUF_MCV_HW_ROOT``: a smaller board than the head). Where a
 node cannot start, ``skip_why`` makes the test skip with Ray's output, otherwise it fails.
 """
 
@@ -27,10 +29,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None = None) -> tuple[str, dict[str, str]]:
+def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None = None,
+          extra_env: dict[str, str] | None = None,
+          worker_env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
     temp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           **(extra_env or {})}
 
     def stop() -> None:
         if "ray" in sys.modules:  # a driver this process connected
@@ -41,10 +46,11 @@ def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None =
     request.addfinalizer(stop)
     address = f"127.0.0.1:{free_port()}"
     node = ["--num-cpus=1", f"--temp-dir={temp}", "--object-store-memory=80000000", "--disable-usage-stats"]
-    for args in (["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1",
-                  "--include-dashboard=false"], [f"--address={address}", "--node-ip-address=127.0.0.1"]):
-        started = subprocess.run([*RAY_CLI, "start", *args, *node], env=env, capture_output=True, text=True,
-                                 timeout=180)
+    for args, extra in ((["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1",
+                           "--include-dashboard=false"], {}),
+                        ([f"--address={address}", "--node-ip-address=127.0.0.1"], worker_env or {})):
+        started = subprocess.run([*RAY_CLI, "start", *args, *node], env={**env, **extra}, capture_output=True,
+                                 text=True, timeout=180)
         if started.returncode != 0 and skip_why is not None:
             pytest.skip(skip_why + (started.stdout + started.stderr)[-800:])
         assert started.returncode == 0, started.stdout + started.stderr

@@ -5,12 +5,16 @@ from __future__ import annotations
 import base64
 import io
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -19,6 +23,7 @@ import raycluster  # tests/ is on sys.path
 from raycluster import free_port
 
 REPLICA_HEADER = "x-gguf-mcv-replica"
+REPORT_PERIOD_S = 1.0  # gguf_mcv.fleet.registry's (imported there, it would import Ray here)
 
 
 
@@ -28,17 +33,41 @@ def _data_uri(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
+@dataclass
+class Cluster:
+    address: str
+    env: dict[str, str]
+    board: Path  # the worker node's hardware root (GGUF_MCV_HW_ROOT): its proc/meminfo says its RAM
+
+
 @pytest.fixture(scope="module")
-def fleet(request: pytest.FixtureRequest, tiny) -> str:
-    """A head node and a worker node (one CPU each), the fleet deployed on them; its base URL."""
+def cluster(request: pytest.FixtureRequest, hub_server, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """A head node and a worker node (one CPU each); the worker sees the machine through a hardware
+    root whose RAM a test may change, and both reach the Hub stand-in."""
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed here (pip install 'gguf-mcv[cluster]'); "
                                             "the fleet cannot be tested")
-    address, env = raycluster.start(request, "rayf", skip_why="A local Ray cluster could not start here: ")
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q4_K_M"]), "--mmproj",
-                               str(tiny.mmproj), "--ctx", "2048", "--threads", "1", "--ray", address,
-                               "--replicas", "2", "--port", str(port), "--api-key", ""],
-                              env=env, stderr=subprocess.PIPE, text=True)
+    board = tmp_path_factory.mktemp("board")
+    (board / "proc").mkdir()
+    (board / "_fake").mkdir()
+    shutil.copy("/proc/cpuinfo", board / "proc" / "cpuinfo")
+    shutil.copy("/proc/meminfo", board / "proc" / "meminfo")
+    (board / "_fake" / "platform").write_text(f"{platform.system()} {platform.machine()}")
+    hf = tmp_path_factory.mktemp("fleet_hf")
+    hub_env = {"HF_ENDPOINT": hub_server.url, "HF_HOME": str(hf), "HF_HUB_CACHE": str(hf / "hub"),
+               "HF_TOKEN_PATH": str(hf / "token"), "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    address, env = raycluster.start(request, "rayf", skip_why="A local Ray cluster could not start here: ",
+                                    extra_env=hub_env, worker_env={"GGUF_MCV_HW_ROOT": str(board)})
+    return Cluster(address, env, board)
+
+
+def _serve(request: pytest.FixtureRequest, cluster: Cluster, model: list[str],
+           port: int | None = None) -> tuple[str, subprocess.Popen]:
+    """``gguf-mcv serve MODEL --ray`` with two replicas, once it says it serves; (its URL, the process)."""
+    port = port or free_port()
+    server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", *model, "--ctx", "2048", "--threads", "1",
+                               "--ray", cluster.address, "--replicas", "2", "--port", str(port), "--api-key", ""],
+                              env=cluster.env, stderr=subprocess.PIPE, text=True)
     request.addfinalizer(server.kill)
     seen: list[str] = []
     ready = threading.Event()
@@ -53,7 +82,20 @@ def fleet(request: pytest.FixtureRequest, tiny) -> str:
     threading.Thread(target=drain, daemon=True).start()
     ready.wait()
     assert server.poll() is None, "".join(seen[-40:])
-    return f"http://127.0.0.1:{port}"
+    server.seen = seen  # type: ignore[attr-defined]
+    return f"http://127.0.0.1:{port}", server
+
+
+@pytest.fixture(scope="module")
+def fleet_server(request: pytest.FixtureRequest, cluster: Cluster, tiny) -> tuple[str, subprocess.Popen]:
+    """The fleet of the tiny model's local files deployed on the cluster: (its base URL, its process)."""
+    return _serve(request, cluster, [str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj)])
+
+
+@pytest.fixture
+def fleet(fleet_server: tuple[str, subprocess.Popen]) -> str:
+    return fleet_server[0]
+
 
 def test_a_three_turn_image_conversation_stays_on_one_replica_and_reuses_its_cache(fleet: str) -> None:
     import openai
@@ -123,6 +165,7 @@ def test_eight_concurrent_new_conversations_use_both_replicas_and_health_lists_t
     assert used == {r["replica"] for r in health["replicas"]} and len(used) == 2
     assert len({r["pid"] for r in health["replicas"]}) == 2 and len({r["node"] for r in health["replicas"]}) == 2
     assert len({r["quant"] for r in health["replicas"]}) == 1 and health["restarts"] == 0  # one quant (None: local files)
+    assert health["quant"] == "Q4_K_M" and health["quant_reason"] == "the local file given, the same on every node"
 
 
 @pytest.mark.parametrize("headers, body, status", [
@@ -174,10 +217,21 @@ def _answers(fleet: str) -> dict[str, float]:
     return out
 
 
+def _settled_answers(fleet: str) -> dict[str, float]:
+    """:func:`_answers` once two reads a few report periods apart agree: the replicas report every
+    second, so an earlier test's last answer can still be on its way into ``/metrics``."""
+    last = _answers(fleet)
+    while True:
+        time.sleep(3 * REPORT_PERIOD_S)
+        if (now := _answers(fleet)) == last:
+            return now
+        last = now
+
+
 def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> None:
     import requests
 
-    before = _answers(fleet)
+    before = _settled_answers(fleet)
     body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
     with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
         next(line for line in streamed.iter_lines() if line.startswith(b"data: "))
@@ -186,7 +240,7 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> N
     assert now["cancelled"] == before["cancelled"] + 1 and now["completed"] == before["completed"]
 
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_restarted(fleet: str) -> None:
-    """Last in the module: it kills a replica."""
+    """The last test of the local files' fleet: it kills a replica."""
     import requests
 
     pids = {r["replica"]: r["pid"] for r in requests.get(fleet + "/health", timeout=60).json()["replicas"]}
@@ -209,6 +263,83 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_resta
             break
         time.sleep(0.5)
     assert health["restarts"] == 1 and streamed.headers[REPLICA_HEADER] in {r["replica"] for r in health["lost"]}
+
+
+def _publish(hub, tiny) -> str:
+    hub.add_repo("acme/tiny-fleet", {**{f"ggml-model-{q}.gguf": p for q, p in tiny.quants.items()},
+                                     "mmproj-model-f16.gguf": tiny.mmproj})
+    return "acme/tiny-fleet"
+
+
+def _set_board_ram(cluster: Cluster, budget: int) -> None:
+    """The worker node's RAM: ``budget`` left to a model once the planner's 300 MB reserve is kept."""
+    kb = (budget + 300_000_000) // 1024
+    (cluster.board / "proc" / "meminfo").write_text(f"MemTotal: {2 * kb} kB\nMemAvailable: {kb} kB\n")
+
+
+def _between_q4_k_m_and_q5_k_m(repo: str) -> int:
+    """A RAM budget that holds the repo's Q4_K_M and not its Q5_K_M, as the fleet's replicas plan them."""
+    import gguf_mcv
+    from gguf_mcv.planning.planner import LoadChoices
+
+    rows = {r.quant: r.needed for r in gguf_mcv.plan(repo, n_ctx=2048, ram_budget=10**12, speed_probe=False,
+                                                     given=LoadChoices(n_threads=1, n_gpu_layers=0, parallel=1)).rows}
+    assert rows["Q4_K_M"] < rows["Q5_K_M"] < rows["Q8_0"] < 2 * 10**9, rows
+    return (rows["Q4_K_M"] + rows["Q5_K_M"]) // 2
+
+
+def test_one_quant_for_every_replica_the_best_every_node_allows(cluster: Cluster, fleet: str, hub, tiny) -> None:
+    """The worker node, a smaller board, allows up to Q4_K_M, the head Q8_0: Q4_K_M for both."""
+    import ray
+
+    from gguf_mcv.fleet.quant import FleetQuantError
+    from gguf_mcv.fleet.run import fleet_quant
+
+    repo = _publish(hub, tiny)
+    load = {"model": repo, "n_ctx": 2048, "n_threads": 1, "n_gpu_layers": 0, "parallel": 1}
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        _set_board_ram(cluster, _between_q4_k_m_and_q5_k_m(repo))
+        chosen, reason = fleet_quant(load, num_cpus=1)
+        assert chosen == {**load, "quant": "Q4_K_M"}
+        assert reason.startswith("fits every node: ") and "allows Q8_0" in reason and "allows Q4_K_M" in reason
+        assert fleet_quant({**load, "quant": "Q2_K"}, num_cpus=1) == ({**load, "quant": "Q2_K"}, "given by --quant")
+
+        worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" not in n["Resources"])
+        _set_board_ram(cluster, 1_000_000)  # nothing fits there
+        with pytest.raises(FleetQuantError, match=f"No quant of the model fits node .*{worker[:8]}") as refused:
+            fleet_quant(load, num_cpus=1)
+        assert "No quantization fits" in str(refused.value) and "--quant" in str(refused.value)
+    finally:
+        ray.shutdown()
+        shutil.copy("/proc/meminfo", cluster.board / "proc" / "meminfo")
+    assert len(requests_health(fleet)["replicas"]) == 2  # the running fleet was left alone
+
+
+def requests_health(fleet: str) -> dict:
+    import requests
+
+    return requests.get(fleet + "/health", timeout=60).json()
+
+
+def test_a_fleet_of_a_hub_model_loads_the_common_quant_and_health_says_why(
+        request: pytest.FixtureRequest, cluster: Cluster, fleet_server, hub, tiny) -> None:
+    """Last of the module: the local files' fleet is stopped (Ctrl-C) and a Hub model's deployed."""
+    repo = _publish(hub, tiny)
+    fleet_server[1].send_signal(signal.SIGINT)  # serve_on_ray deletes its application on the way out
+    assert fleet_server[1].wait(timeout=120) == 0
+    _set_board_ram(cluster, _between_q4_k_m_and_q5_k_m(repo))
+    try:
+        # Serve's HTTP proxy outlives the first application, on its port: the second one is served there
+        url, server = _serve(request, cluster, [repo], port=int(fleet_server[0].rsplit(":", 1)[1]))
+        health = requests_health(url)
+        assert health["quant"] == "Q4_K_M" and health["quant_reason"].startswith("fits every node: "), health
+        assert [r["quant"] for r in health["replicas"]] == ["Q4_K_M", "Q4_K_M"]
+        assert any("One quant for every replica: Q4_K_M" in line for line in server.seen)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=120) == 0
+    finally:
+        shutil.copy("/proc/meminfo", cluster.board / "proc" / "meminfo")
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -5,8 +5,9 @@
 
 Modules: ``keys`` (a request's routing key), ``policy`` (the choice of replica, pure),
 ``router`` (the policy as Serve's request router), ``asgi`` (a forwarded request through the
-server's app), ``deployment`` (the front and the replicas), ``run`` (deploying on a cluster).
-``keys`` and ``policy`` need no Ray; the others import it.
+server's app), ``deployment`` (the front and the replicas), ``quant`` (the one quant every node
+allows, pure), ``run`` (deploying on a cluster, the quant chosen first).
+``keys``, ``policy`` and ``quant`` need no Ray; the others import it.
 """
 
 from __future__ import annotations

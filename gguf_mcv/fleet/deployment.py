@@ -29,6 +29,7 @@ from .asgi import answer
 from .keys import route_key
 from .metrics import merged
 from .policy import DEFAULT_IMBALANCE
+from .quant import GIVEN, local_reason
 from .registry import keep_reporting, registry
 from .router import ROUTER_PATH
 
@@ -90,9 +91,11 @@ async def _rest(pieces: Any, content_type: str) -> AsyncIterator[bytes]:
 class Front:
     """The HTTP ingress: each request to the replica that holds its conversation."""
 
-    def __init__(self, replica: DeploymentHandle, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, replica: DeploymentHandle, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 quant: tuple[str | None, str] = (None, "")) -> None:
         self.replica = replica
         self.max_body_bytes = max_body_bytes
+        self.quant = quant  # the one every replica loads, and why
         self.registry = registry()
 
     @front_app.get("/health", include_in_schema=False)
@@ -105,7 +108,7 @@ class Front:
         listing = await self.registry.listing.remote()
         for replica in [*listing["replicas"], *listing["lost"]]:
             replica.pop("exposition", None)  # /metrics shows those
-        health = {**json.loads(body), **listing}
+        health = {**json.loads(body), **listing, "quant": self.quant[0], "quant_reason": self.quant[1]}
         health["worker_restarts"] = health["restarts"]
         return JSONResponse(health, headers={REPLICA_HEADER: answered.headers.get(REPLICA_HEADER, "")})
 
@@ -154,12 +157,14 @@ class Front:
 
 def application(load_kwargs: dict[str, Any], *, replicas: int = 1, app_kwargs: dict[str, Any] | None = None,
                 imbalance: int = DEFAULT_IMBALANCE, spread: bool = True, num_cpus: float | None = None,
-                affinity: bool = True) -> serve.Application:
+                affinity: bool = True, quant_reason: str | None = None) -> serve.Application:
     """The fleet as a Serve application (bind it yourself, or run it with :func:`~.serve_on_ray`).
 
     ``load_kwargs`` are :func:`gguf_mcv.load`'s keywords for every replica; ``app_kwargs``
     :func:`gguf_mcv.server.build_app`'s. ``spread``: one replica per node while nodes last.
-    ``affinity=False`` routes with Serve's default router instead (for comparison).
+    ``affinity=False`` routes with Serve's default router instead (for comparison). ``quant_reason``
+    is why every replica loads ``load_kwargs["quant"]`` (``/health`` says both; :func:`~.run.deploy`
+    chooses the quant and passes it; None: given, or each replica's own plan when there is none).
     """
     app_kwargs = dict(app_kwargs or {})
     threads = load_kwargs.get("n_threads") or 1
@@ -178,4 +183,9 @@ def application(load_kwargs: dict[str, Any], *, replicas: int = 1, app_kwargs: d
         options["max_replicas_per_node"] = 1
     model = serve.deployment(**options)(Replica).bind(load_kwargs, app_kwargs)
     front = serve.deployment(name="gguf_mcv_front", ray_actor_options={"num_cpus": 0})(Front)
-    return front.bind(model, app_kwargs.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+    quant, local = load_kwargs.get("quant"), load_kwargs.get("model_path")
+    if local:
+        quant, quant_reason = local_reason(load_kwargs)
+    elif quant_reason is None:
+        quant_reason = GIVEN if quant else "planned by each replica on its own node"
+    return front.bind(model, app_kwargs.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES), (quant, quant_reason))

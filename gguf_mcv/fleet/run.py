@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
-from ..errors import ClusterError, ConfigError
+from ..errors import ClusterError, ConfigError, NoQuantFitsError
 from ..server.app import API_KEY_ENV, is_loopback
 from .policy import DEFAULT_IMBALANCE
+from .quant import GIVEN, NodeAllowance, allowance, common_quant, local_reason
 
 log = logging.getLogger("gguf_mcv.fleet")
 APP_NAME = "gguf_mcv"
@@ -26,8 +28,10 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
            spread: bool = True, affinity: bool = True) -> str:
     """Deploy the fleet on the cluster at ``address`` (``"auto"``: this machine's); its base URL.
 
-    Returns once every replica has loaded its model. :class:`ClusterError` when the cluster
-    cannot be reached or the replicas cannot start; :class:`ConfigError` for bad settings.
+    Every replica loads one quant: ``load_kwargs["quant"]``, else the best every node allows
+    (:func:`fleet_quant`, before any replica starts). Returns once every replica has loaded its
+    model. :class:`ClusterError` when the cluster cannot be reached or the replicas cannot start
+    (:class:`~.quant.FleetQuantError` when no quant fits a node); :class:`ConfigError` for bad settings.
     """
     check_replicas(replicas)
     if not isinstance(port, int) or not 1 <= port <= 65535:
@@ -48,11 +52,13 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
         ray.init(address=address, log_to_driver=False, configure_logging=False, ignore_reinit_error=True)
     except (ConnectionError, RuntimeError) as exc:
         raise ClusterError(f"Cannot reach the Ray cluster at {address}: {exc}") from None
+    load_kwargs, reason = fleet_quant(load_kwargs, num_cpus=load_kwargs.get("n_threads") or 1)
     _fresh_registry(ray)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     try:
         serve.run(application(load_kwargs, replicas=replicas, app_kwargs=app_kwargs, imbalance=imbalance,
-                              spread=spread, affinity=affinity), name=APP_NAME, route_prefix="/")
+                              spread=spread, affinity=affinity, quant_reason=reason),
+                  name=APP_NAME, route_prefix="/")
     except (RuntimeError, ray.exceptions.RayError) as exc:
         raise ClusterError(f"The fleet could not start on the Ray cluster: {exc}") from exc
     if not app_kwargs.get("api_key") and not is_loopback(host):
@@ -75,6 +81,65 @@ def serve_on_ray(address: str, load_kwargs: dict[str, Any], **options: Any) -> N
         pass
     finally:
         serve.delete(APP_NAME)
+
+
+def fleet_quant(load_kwargs: dict[str, Any], *, num_cpus: float = 1) -> tuple[dict[str, Any], str]:
+    """``load_kwargs`` with the quant every replica loads, and why (``/health``'s ``quant_reason``).
+
+    ``quant`` given: kept. A model name: the best quant every alive node with ``num_cpus`` CPUs
+    allows (:func:`survey`, :func:`~.quant.common_quant`; :class:`~.quant.FleetQuantError` when a
+    node allows none). Local files: their own. ``"auto"``: left to each replica's plan. Needs
+    ``ray.init`` done."""
+    if load_kwargs.get("model_path"):
+        return load_kwargs, local_reason(load_kwargs)[1]
+    if load_kwargs.get("quant"):
+        return load_kwargs, GIVEN
+    if load_kwargs.get("model") == "auto":
+        return load_kwargs, "planned by each replica on its own node ('auto' picks the model there)"
+    quant, reason = common_quant(survey(load_kwargs, num_cpus=num_cpus))
+    log.warning("One quant for every replica: %s (%s).", quant, reason)
+    return {**load_kwargs, "quant": quant}, reason
+
+
+def survey(load_kwargs: dict[str, Any], *, num_cpus: float = 1) -> list[NodeAllowance]:
+    """What each alive node with ``num_cpus`` CPUs (one that may hold a replica) allows: its own
+    plan, made there by a Ray task that takes no CPU (it runs beside whatever holds them)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus]
+    task = ray.remote(num_cpus=0)(node_allowance)
+    pending = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(load_kwargs)
+               for node in nodes]
+    try:
+        return list(ray.get(pending))
+    except ray.exceptions.RayTaskError as exc:
+        raise ClusterError(f"Planning the fleet's quant on a node failed: {exc.cause}") from None
+
+
+def node_allowance(load_kwargs: dict[str, Any]) -> NodeAllowance:
+    """This node's plan for ``load_kwargs`` (:func:`gguf_mcv.resolver.plan` on this machine, as
+    ``load()`` would plan it here) as a :class:`~.quant.NodeAllowance`."""
+    import ray
+
+    from ..planning.planner import LoadChoices
+    from ..resolver import plan
+
+    node = ray.get_runtime_context().get_node_id()
+    k = load_kwargs
+    given = LoadChoices(n_threads=k.get("n_threads"), n_threads_batch=k.get("n_threads_batch"),
+                        n_gpu_layers=k.get("n_gpu_layers", 0), vision_gpu=k.get("vision_gpu"),
+                        parallel=k.get("parallel", 1))
+    limited = k.get("min_tokens_per_s") is not None or k.get("max_first_answer_s") is not None
+    try:
+        planned = plan(k["model"], ram_budget=k.get("ram_budget"), n_ctx=k.get("n_ctx"),
+                       kv_cache_type=k.get("kv_cache_type"), revision=k.get("revision"),
+                       min_tokens_per_s=k.get("min_tokens_per_s"), max_first_answer_s=k.get("max_first_answer_s"),
+                       speed_probe=None if limited else False, vision_backend=k.get("vision_backend", "auto"),
+                       vision_weights=k.get("vision_weights"), given=given)
+    except NoQuantFitsError as exc:
+        return NodeAllowance(node, socket.gethostname(), None, (), str(exc).splitlines()[0])
+    return allowance(node, planned)
 
 
 def _fresh_registry(ray: Any) -> None:
