@@ -94,6 +94,18 @@ def test_follow_up_reuses_its_slot_and_its_image(par) -> None:
     assert second.timings.slices_encoded == second.timings.slices_from_cache == 0
 
 
+def test_a_new_conversation_takes_an_empty_slot_not_one_sharing_only_the_template(tiny) -> None:
+    # every prompt starts with the chat template's tokens: a slot holding another conversation
+    # shares those, and taking it for a new one overwrote that conversation while slots were empty
+    with load(tiny, parallel=4) as model:
+        chat = model.chat()
+        first = chat.send("Describe it.", picture(11, (900, 600)), max_tokens=6, **GREEDY)
+        model.chat().send("What is this?", picture(12, (900, 600)), max_tokens=6, **GREEDY)
+        second = chat.send("And the colours?", max_tokens=6, **GREEDY)
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens
+    assert second.timings.slices_encoded == second.timings.slices_from_cache == 0
+
+
 def test_a_busy_slots_prefix_is_copied_not_evaluated(tiny) -> None:
     system = "You are a careful assistant. " * 30
     with load(tiny, parallel=2) as model:

@@ -339,14 +339,26 @@ class Scheduler:
             self._fail(job, AnswerCancelled("The answer was cancelled before it started."))
 
     def _assign(self) -> None:
-        """Give waiting jobs (oldest first) the free slot that holds most of their prompt."""
+        """Give waiting jobs (oldest first) the free slot that serves them best (:meth:`_fit`)."""
         while self._waiting:
             free = [s for s in self._slots if s.free]
             if not free:
                 return
             job = self._waiting.popleft()
-            slot = max(free, key=lambda s: (self._reusable(s, job)[0], -s.last_used))
+            slot = max(free, key=lambda s: self._fit(s, job))
             self._start(slot, job)
+
+    def _fit(self, slot: _Slot, job: Job) -> tuple[int, int, float]:
+        """How well ``slot`` serves ``job``: the prompt positions it starts with less the positions
+        of what it holds beyond them (another conversation, overwritten); then its own prefix; then
+        the least recently used. Where sequences rewind, a slot starts with the longest prefix any
+        slot holds (:meth:`_start` copies it), so an empty slot is taken before one that shares
+        only the chat template's first tokens with the prompt and holds another conversation."""
+        units = job.prompt.units
+        keep = self._reusable(slot, job)[0]
+        start = max([keep, *(common_prefix(s.units, units) for s in self._slots)]) if self._can_rewind else keep
+        lost = n_positions(slot.units[keep:])
+        return n_positions(units[:start]) - lost, keep, -slot.last_used
 
     def _reusable(self, slot: _Slot, job: Job) -> tuple[int, tuple[int, int] | None]:
         """How many leading units of ``job``'s prompt ``slot`` can keep — with a dropped stretch
