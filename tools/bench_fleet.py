@@ -12,6 +12,14 @@ takes the picture's embeddings from the replica's cache), and time to first toke
 to the first streamed event), p50 and max. The two routers run A B A B.
 
     python tools/bench_fleet.py --ladder /tmp/tiny --preset tiny --rounds 2
+
+``--throughput`` instead sets the fleet (two replicas, one thread each) against one single
+``gguf-mcv serve`` with two threads and ``--parallel 2``, A B A B: the aggregate decode rate of
+four text clients at once (all completion tokens / wall time from the first request to the last
+answer's end) and one request's overhead (the median of ``--overhead-requests`` one-token
+requests, one after another: what Serve's front and router add to the single server's path).
+
+    python tools/bench_fleet.py --ladder /tmp/ev/b26 --preset bench --throughput --rounds 2
 """
 
 from __future__ import annotations
@@ -74,9 +82,10 @@ def turn(url: str, messages: list, max_tokens: int) -> dict[str, Any]:
             event = json.loads(line[6:])
             usage = event.get("usage") or usage
             pieces += [c["delta"].get("content") or "" for c in event.get("choices", [])]
-        replica = answered.headers[REPLICA_HEADER]
+        replica = answered.headers.get(REPLICA_HEADER, "single")
     assert first is not None and usage is not None
     return {"replica": replica, "ttft_s": first - began, "answer": "".join(pieces),
+            "completion_tokens": usage["completion_tokens"], "wall_s": time.perf_counter() - began,
             "evaluated": usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]}
 
 
@@ -129,12 +138,56 @@ def measure(address: str, load: dict[str, Any], affinity: bool, seed: int, side:
             "replicas_used": len({t["replica"] for turns in done for t in turns})}
 
 
+def throughput(url: str, seed: int, max_tokens: int, overhead_requests: int) -> dict[str, Any]:
+    """The decode rate of four text clients at once, and the median one-token request, at ``url``."""
+    import statistics
+
+    def story(i: int) -> dict[str, Any]:
+        return turn(url, [{"role": "user", "content": f"Story {seed}.{i}: a long tale of a lighthouse."}], max_tokens)
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(CONVERSATIONS) as pool:
+        done = list(pool.map(story, range(CONVERSATIONS)))
+    wall = time.perf_counter() - began
+    tokens = sum(t["completion_tokens"] for t in done)
+    one = [turn(url, [{"role": "user", "content": f"Hi {seed}.{i}"}], 1)["wall_s"] for i in range(overhead_requests)]
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "one_request_s": statistics.median(one),
+            "replicas_used": len({t["replica"] for t in done})}
+
+
+def fleet_throughput(address: str, load: dict[str, Any], seed: int, args: Any) -> dict[str, Any]:
+    from ray import serve
+
+    from gguf_mcv.fleet.run import APP_NAME, deploy
+
+    url = deploy(address, load, replicas=2, port=_free_port(), app_kwargs={"api_key": ""})
+    try:
+        return throughput(url, seed, args.text_tokens, args.overhead_requests)
+    finally:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+
+
+def single_throughput(model: Any, mmproj: Any, seed: int, args: Any) -> dict[str, Any]:
+    from bench.served import start_server
+
+    server = start_server(model, mmproj, ["--threads", "2", "--parallel", "2", "--ctx", "4096"])
+    try:
+        return throughput(server.base, seed, args.text_tokens, args.overhead_requests)
+    finally:
+        server.stop()
+
+
 def main() -> None:
     p = options.parser(__doc__, ladder=None, threads=1)
     p.add_argument("--preset", default="tiny", help="tools/make_test_model.py preset (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="A B rounds (default %(default)s)")
     p.add_argument("--image-side", type=int, default=448, help="picture side in pixels (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--throughput", action="store_true", help="the fleet's decode rate and per-request overhead "
+                   "against one single server with --parallel 2 (see above)")
+    p.add_argument("--text-tokens", type=int, default=128, help="--throughput: tokens per text answer at most")
+    p.add_argument("--overhead-requests", type=int, default=8, help="--throughput: one-token requests timed")
     args = p.parse_args()
     model, mmproj = models.pair(args.ladder, args.quant, args.preset)
     load = dict(model_path=str(model), mmproj_path=str(mmproj), n_ctx=4096, n_threads=args.threads)
@@ -143,9 +196,16 @@ def main() -> None:
     import ray
 
     ray.init(address=address, log_to_driver=False)
-    results: dict[str, list[dict[str, Any]]] = {"conversation": [], "serve-default": []}
+    names = ("fleet", "single --parallel 2") if args.throughput else ("conversation", "serve-default")
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
         for r in range(args.rounds):
+            if args.throughput:
+                for name in names if r % 2 == 0 else names[::-1]:  # A B, then B A
+                    results[name].append(fleet_throughput(address, load, r, args) if name == "fleet"
+                                         else single_throughput(model, mmproj, r, args))
+                    print(name, results[name][-1], file=sys.stderr)
+                continue
             for name, affinity in (("conversation", True), ("serve-default", False)):
                 # a fresh picture per round and router: nothing cached from before
                 results[name].append(measure(address, load, affinity, 1000 * (r + 1) + 100 * affinity,
