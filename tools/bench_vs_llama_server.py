@@ -16,7 +16,9 @@ Steps, each with images never seen before in that server's life unless the step 
 - ``new_chat_same_image``: the first photo again, at the start of a new chat;
 - ``four_images``: four clients at once, each with another photo;
 - ``later_same_image``: the first photo again in a new chat, after the four;
-- ``text_one`` / ``text_four``: ``--text-tokens`` tokens of text for one client, for four at once.
+- ``text_one`` / ``text_four``: ``--text-tokens`` tokens of text for one client, for four at once;
+  also as completion tokens per second (``*_tok_per_s``, whose ratio is ours / theirs too: above
+  1 is faster), since greedy answers of random weights may end early, at other lengths per server.
 
     tools/build_llama_server.sh /tmp/llama-server
     python tools/bench_vs_llama_server.py --ladder /tmp/ev/b26 --llama-server \\
@@ -40,7 +42,7 @@ from bench import images, options, record, stats
 from bench.served import free_port, start_server
 
 STEPS = ("first_full", "first_default", "follow_up", "new_chat_same_image", "four_images",
-         "later_same_image", "text_one", "text_four")
+         "later_same_image", "text_one", "text_four", "text_one_tok_per_s", "text_four_tok_per_s")
 GREEDY: dict[str, Any] = dict(temperature=0, seed=0)
 
 
@@ -120,8 +122,12 @@ def one_round(base: str, ours: bool, args: argparse.Namespace, round_no: int) ->
     side = args.photo_side
     photos = [images.photo_bytes(1000 * round_no + i, side, side) for i in range(6)]
 
-    def ask(messages: list[dict[str, Any]], max_tokens: int = args.image_tokens) -> str:
+    tokens: dict[str, int] = {}  # completion tokens of the text steps (random weights may stop early)
+
+    def ask(messages: list[dict[str, Any]], max_tokens: int = args.image_tokens, step: str = "") -> str:
         out = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens, **GREEDY)
+        if step and out.usage is not None:
+            tokens[step] = tokens.get(step, 0) + out.usage.completion_tokens
         return out.choices[0].message.content or ""
 
     def question(photo: bytes, text: str, detail: str | None) -> list[dict[str, Any]]:
@@ -141,9 +147,11 @@ def one_round(base: str, ours: bool, args: argparse.Namespace, round_no: int) ->
                                     for p in photos[2:6]])
     times["later_same_image"] = timed(lambda: ask(question(photos[0], "What stands out?", full)))
     text = [{"role": "user", "content": f"Round {round_no}: write a long story about a lighthouse."}]
-    times["text_one"] = timed(lambda: ask(text, args.text_tokens))
+    times["text_one"] = timed(lambda: ask(text, args.text_tokens, "text_one"))
     times["text_four"] = at_once([lambda i=i: ask([{"role": "user", "content": f"Story {round_no}.{i} please."}],
-                                                 args.text_tokens) for i in range(4)])
+                                                 args.text_tokens, "text_four") for i in range(4)])
+    for step, n in tokens.items():  # the text rows as rates too: the two servers' answers may differ in length
+        times[f"{step}_tok_per_s"] = n / times[step]
     return times
 
 
@@ -197,7 +205,8 @@ def main() -> None:
             peer.stop()
 
     def said(i: int, name: str, r: dict[str, float]) -> None:
-        print(f"round {i} {name}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r.items()), flush=True)
+        shown = (f"{k} {v:.2f}" + ("" if k.endswith("_per_s") else "s") for k, v in r.items())
+        print(f"round {i} {name}: " + ", ".join(shown), flush=True)
 
     samples = stats.alternate({"ours": ours, "llama-server": theirs}, args.rounds, said, swap=True)
     rows = summary(samples)
