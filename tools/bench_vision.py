@@ -26,7 +26,9 @@ cosine and the converted files' sizes.
 ``--runs`` rounds, one fresh random 448-px slice per round, the same for every candidate): each
 int8 kernel (``gguf_mcv.vision.onnx_variants``) with the loader's session options, and u8s8
 with other session options (spinning on; basic graph optimizations only); the median of each,
-its ratio to libmtmd's F16 slice (timed first, in a fresh process) and its cosine to u8s8.
+its ratio to libmtmd's F16 slice and its cosine to u8s8. libmtmd takes its turn in every round
+too (a fresh process: a warm-up image, then one timed slice), so the ratios come from one
+alternating run.
 
     python tools/bench_vision.py --ladder /tmp/bench-onnx --variants --runs 4
 """
@@ -132,8 +134,8 @@ def variants(args: argparse.Namespace) -> None:
     from gguf_mcv.vision.onnx_variants import cpu_class
     from gguf_mcv.vision.onnx_vision import int8_scope, token_cosines
 
+    one_slice = argparse.Namespace(**{**vars(args), "runs": 1})
     with tempfile.TemporaryDirectory() as tmp:
-        libmtmd = run("llama.cpp", args, {"GGUF_MCV_CACHE": tmp}, Path(tmp) / "ref.npy")
         weights = Weights(Path(args.ladder) / "mmproj-model-f16.gguf")
         p = weights.projector()
         sessions = {}
@@ -154,24 +156,28 @@ def variants(args: argparse.Namespace) -> None:
                 sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         side = p.image_size // p.patch_size
         rng = np.random.default_rng(0)
-        times: dict[str, list[float]] = {name: [] for name in sessions}
+        times: dict[str, list[float]] = {"libmtmd F16": [], **{name: [] for name in sessions}}
         outs: dict[str, np.ndarray] = {}
         for name, session in sessions.items():  # warm-up, and each one's embeddings of one slice
             feeds = {"pixels": rng.standard_normal((1, 3, p.image_size, p.image_size), np.float32).clip(-1, 1),
                      **graph_inputs(p, side, side)}
             outs[name] = session.run(["embeddings"], {**feeds, "pixels": np.zeros_like(feeds["pixels"]) + 0.1})[0]
         for _ in range(args.runs):
+            libmtmd = run("llama.cpp", one_slice, {"GGUF_MCV_CACHE": tmp}, Path(tmp) / "ref.npy")
+            times["libmtmd F16"].append(libmtmd["median_ms"] / 1000)
             feeds = {"pixels": rng.uniform(-1, 1, (1, 3, p.image_size, p.image_size)).astype(np.float32),
                      **graph_inputs(p, side, side)}
             for name, session in sessions.items():
                 start = time.perf_counter()
                 session.run(["embeddings"], feeds)
                 times[name].append(time.perf_counter() - start)
-    base = libmtmd["median_ms"] / 1000
-    print(f"CPU class {cpu_class()}, {args.threads} threads, libmtmd F16 {base:.3f} s per slice")
+    base = statistics.median(times["libmtmd F16"])
+    print(f"CPU class {cpu_class()}, {args.threads} threads, libmtmd F16 {base:.3f} s per slice (median)")
     print("\n| int8 variant | s per 448-px slice (median) | vs libmtmd F16 | cosine vs u8s8 |")
     print("| --- | ---: | ---: | ---: |")
     for name, ts in times.items():
+        if name not in outs:
+            continue
         cos = float(token_cosines(outs["u8s8"][0], outs[name][0]).mean())
         print(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.2f}x | {cos:.5f} |")
     found = {"cpu_class": cpu_class(), "libmtmd_s": base, "times": times}
