@@ -190,12 +190,15 @@ def main() -> None:
     counter = {"ours": 0, "llama-server": 0}
 
     def ours() -> dict[str, float]:
-        server = start_server(model, mmproj, ["--threads", str(args.threads), "--parallel", str(args.parallel),
-                                              "--ctx", str(args.ctx)])
-        try:
-            return one_round(server.base, True, args, _next(counter, "ours"))
-        finally:
-            server.stop()
+        # its own embedding cache: the disk cache outlives a server, and an earlier run's photos
+        # (the same seeds) would make its first questions cached ones
+        with tempfile.TemporaryDirectory(prefix="bench_vs_ls_") as cache:
+            server = start_server(model, mmproj, ["--threads", str(args.threads), "--parallel", str(args.parallel),
+                                                  "--ctx", str(args.ctx), "--cache-dir", cache])
+            try:
+                return one_round(server.base, True, args, _next(counter, "ours"))
+            finally:
+                server.stop()
 
     def theirs() -> dict[str, float]:
         peer = Peer(args.llama_server, model, mmproj, threads=args.threads, parallel=args.parallel, n_ctx=args.ctx)
