@@ -25,7 +25,8 @@ from .vision_backends import int8_passes
 #: the one kept when none can be validated). On AVX-512 VNNI (AMD EPYC, 2026-12-04,
 #: tools/bench_vision.py --variants) u8s8 took 1.13 s a slice of the 2.6 bench preset against
 #: u8u8's 1.91 s and nbits8's 2.19 s, so VNNI and AMX try u8s8 alone; without VNNI u8s8's
-#: pair sums saturate and are the slow path, so all three are tried there
+#: pair sums saturate and are the slow path, so all three are tried there (on AVX2 without VNNI,
+#: AMD EPYC, 2026-12-07, u8s8 was still the fastest: 7.0 s against u8u8's 8.9 s and nbits8's 15.0 s)
 CANDIDATES: dict[str, tuple[str, ...]] = {
     "amx": ("u8s8",),
     "avx512-vnni": ("u8s8",),
