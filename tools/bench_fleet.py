@@ -14,7 +14,7 @@ to the first streamed event), p50 and max. The two routers run A B A B.
     python tools/bench_fleet.py --ladder /tmp/tiny --preset tiny --rounds 2
 
 ``--throughput`` instead sets the fleet (two replicas, one thread each) against one single
-``gguf-mcv serve`` with two threads and ``--parallel 2``, A B A B: the aggregate decode rate of
+``gguf-mcv serve`` with two threads and ``--parallel 2``, A B then B A: the aggregate decode rate of
 four text clients at once (all completion tokens / wall time from the first request to the last
 answer's end) and one request's overhead (the median of ``--overhead-requests`` one-token
 requests, one after another: what Serve's front and router add to the single server's path).
@@ -24,6 +24,7 @@ requests, one after another: what Serve's front and router add to the single ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -112,21 +114,28 @@ def _slices(url: str) -> dict[str, float]:
     return out
 
 
-def measure(address: str, load: dict[str, Any], affinity: bool, seed: int, side: int, max_tokens: int
-            ) -> dict[str, Any]:
+@contextlib.contextmanager
+def fleet(address: str, load: dict[str, Any], affinity: bool = True) -> Iterator[str]:
+    """Two replicas deployed on the cluster at ``address`` for the block; their URL."""
     from ray import serve
 
     from gguf_mcv.fleet.run import APP_NAME, deploy
 
     url = deploy(address, load, replicas=2, port=_free_port(), app_kwargs={"api_key": ""}, affinity=affinity)
     try:
+        yield url
+    finally:
+        serve.delete(APP_NAME)
+        serve.shutdown()  # the next deploy starts its proxy on its own port
+
+
+def measure(address: str, load: dict[str, Any], affinity: bool, seed: int, side: int, max_tokens: int
+            ) -> dict[str, Any]:
+    with fleet(address, load, affinity) as url:
         with ThreadPoolExecutor(CONVERSATIONS) as pool:
             done = list(pool.map(lambda c: conversation(url, seed + c, side, max_tokens), range(CONVERSATIONS)))
         time.sleep(2)  # the replicas' reports, which /metrics shows, come every second
         slices = _slices(url)
-    finally:
-        serve.delete(APP_NAME)
-        serve.shutdown()  # the next deploy starts its proxy on its own port
     follow = [t for turns in done for t in turns[1:]]
     moved = sum(t["replica"] != turns[0]["replica"] for turns in done for t in turns[1:])
     ttft = [t["ttft_s"] for t in follow]
@@ -156,16 +165,8 @@ def throughput(url: str, seed: int, max_tokens: int, overhead_requests: int) -> 
 
 
 def fleet_throughput(address: str, load: dict[str, Any], seed: int, args: Any) -> dict[str, Any]:
-    from ray import serve
-
-    from gguf_mcv.fleet.run import APP_NAME, deploy
-
-    url = deploy(address, load, replicas=2, port=_free_port(), app_kwargs={"api_key": ""})
-    try:
+    with fleet(address, load) as url:
         return throughput(url, seed, args.text_tokens, args.overhead_requests)
-    finally:
-        serve.delete(APP_NAME)
-        serve.shutdown()
 
 
 def single_throughput(model: Any, mmproj: Any, seed: int, args: Any) -> dict[str, Any]:

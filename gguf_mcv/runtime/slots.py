@@ -345,18 +345,19 @@ class Scheduler:
             if not free:
                 return
             job = self._waiting.popleft()
-            slot = max(free, key=lambda s: self._fit(s, job))
+            held = max(common_prefix(s.units, job.prompt.units) for s in self._slots)  # the same for every slot
+            slot = max(free, key=lambda s: self._fit(s, job, held))
             self._start(slot, job)
 
-    def _fit(self, slot: _Slot, job: Job) -> tuple[int, int, float]:
+    def _fit(self, slot: _Slot, job: Job, held: int) -> tuple[int, int, float]:
         """How well ``slot`` serves ``job``: the prompt positions it starts with less the positions
         of what it holds beyond them (another conversation, overwritten); then its own prefix; then
         the least recently used. Where sequences rewind, a slot starts with the longest prefix any
-        slot holds (:meth:`_start` copies it), so an empty slot is taken before one that shares
-        only the chat template's first tokens with the prompt and holds another conversation."""
+        slot holds (``held``, in units; :meth:`_start` copies it), so an empty slot is taken before one
+        that shares only the chat template's first tokens with the prompt and holds another conversation."""
         units = job.prompt.units
         keep = self._reusable(slot, job)[0]
-        start = max([keep, *(common_prefix(s.units, units) for s in self._slots)]) if self._can_rewind else keep
+        start = max(keep, held) if self._can_rewind else keep
         lost = n_positions(slot.units[keep:])
         return n_positions(units[:start]) - lost, keep, -slot.last_used
 
