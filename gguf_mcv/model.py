@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from . import llama_log
 from .chat import Chat, chat_settings
@@ -25,9 +25,10 @@ from .options import (
 from .prompt.templates import ChatTemplate
 from .prompt.turns import Images, Turn, TurnBuilder, VideoOptions, as_image_list
 from .questions import Questions
-from .runtime import kv_store, saved_chat
+from .runtime import kv_store, memory_store, saved_chat
 from .runtime.engine import Engine, file_identity
 from .runtime.generation import AnswerLock, SharedAnswerLock
+from .runtime.sequence import StateStore
 from .runtime.slots import Scheduler
 from .vision.media import Image, ImageInput
 
@@ -88,6 +89,8 @@ class Model(Questions):
         self.scheduler = scheduler
         self._lock = AnswerLock() if scheduler is None else SharedAnswerLock()
         self._identity: dict[str, Any] | None = None
+        self._kept_on_disk: kv_store.KVStore | None = None  # keep_chats
+        self._kept_in_memory: memory_store.MemoryKVStore | None = None  # keep_chats_in_memory
         #: builds the turns of every question (see :class:`gguf_mcv.prompt.turns.TurnBuilder`)
         self.turns = TurnBuilder(engine, template, n_ctx=info.n_ctx, can_think=info.can_think,
                                  thinking_default=info.thinking_default, vision_gpu=info.vision_gpu,
@@ -138,25 +141,55 @@ class Model(Questions):
         starts with more of it than the cache holds (see :mod:`gguf_mcv.runtime.kv_store`). The folder
         is capped at ``max_bytes`` (least recently used entries go first); states losing fewer
         than ``min_positions`` positions are not kept; :meth:`keep_idle` keeps what the cache
-        holds now (a server calls it as it stops). Returns the store (its ``counts``);
-        :class:`ConfigError` if the folder cannot be used or one is already attached."""
+        holds now (a server calls it as it stops). With :meth:`keep_chats_in_memory` as well,
+        RAM is looked in first. Returns the store (its ``counts``); :class:`ConfigError` if the
+        folder cannot be used or one is already attached."""
+        if self._kept_on_disk is not None:
+            raise ConfigError(f"This model already keeps its conversations in {self._kept_on_disk.directory}.")
         engine = self.engine
-        if engine.kv_store is not None:
-            raise ConfigError("This model already keeps its conversations in "
-                              f"{cast(kv_store.KVStore, engine.kv_store).directory}.")
         store = kv_store.KVStore(directory, self.identity(), n_vocab=int(engine.llama.n_vocab()),
                                  n_ctx=self.info.n_ctx, max_bytes=max_bytes, min_positions=min_positions)
+        self._kept_on_disk = store
+        self._attach_stores(engine)
+        return store
+
+    def keep_chats_in_memory(self, max_bytes: int, *,
+                             min_positions: int = memory_store.MIN_POSITIONS) -> memory_store.MemoryKVStore:
+        """Keep the KV states of conversations about to be overwritten in RAM, at most
+        ``max_bytes`` of them (least recently used go first), and restore one when a later
+        prompt starts with more of it than the cache holds, as llama-server's prompt cache
+        does (see :mod:`gguf_mcv.runtime.memory_store`). In front of :meth:`keep_chats`'s folder
+        where there is one. Returns the store (its ``counts``); :class:`ConfigError` for a bad
+        cap or if one is already attached."""
+        if self._kept_in_memory is not None:
+            raise ConfigError(f"This model already keeps up to {self._kept_in_memory.max_bytes} bytes of "
+                              "conversations in memory.")
+        store = memory_store.MemoryKVStore(max_bytes, min_positions=min_positions)
+        engine = self.engine  # a closed model is refused here, before it holds a store
+        self._kept_in_memory = store
+        self._attach_stores(engine)
+        return store
+
+    @property
+    def kept_in_memory(self) -> memory_store.MemoryKVStore | None:
+        """The store of :meth:`keep_chats_in_memory`, if one is attached."""
+        return self._kept_in_memory
+
+    def _attach_stores(self, engine: Engine) -> None:
+        disk, memory = self._kept_on_disk, self._kept_in_memory
+        store: StateStore | None = memory if disk is None else disk
+        if memory is not None and disk is not None:
+            store = memory_store.Tiers(memory, disk)
         engine.kv_store = store
         if self.scheduler is not None:
             self.scheduler.store = store
-        return store
 
     def keep_idle(self, timeout: float = 60.0) -> bool:
         """Hand every idle conversation's state to the store of :meth:`keep_chats` and wait until
         it is written (as a server stops); whether that finished within ``timeout`` seconds."""
-        if self.closed or self._engine.kv_store is None:
+        store = self._kept_on_disk
+        if self.closed or store is None:
             return False
-        store = cast(kv_store.KVStore, self._engine.kv_store)
         if self.scheduler is not None:
             done = self.scheduler.keep_idle(timeout)
         else:  # on a thread of its own: an answer still running must not hang the caller (a server stopping)
@@ -219,8 +252,8 @@ class Model(Questions):
         llama = engine.llama
         if self.scheduler is not None:
             self.scheduler.close()  # its thread uses the context: stopped first
-        if isinstance(engine.kv_store, kv_store.KVStore):
-            engine.kv_store.close()  # writes what is pending
+        if self._kept_on_disk is not None:
+            self._kept_on_disk.close()  # writes what is pending
         engine.close()
         llama.close()
         if self._verbose:

@@ -404,6 +404,18 @@ def test_serve_refuses_a_bad_keep_chats_size_in_one_line(tiny, tmp_path) -> None
     assert len(lines) == 1 and "cannot read 'lots' as a size" in lines[0]
 
 
+def test_serve_refuses_a_bad_ram_cap_in_one_line(tiny) -> None:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    done = run("serve", str(tiny.quants["Q4_K_M"]), "--port", port, "--keep-chats-memory", "plenty")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--keep-chats-memory takes 'auto', 'off'" in lines[0]
+
+
 def test_serve_keeps_the_idle_conversation_when_stopped_by_sigint(tiny, tmp_path) -> None:
     import signal
     import socket
@@ -432,6 +444,9 @@ def test_serve_keeps_the_idle_conversation_when_stopped_by_sigint(tiny, tmp_path
                 assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
                 time.sleep(0.3)
         assert not list(kept.rglob("*.val"))  # nothing overwrote the conversation yet
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?format=json", timeout=30) as r:
+            in_ram = json.load(r)["kept_chats_memory"]  # --keep-chats-memory auto, the default
+        assert in_ram["cap_bytes"] > 0 and in_ram["saved"] == 0
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

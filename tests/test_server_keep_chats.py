@@ -94,3 +94,63 @@ def test_a_bad_keep_chats_folder_or_size_is_refused(tiny, tmp_path: Path) -> Non
             server.build_app(model, api_key="", keep_chats=tmp_path / "file")
         with pytest.raises(ConfigError, match="at least"):
             server.build_app(model, api_key="", keep_chats=tmp_path / "ok", keep_chats_bytes=100)
+
+
+def memory_metrics(srv: Running) -> dict[str, float]:
+    text = requests.get(srv.url + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    events = {s.labels["event"]: s.value for s in families["gguf_mcv_kept_chats_memory"].samples
+              if s.name.endswith("_total")}
+    return {**events, "bytes": families["gguf_mcv_kept_chats_memory_bytes"].samples[0].value,
+            "cap": families["gguf_mcv_kept_chats_memory_cap_bytes"].samples[0].value}
+
+
+def test_an_evicted_conversation_comes_back_from_ram_and_metrics_count_it(tiny) -> None:
+    evicted = first_turn(22)
+    with load(tiny, parallel=2) as model:
+        srv = Running(server.build_app(model, api_key="", keep_chats_memory=2**26))
+        try:
+            first = srv.chat(evicted)
+            for i in range(3):  # more conversations than slots
+                srv.chat([{"role": "user", "content": f"Client {i}: " + "tell me more " * 30}], max_tokens=3)
+            encoder_calls = model.engine.encoder_calls
+            back = srv.chat(follow_up(evicted, first["choices"][0]["message"]["content"]), max_tokens=3)
+            assert evaluated(back) <= new_turn(first, back)
+            assert model.engine.encoder_calls == encoder_calls
+            kept = memory_metrics(srv)
+            assert kept["restored"] == 1 and kept["saved"] >= 1 and 0 < kept["bytes"] <= kept["cap"] == 2**26
+            json_view = requests.get(srv.url + "/metrics?format=json", timeout=60).json()
+            assert json_view["kept_chats_memory"]["restored"] == 1
+            assert "gguf_mcv_kept_chats" not in {f.name for f in text_string_to_metric_families(
+                requests.get(srv.url + "/metrics", timeout=60).text)}  # no folder: no disk families
+        finally:
+            srv.stop()
+
+
+@pytest.mark.parametrize(("available_mib", "cap_mib"), [(4096, 1024), (32, None), (65536, 2048)])
+def test_auto_takes_a_quarter_of_the_free_ram_within_bounds(tiny, tmp_path: Path, monkeypatch,
+                                                            available_mib, cap_mib) -> None:
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text(f"MemTotal: {2 * available_mib * 1024} kB\n"
+                                               f"MemAvailable: {available_mib * 1024} kB\n")
+    with load(tiny, parallel=1) as model:
+        monkeypatch.setenv("GGUF_MCV_HW_ROOT", str(tmp_path))  # after loading: the board only as the app sees it
+        server.build_app(model, api_key="", keep_chats_memory="auto")
+        store = model.kept_in_memory
+        assert (store.max_bytes if store is not None else None) == (cap_mib and cap_mib * 2**20)
+
+
+def test_a_model_serving_in_two_apps_keeps_one_ram_store(tiny) -> None:
+    with load(tiny, parallel=1) as model:
+        server.build_app(model, api_key="", keep_chats_memory=2**24)
+        store = model.kept_in_memory
+        server.build_app(model, api_key="", keep_chats_memory="auto")
+        assert model.kept_in_memory is store and store is not None and store.max_bytes == 2**24
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, 1.5, True])
+def test_a_bad_ram_cap_is_refused_before_anything_is_kept(tiny, bad) -> None:
+    with load(tiny, parallel=1) as model:
+        with pytest.raises(ConfigError, match="'auto' or 'off'"):
+            server.build_app(model, api_key="", keep_chats_memory=bad)
+        assert model.kept_in_memory is None

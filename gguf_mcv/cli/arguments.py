@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep idle conversations' KV state in DIR (when another one takes their place, and "
                         "when the server stops), so their next request, even after a restart, is not evaluated again")
     p.add_argument("--keep-chats-size", default="4GiB", help="size cap of --keep-chats, e.g. 10GB (default 4GiB)")
+    p.add_argument("--keep-chats-memory", default="auto", metavar="auto|off|SIZE",
+                   help="keep idle conversations' KV state in RAM too, up to SIZE (e.g. 512MiB), so a conversation "
+                        "whose slot another one took is not evaluated again (default auto: a quarter of the RAM "
+                        "free once the model is loaded, at most 2GiB)")
     p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                    help="also answer requests for this host name (repeatable; *.example.com patterns; "
                         "* for any). Default: local names only on a loopback --host, any name otherwise")

@@ -17,10 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..errors import ConfigError
+from ..hardware import available_ram
 from ..model import Model
 from ..prompt.messages import MediaPolicy
 from ..runtime.kv_store import DEFAULT_MAX_BYTES as DEFAULT_KEEP_CHATS_BYTES
 from ..runtime.kv_store import KVStore
+from ..runtime.memory_store import MemoryKVStore, resolve_cap
 from . import health, ollama_api, openai_api, page
 from .bodies import authorize
 from .gate import Gate
@@ -59,6 +61,7 @@ def build_app(
     truncate: bool = False,
     keep_chats: str | os.PathLike | None = None,
     keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
+    keep_chats_memory: int | str | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
@@ -74,7 +77,11 @@ def build_app(
     without it such a request is refused with a 400. With ``keep_chats`` (a folder, capped at
     ``keep_chats_bytes``) a conversation's KV state is kept there when another one is about to
     overwrite it, and when the server stops, and restored when its next request comes (see
-    :meth:`gguf_mcv.Model.keep_chats`).
+    :meth:`gguf_mcv.Model.keep_chats`). With ``keep_chats_memory`` (bytes, or ``"auto"``: a
+    quarter of the RAM free once the model is loaded, at most 2 GiB) such states are kept in
+    RAM too, and looked for there first (:meth:`gguf_mcv.Model.keep_chats_in_memory`; a model
+    that already has a store in RAM keeps it). Off here by default; :func:`serve` and
+    ``gguf-mcv serve`` default to ``"auto"``.
 
     A request body must be JSON (else 415) and must have arrived within ``body_timeout_s``
     (else 408); a body still arriving holds no place in the queue, and the bodies being
@@ -90,13 +97,17 @@ def build_app(
     if max_queue < 0 or max_body_bytes < 1 or not body_timeout_s > 0:
         raise ConfigError("max_queue must be >= 0, max_body_bytes >= 1 and body_timeout_s > 0.")
     hosts, origins = check_allowed(allowed_hosts or (), allowed_origins)
+    memory_bytes = resolve_cap(keep_chats_memory, available_ram)
     store = model.keep_chats(keep_chats, max_bytes=keep_chats_bytes) if keep_chats is not None else None
+    in_memory = model.kept_in_memory
+    if in_memory is None:
+        in_memory = _keep_in_memory(model, memory_bytes, keep_chats_memory)
     key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
     served, names = model_names(model, model_name)
     state = State(
         model=model, name=served, names=names, api_key=key or None, max_body_bytes=max_body_bytes,
         policy=MediaPolicy(allow_files=allow_local_files, allow_remote=False),
-        allow_remote=allow_remote_media, metrics=Metrics(), truncate=truncate, kept=store,
+        allow_remote=allow_remote_media, metrics=Metrics(), truncate=truncate, kept=store, kept_in_memory=in_memory,
         gate=Gate(max_queue, capacity=model.info.parallel,
                   body_budget=(max_queue + model.info.parallel) * max_body_bytes),
         body_timeout_s=body_timeout_s,
@@ -118,6 +129,17 @@ def build_app(
     app.add_middleware(AnswerWhenStopping)
     app.add_middleware(CountRequests, metrics=state.metrics)  # the outermost: refusals are counted too
     return app
+
+
+def _keep_in_memory(model: Model, cap: int, asked: int | str | None) -> MemoryKVStore | None:
+    """The RAM store of ``cap`` bytes for ``model`` (None for 0), the choice logged."""
+    if cap:
+        log.info("Keeping up to %.0f MiB of idle conversations' KV states in RAM (keep_chats_memory=%s).",
+                 cap / 2**20, asked)
+        return model.keep_chats_in_memory(cap)
+    if asked == "auto":
+        log.info("Not keeping idle conversations in RAM: too little is free for keep_chats_memory='auto'.")
+    return None
 
 
 def _keeping(model: Model, store: KVStore | None):
@@ -146,12 +168,14 @@ def serve(
     truncate: bool = False,
     keep_chats: str | os.PathLike | None = None,
     keep_chats_bytes: int = DEFAULT_KEEP_CHATS_BYTES,
+    keep_chats_memory: int | str | None = "auto",
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     log_level: str = "info",
 ) -> None:
-    """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`).
+    """Serve ``model`` with uvicorn until interrupted (options as in :func:`build_app`, but
+    ``keep_chats_memory`` is ``"auto"`` unless told otherwise).
 
     Bound to a loopback address the server answers local names only (see
     :func:`build_app`); bound to another address (``0.0.0.0``: every one) it is for the
@@ -169,8 +193,8 @@ def serve(
     app = build_app(model, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_queue=max_queue, allow_local_files=allow_local_files,
                     allow_remote_media=allow_remote_media, truncate=truncate, keep_chats=keep_chats,
-                    keep_chats_bytes=keep_chats_bytes, body_timeout_s=body_timeout_s,
-                    allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
+                    keep_chats_bytes=keep_chats_bytes, keep_chats_memory=keep_chats_memory,
+                    body_timeout_s=body_timeout_s, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     return_large_buffers_to_os()
     if app.state.gguf.api_key is None and not is_loopback(host):
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "

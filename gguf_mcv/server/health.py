@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ..runtime import native_check
+from ..runtime.memory_store import EVENTS
 from . import prometheus
 from .bodies import authorize
 from .http_errors import HTTPError, error_responses
@@ -41,6 +42,10 @@ async def metrics(request: Request, format: Annotated[str | None, Query(
         snapshot["worker_restarts"] = state.worker.restarts
         if state.kept is not None:
             snapshot["kept_chats"] = dict(state.kept.counts)
+        if state.kept_in_memory is not None:
+            memory = state.kept_in_memory
+            snapshot["kept_chats_memory"] = {**{event: memory.counts[event] for event in EVENTS},
+                                             "bytes": memory.usage(), "cap_bytes": memory.max_bytes}
         return JSONResponse(snapshot)
     assert state.registry is not None
     return Response(prometheus.exposition(state.registry), media_type=prometheus.CONTENT_TYPE)

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..errors import ModelClosedError
+from ..runtime.memory_store import EVENTS
 
 if TYPE_CHECKING:
     from .state import State
@@ -80,6 +81,7 @@ class ServerCollector(Collector):
                                   "started again (gguf-mcv serve).", value=self.state.worker.restarts)
         yield from self._embedding_cache()
         yield from self._kept_chats()
+        yield from self._kept_in_memory()
 
     def _kept_chats(self) -> Iterator[Metric]:
         store = self.state.kept
@@ -94,6 +96,21 @@ class ServerCollector(Collector):
         yield events
         yield GaugeMetricFamily("gguf_mcv_kept_chats_disk_bytes", "Bytes the kept conversations take on disk.",
                                 value=store.disk_usage())
+
+    def _kept_in_memory(self) -> Iterator[Metric]:
+        store = self.state.kept_in_memory
+        if store is None:
+            return
+        events = CounterMetricFamily("gguf_mcv_kept_chats_memory", "Idle conversations' KV states in RAM: saved, "
+                                     "restored, evicted (to make room), refused by llama.cpp, too_big for the cap.",
+                                     labels=["event"])
+        for event in EVENTS:
+            events.add_metric([event], store.counts[event])
+        yield events
+        yield GaugeMetricFamily("gguf_mcv_kept_chats_memory_bytes", "Bytes the kept conversations take in RAM.",
+                                value=store.usage())
+        yield GaugeMetricFamily("gguf_mcv_kept_chats_memory_cap_bytes", "The cap of the kept conversations in RAM.",
+                                value=store.max_bytes)
 
     def _embedding_cache(self) -> Iterator[Metric]:
         try:

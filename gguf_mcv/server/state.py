@@ -15,6 +15,7 @@ from ..prompt.tool_calls import toolbox
 from ..reply import Reply
 from ..runtime.generation import Stream
 from ..runtime.kv_store import KVStore
+from ..runtime.memory_store import MemoryKVStore
 from .gate import Gate
 from .http_errors import HTTPError
 from .metrics import Metrics
@@ -56,6 +57,7 @@ class State:
     truncate: bool = False
     registry: CollectorRegistry | None = None  #: this app's Prometheus registry (see ``prometheus``)
     kept: KVStore | None = None  #: where idle conversations' KV states go (``keep_chats``)
+    kept_in_memory: MemoryKVStore | None = None  #: and in RAM (``keep_chats_memory``)
     body_timeout_s: float = 60.0  #: a request body must have arrived within this long (else 408)
     worker: WorkerInfo = field(default_factory=WorkerInfo)  #: restarts of a supervised server's worker
 
