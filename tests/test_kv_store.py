@@ -289,7 +289,9 @@ def test_concurrent_writers_and_a_killed_one_leave_only_whole_entries(tmp_path) 
     for units in [list(e.units) for e in store._index.values()]:
         assert store.find(units + [7], better_than=len(units) - 1, partial=True) is not None
     assert store.counts["damaged"] == 0
-    assert store.disk_usage() <= 8 * 2**20 + 2_000_000  # the cap, give or take the entry being added
+    # the cap, give or take the entry each process was adding (each culls after its own write, and
+    # the four wrote at once) and the index's pages: once over it by 2.85 MB, more than one entry
+    assert store.disk_usage() <= 8 * 2**20 + 2_000_000 + 3 * 300_000 + 2**19
     store.close()
 
 

@@ -940,6 +940,8 @@ def test_names_a_catalog_model_answers_to(tmp_path) -> None:
 class _Scripted:
     """A stand-in Model whose answers follow the question: "late" fails after a piece, "crash" at once."""
 
+    kept_in_memory = None  # build_app looks whether a RAM store is attached (none is asked for here)
+
     def __init__(self, info: Any) -> None:
         self.info = info
 
