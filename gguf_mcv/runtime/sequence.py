@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence, Union
 
 from .. import llama_log
 from ..errors import ContextOverflowError, EngineError
+from .kv_streams import HEADER, StreamLayout
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,11 @@ class SequenceCache:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.seq = seq
         self.recurrent = recurrent
+        model = llama_cpp.llama_get_model(ctx)
+        # each sequence has a KV stream of its own (loader._with_sequences): stream = sequence
+        self._streams = StreamLayout(int(llama_cpp.llama_n_seq_max(ctx)),
+                                     has_attention=not llama_cpp.llama_model_is_recurrent(model))
+        self._hybrid = bool(llama_cpp.llama_model_is_hybrid(model))
         #: whether a stretch can be removed from the middle and what follows shifted back
         self.can_shift = not recurrent and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.units: list[Unit] = []
@@ -226,11 +232,13 @@ class SequenceCache:
         self._changed(first_unit, first_pos)
 
     def copy_from(self, other: "SequenceCache", n_units: int) -> int:
-        """Make this sequence hold ``other``'s first ``n_units`` units (``llama_memory_seq_cp``:
-        in a unified KV cache the cells are shared, not evaluated again); the positions copied."""
+        """Make this sequence hold ``other``'s first ``n_units`` units (``llama_memory_seq_cp``,
+        not evaluated again); the positions copied. The whole sequence is copied, then cut: across
+        KV streams llama.cpp copies only whole sequences (a part is an abort)."""
         pos = n_positions(other.units[:n_units])
         self._lc.llama_memory_seq_rm(self._mem, self.seq, 0, -1)
-        self._lc.llama_memory_seq_cp(self._mem, other.seq, self.seq, 0, pos)
+        self._lc.llama_memory_seq_cp(self._mem, other.seq, self.seq, -1, -1)
+        self._lc.llama_memory_seq_rm(self._mem, self.seq, pos, -1)
         self.units, self.n_past, self.checkpoints = list(other.units[:n_units]), pos, []
         self._changed(0, 0)
         return pos
@@ -318,7 +326,10 @@ class SequenceCache:
         data = copy_seq_state(self._lc, self._ctx, self.seq)
         if data is None:
             raise EngineError("llama.cpp could not copy the KV cache's state.")
-        return KVState(list(self.units), bytes(data),
+        tail = (int(self._lc.llama_state_seq_get_size_ext(self._ctx, self.seq,
+                                                          self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) - HEADER
+                if self._hybrid else 0)  # the recurrent part, after the attention part
+        return KVState(list(self.units), self._streams.portable(bytes(data), self.seq, tail),
                        [(c.n_units, c.n_pos, bytes(c.data)) for c in self.checkpoints])
 
     def restore(self, state: KVState, n_ctx: int) -> None:
@@ -335,10 +346,11 @@ class SequenceCache:
             raise ContextOverflowError(f"The saved state holds {n_pos} positions but n_ctx is {n_ctx}: "
                                        "load the model with a larger n_ctx.")
         checkpoints = checkpoints_of(state)
+        data = self._streams.native(state.data)
         self.clear()
         lc = self._lc
         llama_log.clear_recent()
-        if (not set_seq_state(lc, self._ctx, self.seq, state.data)
+        if (not set_seq_state(lc, self._ctx, self.seq, data)
                 or int(lc.llama_memory_seq_pos_max(self._mem, self.seq)) != n_pos - 1):
             lc.llama_memory_seq_rm(self._mem, self.seq, 0, -1)
             raise EngineError("llama.cpp did not accept the saved KV state "

@@ -12,8 +12,8 @@ as long as the last slice took (:data:`VISION_SHARE`).
 Each slot remembers what its sequence holds, as the engine does for sequence 0: a
 follow-up goes to the free slot holding the longest prefix of its prompt; when a busy
 slot holds a longer one (a shared system prompt, an image another conversation asked
-about), that prefix is copied into the chosen slot (``llama_memory_seq_cp``: in the
-unified KV cache the cells are shared, not evaluated or copied again).
+about), that prefix is copied into the chosen slot (``llama_memory_seq_cp``: each slot has a
+KV stream of its own, so it is a copy of the buffer, not an evaluation).
 
 A prompt that dropped its oldest turns (``Job.shift``) has the dropped stretch removed from
 its slot's sequence and the rest shifted back, as the engine does for sequence 0. With a
