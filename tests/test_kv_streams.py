@@ -39,7 +39,9 @@ def read(data: bytes, cells_len: int) -> tuple[int, bytes, bytes]:
     return n, found, data[at:]
 
 
-cells = st.builds(lambda count, body: U32.pack(count) + body, st.integers(1, 2**32 - 1), st.binary(max_size=64))
+# a stream's entry: a cell count, then its cells (never a count without them)
+cells = st.builds(lambda count, body: U32.pack(count) + body, st.integers(1, 2**32 - 1),
+                  st.binary(min_size=1, max_size=64))
 
 
 @given(n=st.integers(1, 8), m=st.integers(1, 8), data=st.data(), entry=st.one_of(st.just(b""), cells),
