@@ -295,25 +295,35 @@ def test_concurrent_writers_and_a_killed_one_leave_only_whole_entries(tmp_path) 
     store.close()
 
 
-def test_threads_keeping_and_finding_at_once(tmp_path) -> None:
-    store = kv_store.KVStore(tmp_path, _fake_identity(), n_vocab=1000, n_ctx=N_CTX, min_positions=8)
+def in_threads(work, n: int = 4) -> list[BaseException]:
+    """Run ``work(seed)`` for seeds 0..n-1 on threads at once; what they raised."""
     errors: list[BaseException] = []
 
-    def work(seed: int) -> None:
+    def guarded(seed: int) -> None:
         try:
-            rng = np.random.default_rng(seed)
-            for i in range(10):
-                units = [seed, i] + list(range(20))
-                store.keep(KVState(units, rng.bytes(1000)))
-                store.find(units + [1], better_than=0, partial=True)
+            work(seed)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    threads = [threading.Thread(target=guarded, args=(s,)) for s in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    return errors
+
+
+def test_threads_keeping_and_finding_at_once(tmp_path) -> None:
+    store = kv_store.KVStore(tmp_path, _fake_identity(), n_vocab=1000, n_ctx=N_CTX, min_positions=8)
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for i in range(10):
+            units = [seed, i] + list(range(20))
+            store.keep(KVState(units, rng.bytes(1000)))
+            store.find(units + [1], better_than=0, partial=True)
+
+    errors = in_threads(work)
     assert store.flush(30)
     assert not errors
     assert store.counts["saved"] + store.counts["dropped"] == 40 and store.counts["damaged"] == 0

@@ -5,12 +5,10 @@ front of the disk's; bad caps, huge, refused and concurrent states never break a
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kv_store import GREEDY, evaluated, first_turn, follow_up, kept_state, load, new_turn, others
+from test_kv_store import GREEDY, evaluated, first_turn, follow_up, in_threads, kept_state, load, new_turn, others
 
 from gguf_mcv.errors import ConfigError
 from gguf_mcv.runtime.memory_store import AUTO_CAP, AUTO_MIN, MemoryKVStore, Tiers, auto_size, resolve_cap, state_bytes
@@ -150,24 +148,15 @@ def test_any_sequence_of_states_keeps_the_cap_and_finds_the_best(cap, min_positi
 
 def test_threads_keeping_and_finding_at_once() -> None:
     store = MemoryKVStore(64 * 1000, min_positions=8)
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
-        try:
-            for i in range(200):
-                units = [seed, i] + list(range(20))
-                store.keep(KVState(units, bytes([seed]) * 1000))
-                found = store.find(units + [1], better_than=0, partial=True)
-                assert found is None or found.data[:1] == bytes([found.units[0]])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for i in range(200):
+            units = [seed, i] + list(range(20))
+            store.keep(KVState(units, bytes([seed]) * 1000))
+            found = store.find(units + [1], better_than=0, partial=True)
+            assert found is None or found.data[:1] == bytes([found.units[0]])
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
+    assert not in_threads(work)
     assert store.counts["saved"] == 800 and store.usage() <= 64 * 1000 and store.entries() == 64
 
 

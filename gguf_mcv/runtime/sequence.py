@@ -328,7 +328,7 @@ class SequenceCache:
             raise EngineError("llama.cpp could not copy the KV cache's state.")
         tail = (int(self._lc.llama_state_seq_get_size_ext(self._ctx, self.seq,
                                                           self._lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) - HEADER
-                if self._hybrid else 0)  # the recurrent part, after the attention part
+                if self._hybrid and self._streams.n_stream > 1 else 0)  # a hybrid's recurrent part
         return KVState(list(self.units), self._streams.portable(bytes(data), self.seq, tail),
                        [(c.n_units, c.n_pos, bytes(c.data)) for c in self.checkpoints])
 
