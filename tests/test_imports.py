@@ -218,3 +218,18 @@ def test_the_public_names_are_exported_and_every_error_is_one() -> None:
             and issubclass(cls, errors.GgufMcvError) and cls.__module__ == errors.__name__]
     assert [n for n in ours if n not in gguf_mcv.__all__] == []  # an error a user may catch is importable
     assert gguf_mcv.batch.run is not None and gguf_mcv.watch is not None  # both job kinds, by module or function
+
+
+def test_one_module_of_the_package_does_not_import_the_rest_and_watch_stays_the_function() -> None:
+    """What the package's own children rely on: importing the native check does not load the
+    answering stack (``gguf_mcv/__init__`` is lazy); importing the ``gguf_mcv.watch``
+    subpackage first does not hide the ``gguf_mcv.watch`` function."""
+    child = ("import sys, inspect\n"
+             "import gguf_mcv.runtime.native_check\n"
+             "print(sorted(m for m in ('gguf_mcv.chat', 'gguf_mcv.model', 'gguf_mcv.loader') if m in sys.modules))\n"
+             "import gguf_mcv.watch.sources, gguf_mcv\n"
+             "print(inspect.isfunction(gguf_mcv.watch), gguf_mcv.watch is gguf_mcv.watch)\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[]", "True True"], out.stdout
