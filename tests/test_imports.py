@@ -228,7 +228,7 @@ def test_one_module_of_the_package_does_not_import_the_rest_and_watch_stays_the_
              "import gguf_mcv.runtime.native_check\n"
              "print(sorted(m for m in ('gguf_mcv.chat', 'gguf_mcv.model', 'gguf_mcv.loader') if m in sys.modules))\n"
              "import gguf_mcv.watch.sources, gguf_mcv\n"
-             "print(inspect.isfunction(gguf_mcv.watch), gguf_mcv.watch is gguf_mcv.watch)\n")
+             "print(inspect.isfunction(gguf_mcv.watch), gguf_mcv.watch is sys.modules['gguf_mcv.watch.observe'].watch)\n")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-2000:]
