@@ -365,6 +365,7 @@ def ping(process: Process, timeout: float) -> bool | None:
     uvicorn's own ``Process.ping`` waits only on the pipe, whose worker end the supervisor holds
     too: a worker that exits while pinged (one whose files changed) would read as hung for the
     whole timeout. Waiting on the process's sentinel as well tells the two apart at once."""
+    deadline = time.monotonic() + timeout
     try:
         process.parent_conn.send(b"ping")
         ready = wait([process.parent_conn, process.process.sentinel], timeout)
@@ -373,6 +374,12 @@ def ping(process: Process, timeout: float) -> bool | None:
             return True
     except (OSError, EOFError, pickle.UnpicklingError):
         pass
+    # the sentinel closes as the worker exits, a moment before the exit can be reaped: a busy
+    # machine would read that moment as silence
+    while process.process.exitcode is None and time.monotonic() < deadline:
+        if not wait([process.process.sentinel], 0):
+            return None
+        time.sleep(0.01)
     return False if process.process.exitcode is not None else None
 
 
