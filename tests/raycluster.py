@@ -1,7 +1,9 @@
 """A real local Ray cluster for tests: a head node and one worker node, one CPU each.
 
-``start(request, prefix)`` starts it with Ray's own CLI and stops it (``ray stop --force``) when
-the requesting fixture ends; (its address, the environment its child processes need).
+``start(request, prefix)`` starts it with Ray's own CLI and stops it when the requesting fixture
+ends; (its address, the environment its child processes need). Only this cluster's processes are
+stopped (``ray stop`` would stop every Ray cluster on the machine, a user's own or another test
+run's): those whose command line names its temporary folder or its address, and their children.
 ``extra_env`` is added to both nodes' environment (their workers inherit it), ``worker_env`` to the
 worker node's only (e.g. ``GGUF_MCV_HW_ROOT``: a smaller board than the head). Where a
 node cannot start, ``skip_why`` makes the test skip with Ray's output, otherwise it fails.
@@ -17,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +30,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_cluster(temp: str, address: str) -> None:
+    """Stop the processes of the cluster whose temporary folder is ``temp`` and whose head is at
+    ``address`` (its port): SIGTERM, then SIGKILL for those still running after 15 s."""
+    port = address.rsplit(":", 1)[1]
+    mine: dict[int, psutil.Process] = {}
+    def names_it(word: str) -> bool:  # Ray's client server names the head by another of its IPs
+        return temp + "/" in word or word.endswith("=" + temp) or (word.startswith("--address=")
+                                                                   and word.endswith(":" + port))
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid != os.getpid() and any(map(names_it, proc.info["cmdline"] or [])):
+            mine[proc.pid] = proc
+    for proc in list(mine.values()):
+        try:
+            mine.update((child.pid, child) for child in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for proc in mine.values():
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(mine.values()), timeout=15)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=15)
 
 
 def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None = None,
@@ -40,7 +74,7 @@ def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None =
     def stop() -> None:
         if "ray" in sys.modules:  # a driver this process connected
             sys.modules["ray"].shutdown()
-        subprocess.run([*RAY_CLI, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp, address)
         shutil.rmtree(temp, ignore_errors=True)
 
     request.addfinalizer(stop)
