@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,6 +11,11 @@ from pathlib import Path
 
 import pytest
 from hubserver import HubServer  # tests/ is on sys.path (pytest imports this rootdir conftest)
+
+# llama.cpp's wheel threads with OpenMP, whose threads spin at a barrier by default: two test
+# workers, each with a two-thread model, on two cores spend most of their time spinning. Set
+# before llama.cpp is first loaded; every test's child process inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # --- local Hub stand-in ---
 # `hub` gives each test an empty Hub (tests/hubserver.py) that the real huggingface_hub
@@ -227,6 +233,7 @@ def probe_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 _SHARED_WORKER = {"test_batch_ray.py": "ray", "test_fleet_ray.py": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return

@@ -61,11 +61,15 @@ def cluster(request: pytest.FixtureRequest, hub_server, tmp_path_factory: pytest
     return Cluster(address, env, board)
 
 
+#: A request whose answer takes the tiny model ~15 s on one thread, unless stopped
+LONG_STORY = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 7000}
+
+
 def _serve(request: pytest.FixtureRequest, cluster: Cluster, model: list[str],
-           port: int | None = None) -> tuple[str, subprocess.Popen]:
+           port: int | None = None, ctx: int = 2048) -> tuple[str, subprocess.Popen]:
     """``gguf-mcv serve MODEL --ray`` with two replicas, once it says it serves; (its URL, the process)."""
     port = port or free_port()
-    server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", *model, "--ctx", "2048", "--threads", "1",
+    server = subprocess.Popen([sys.executable, "-m", "gguf_mcv", "serve", *model, "--ctx", str(ctx), "--threads", "1",
                                "--ray", cluster.address, "--replicas", "2", "--port", str(port), "--api-key", ""],
                               env=cluster.env, stderr=subprocess.PIPE, text=True)
     request.addfinalizer(server.kill)
@@ -88,8 +92,10 @@ def _serve(request: pytest.FixtureRequest, cluster: Cluster, model: list[str],
 
 @pytest.fixture(scope="module")
 def fleet_server(request: pytest.FixtureRequest, cluster: Cluster, tiny) -> tuple[str, subprocess.Popen]:
-    """The fleet of the tiny model's local files deployed on the cluster: (its base URL, its process)."""
-    return _serve(request, cluster, [str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj)])
+    """The fleet of the tiny model's local files deployed on the cluster: (its base URL, its process).
+    Its context fits a :data:`LONG_STORY`: a busy machine must not finish the story before a hang-up
+    or a kill mid-stream reaches the replica (1,500 tokens took the tiny model only ~3 s)."""
+    return _serve(request, cluster, [str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj)], ctx=8192)
 
 
 @pytest.fixture
@@ -232,7 +238,7 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> N
     import requests
 
     before = _settled_answers(fleet)
-    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
+    body = {**LONG_STORY, "stream": True}
     with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
         next(line for line in streamed.iter_lines() if line.startswith(b"data: "))
     while (now := _answers(fleet))["cancelled"] == before["cancelled"] and now["completed"] == before["completed"]:
@@ -244,7 +250,7 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_resta
     import requests
 
     pids = {r["replica"]: r["pid"] for r in requests.get(fleet + "/health", timeout=60).json()["replicas"]}
-    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500, "stream": True}
+    body = {**LONG_STORY, "stream": True}
     with requests.post(fleet + "/v1/chat/completions", json=body, stream=True, timeout=300) as streamed:
         assert streamed.status_code == 200
         lines = streamed.iter_lines()
