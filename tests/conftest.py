@@ -225,19 +225,3 @@ def probe_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             monkeypatch.setattr(module, "probe", counted)
     return calls
 
-
-# --- running on several cores (pytest-xdist, ``-n``) ---
-# Tests are spread one by one, except where they must share a worker: the files named in
-# _SHARED_WORKER run in order on one worker, the Ray files together (each starts its own
-# two-node cluster with one CPU per node; two clusters at once on a 2-core machine starve both).
-_SHARED_WORKER = {"test_batch_ray.py": "ray", "test_fleet_ray.py": "ray"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = _SHARED_WORKER.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))

@@ -80,10 +80,12 @@ def start(request: pytest.FixtureRequest, prefix: str, *, skip_why: str | None =
     request.addfinalizer(stop)
     address = f"127.0.0.1:{free_port()}"
     node = ["--num-cpus=1", f"--temp-dir={temp}", "--object-store-memory=80000000", "--disable-usage-stats"]
-    for args, extra in ((["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1",
-                           "--include-dashboard=false"], {}),
-                        ([f"--address={address}", "--node-ip-address=127.0.0.1"], worker_env or {})):
-        started = subprocess.run([*RAY_CLI, "start", *args, *node], env={**env, **extra}, capture_output=True,
+    # every port of its own: another test run's cluster may be up beside it (Ray's defaults are fixed)
+    head = ["--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}"]
+    for args, extra in ((head, {}), ([f"--address={address}", "--node-ip-address=127.0.0.1"], worker_env or {})):
+        started = subprocess.run([*RAY_CLI, "start", *args, *node, f"--dashboard-agent-listen-port={free_port()}"],
+                                 env={**env, **extra}, capture_output=True,
                                  text=True, timeout=180)
         if started.returncode != 0 and skip_why is not None:
             pytest.skip(skip_why + (started.stdout + started.stderr)[-800:])
