@@ -635,4 +635,6 @@ def test_watch_stops_cleanly_on_ctrl_c_and_keeps_its_lines(tiny, tmp_path: Path)
                 proc.kill()
     assert proc.returncode == 130 and "stopped after" in stderr and "Traceback" not in stderr
     printed = [json.loads(line) for line in (first + rest).splitlines()]
-    assert printed and [json.loads(line) for line in out.read_text().splitlines()] == printed
+    kept = [json.loads(line) for line in out.read_text().splitlines()]  # each line parses: every line whole
+    # each line goes to the file before it is printed: a Ctrl-C between the two leaves the file one ahead
+    assert printed and kept[:len(printed)] == printed and len(kept) - len(printed) in (0, 1), (kept, printed)
