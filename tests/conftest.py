@@ -13,8 +13,8 @@ import pytest
 from hubserver import HubServer  # tests/ is on sys.path (pytest imports this rootdir conftest)
 
 # llama.cpp's wheel threads with OpenMP, whose threads spin at a barrier by default: two test
-# workers, each with a two-thread model, on two cores spend most of their time spinning. Set
-# before llama.cpp is first loaded; every test's child process inherits it.
+# workers, each with a two-thread model, share two cores, and a spinning thread holds a core the
+# other worker's threads wait for. Set before llama.cpp is first loaded; children inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # --- local Hub stand-in ---
@@ -224,4 +224,3 @@ def probe_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         if (name == "gguf_mcv" or name.startswith("gguf_mcv.")) and getattr(module, "probe", None) is real:
             monkeypatch.setattr(module, "probe", counted)
     return calls
-
