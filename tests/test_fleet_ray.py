@@ -245,6 +245,23 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(fleet: str) -> N
         time.sleep(0.5)  # the replicas report every second
     assert now["cancelled"] == before["cancelled"] + 1 and now["completed"] == before["completed"]
 
+def test_a_second_fleet_on_the_same_cluster_is_refused_before_loading_and_the_first_keeps_serving(
+        cluster: Cluster, fleet: str, tiny) -> None:
+    """Deploying would replace the running fleet under its clients (Serve also keeps its first port)."""
+    def replicas() -> tuple:
+        health = requests_health(fleet)
+        return health["restarts"], [(r["replica"], r["pid"], r["quant"]) for r in health["replicas"]]
+
+    before = replicas()
+    done = subprocess.run([sys.executable, "-m", "gguf_mcv", "serve", str(tiny.quants["Q8_0"]), "--mmproj",
+                           str(tiny.mmproj), "--threads", "1", "--ray", cluster.address, "--replicas", "2",
+                           "--port", str(free_port()), "--api-key", ""],
+                          env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "A gguf-mcv fleet already runs on the Ray cluster" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert replicas() == before and len(before[1]) == 2  # the same replicas, untouched
+
+
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_is_restarted(fleet: str) -> None:
     """The last test of the local files' fleet: it kills a replica."""
     import requests

@@ -30,7 +30,8 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
 
     Every replica loads one quant: ``load_kwargs["quant"]``, else the best every node allows
     (:func:`fleet_quant`, before any replica starts). Returns once every replica has loaded its
-    model. :class:`ClusterError` when the cluster cannot be reached or the replicas cannot start
+    model. :class:`ClusterError` when the cluster cannot be reached, already runs a fleet (checked
+    before anything loads), or the replicas cannot start
     (:class:`~.quant.FleetQuantError` when no quant fits a node); :class:`ConfigError` for bad settings.
     """
     check_replicas(replicas)
@@ -52,6 +53,7 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
         ray.init(address=address, log_to_driver=False, configure_logging=False, ignore_reinit_error=True)
     except (ConnectionError, RuntimeError) as exc:
         raise ClusterError(f"Cannot reach the Ray cluster at {address}: {exc}") from None
+    _refuse_a_running_fleet(serve, address)
     load_kwargs, reason = fleet_quant(load_kwargs, num_cpus=load_kwargs.get("n_threads") or 1)
     _fresh_registry(ray)
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
@@ -65,6 +67,24 @@ def deploy(address: str, load_kwargs: dict[str, Any], *, replicas: int = 1, host
         log.warning("Serving on %s without an API key: anyone who can reach it can use the model. "
                     "Set %s or pass --api-key.", host, API_KEY_ENV)
     return f"http://{host}:{port}"
+
+
+#: The states of a Serve application that is still there to be replaced (a failed deploy is not)
+_LIVE = {"NOT_STARTED", "DEPLOYING", "RUNNING", "UNHEALTHY"}
+
+
+def _refuse_a_running_fleet(serve: Any, address: str) -> None:
+    """A cluster serves one fleet: :class:`ClusterError` when one is there already. Deploying
+    would replace it under its clients, and on the port its Serve first listened on."""
+    try:
+        running = serve.status().applications.get(APP_NAME)
+    except Exception as exc:  # noqa: BLE001 - Ray's own errors, many classes: the cluster's state is unknown
+        raise ClusterError(f"Cannot read Ray Serve's state on the cluster at {address}: {exc}") from None
+    if running is not None and str(getattr(running.status, "value", running.status)) in _LIVE:
+        raise ClusterError(
+            f"A gguf-mcv fleet already runs on the Ray cluster at {address} (Serve application {APP_NAME!r}, "
+            f"{getattr(running.status, 'value', running.status)}): stop it first (Ctrl-C its `gguf-mcv serve "
+            "--ray`; if that process is gone, Ray's `serve shutdown -y` stops Serve on the cluster).")
 
 
 def serve_on_ray(address: str, load_kwargs: dict[str, Any], **options: Any) -> None:
