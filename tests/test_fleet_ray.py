@@ -61,8 +61,9 @@ def cluster(request: pytest.FixtureRequest, hub_server, tmp_path_factory: pytest
     return Cluster(address, env, board)
 
 
-#: A request whose answer takes the tiny model ~15 s on one thread, unless stopped
-LONG_STORY = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 7000}
+#: A request whose answer takes the tiny model ~80 s on one thread, unless stopped (7,000 tokens
+#: took 4.4 s, and a busy machine's hang-up once reached the replica later than that)
+LONG_STORY = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 30000}
 
 
 def _serve(request: pytest.FixtureRequest, cluster: Cluster, model: list[str],
@@ -93,9 +94,9 @@ def _serve(request: pytest.FixtureRequest, cluster: Cluster, model: list[str],
 @pytest.fixture(scope="module")
 def fleet_server(request: pytest.FixtureRequest, cluster: Cluster, tiny) -> tuple[str, subprocess.Popen]:
     """The fleet of the tiny model's local files deployed on the cluster: (its base URL, its process).
-    Its context fits a :data:`LONG_STORY`: a busy machine must not finish the story before a hang-up
-    or a kill mid-stream reaches the replica (1,500 tokens took the tiny model only ~3 s)."""
-    return _serve(request, cluster, [str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj)], ctx=8192)
+    Its context (the tiny model's whole 32,768) fits a :data:`LONG_STORY`: a busy machine must not
+    finish the story before a hang-up or a kill mid-stream reaches the replica."""
+    return _serve(request, cluster, [str(tiny.quants["Q4_K_M"]), "--mmproj", str(tiny.mmproj)], ctx=32768)
 
 
 @pytest.fixture
