@@ -11,6 +11,7 @@ node cannot start, ``skip_why`` makes the test skip with Ray's output, otherwise
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -36,30 +37,23 @@ def stop_cluster(temp: str, address: str) -> None:
     """Stop the processes of the cluster whose temporary folder is ``temp`` and whose head is at
     ``address`` (its port): SIGTERM, then SIGKILL for those still running after 15 s."""
     port = address.rsplit(":", 1)[1]
-    mine: dict[int, psutil.Process] = {}
+
     def names_it(word: str) -> bool:  # Ray's client server names the head by another of its IPs
         return temp + "/" in word or word.endswith("=" + temp) or (word.startswith("--address=")
                                                                    and word.endswith(":" + port))
 
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid != os.getpid() and any(map(names_it, proc.info["cmdline"] or [])):
-            mine[proc.pid] = proc
+    mine = {proc.pid: proc for proc in psutil.process_iter(["cmdline"])
+            if proc.pid != os.getpid() and any(map(names_it, proc.info["cmdline"] or []))}
     for proc in list(mine.values()):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             mine.update((child.pid, child) for child in proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
     for proc in mine.values():
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(list(mine.values()), timeout=15)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=15)
 
 

@@ -80,10 +80,11 @@ def _refuse_a_running_fleet(serve: Any, address: str) -> None:
         running = serve.status().applications.get(APP_NAME)
     except Exception as exc:  # noqa: BLE001 - Ray's own errors, many classes: the cluster's state is unknown
         raise ClusterError(f"Cannot read Ray Serve's state on the cluster at {address}: {exc}") from None
-    if running is not None and str(getattr(running.status, "value", running.status)) in _LIVE:
+    status = None if running is None else str(getattr(running.status, "value", running.status))
+    if status in _LIVE:
         raise ClusterError(
             f"A gguf-mcv fleet already runs on the Ray cluster at {address} (Serve application {APP_NAME!r}, "
-            f"{getattr(running.status, 'value', running.status)}): stop it first (Ctrl-C its `gguf-mcv serve "
+            f"{status}): stop it first (Ctrl-C its `gguf-mcv serve "
             "--ray`; if that process is gone, Ray's `serve shutdown -y` stops Serve on the cluster).")
 
 
